@@ -1,0 +1,1 @@
+"""GRPO post-training on TorchRL: one module per concern (see README.md)."""

@@ -1,0 +1,1 @@
+"""Tasks: datasets and their reward functions."""
