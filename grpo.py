@@ -1,0 +1,31 @@
+"""Sync GRPO: collect, then optimize, then push weights (see README.md).
+
+    python grpo.py                                  # SmolLM2-135M on GSM8K (hub), vLLM engine
+    python grpo.py env=gsm_symbolic                 # the same, fully offline
+    python grpo.py model=tiny env=gsm_symbolic train.total_dialog_turns=32   # a smoke run in seconds
+"""
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from grpo_utils import build, exit_on_config_error
+
+CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
+
+
+@hydra.main(config_path=CONFIG_DIR, config_name="grpo_gsm8k", version_base="1.3")
+@exit_on_config_error
+def main(cfg: DictConfig) -> None:
+    from torchrl_grpo.loops import run_sync
+
+    parts = build(cfg, Path(HydraConfig.get().runtime.output_dir))
+    try:
+        run_sync(parts)
+    finally:
+        parts.engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""The composition root shared by grpo.py and grpo-async.py: config -> the objects a run needs.
+
+Each ``build_*`` turns one part of the config into one object; :func:`build` wires them into
+:class:`torchrl_grpo.loops.Parts`. Heavy imports (transformers, vLLM) happen here, after the config
+was validated, so that a bad key fails in a second with one line.
+"""
+from __future__ import annotations
+
+import functools
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from torchrl_grpo import checkpoint
+from torchrl_grpo.config import validate
+from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.loops import Parts
+from torchrl_grpo.objective import GRPOLoss
+from torchrl_grpo.placement import Placement, place, resolve_dtype
+from torchrl_grpo.tasks import build_task
+
+
+def exit_on_config_error(main):
+    """Print a ConfigError as one line on stderr and exit with code 2 (no traceback)."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+    return wrapper
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_policy(cfg: DictConfig, model_path: str, device: str, resume_from: Path | None):
+    """The trained policy: base weights (or a full checkpoint's), LoRA if enabled, dropout off (so that the
+    ratio is exactly 1 on fresh data), in eval mode outside optimisation."""
+    from torchrl_grpo.models import load_policy
+
+    lora = dict(cfg.train_model.lora) if cfg.train_model.lora.enabled else None
+    full_checkpoint = resume_from is not None and lora is None
+    policy = load_policy(
+        str(resume_from) if full_checkpoint else model_path,
+        dtype=resolve_dtype(cfg.train_model.torch_dtype, device),
+        device=device,
+        gradient_checkpointing=bool(cfg.train_model.gradient_checkpointing),
+        lora=lora,
+    )
+    if resume_from is not None and lora is not None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(policy, load_file(str(resume_from / "adapter_model.safetensors")))
+    for module in policy.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if cfg.model.compile:
+        policy.forward = torch.compile(policy.forward)
+    return policy.eval()
+
+
+def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy, tokenizer, seed: int):
+    """The rollout engine: vLLM on its device(s), or the transformers fallback sharing the trained policy."""
+    from torchrl_grpo import rollout
+
+    backend = cfg.inference_model.backend
+    if backend == "transformers":
+        return rollout.TransformersEngine(policy, tokenizer, seed=seed)
+    device = placement.inference[0]
+    dtype = resolve_dtype(cfg.inference_model.torch_dtype, device)
+    return rollout.make_engine(
+        backend, model_path, dtype=str(dtype).removeprefix("torch."), device=device,
+        gpu_memory_utilization=float(cfg.inference_model.gpu_memory_utilization),
+        max_model_len=int(cfg.inference_model.max_model_len), seed=seed,
+    )
+
+
+def build_optimizer(cfg: DictConfig, policy) -> torch.optim.Optimizer:
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt = cfg.optimizer
+    if opt.name == "SGD":
+        return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
+    cls = torch.optim.AdamW if opt.name == "AdamW" else torch.optim.Adam
+    return cls(params, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay)
+
+
+def build_loss(cfg: DictConfig, policy) -> GRPOLoss:
+    return GRPOLoss(
+        policy,
+        clip_epsilon_low=float(cfg.loss.clip_epsilon_low),
+        clip_epsilon_high=float(cfg.loss.clip_epsilon_high),
+        aggregation=cfg.loss.aggregation,
+        aggregation_constant=float(cfg.inference_model.max_tokens),
+        kl_to_ref_coeff=float(cfg.train.kl_to_ref_coeff) if cfg.train.kl_coef_in_loss else 0.0,
+        kl_to_inference_coeff=float(cfg.train.kl_to_inference_coeff),
+        kl_estimator=cfg.loss.kl_estimator,
+        entropy_coeff=float(cfg.train.entropy_coeff),
+        temperature=float(cfg.inference_model.temperature),
+    )
+
+
+def build(cfg: DictConfig, run_dir: Path) -> Parts:
+    """Everything a sync run needs, from a composed config."""
+    plan = validate(cfg)
+    needs_ref = float(cfg.train.kl_to_ref_coeff) > 0
+    placement = place(cfg, needs_ref)
+    seed_everything(int(cfg.train.seed))
+    resume_from = checkpoint.find_resume_point(cfg.train.resume, run_dir / cfg.logging.checkpoint_dir)
+    start_step = checkpoint.load_state(resume_from)["step"] if resume_from else 0
+    print(f"batch plan:\n{plan.table()}\nplacement: {placement.describe()}", flush=True)
+
+    task = build_task(cfg.env)
+    from torchrl_grpo.models import load_policy, load_tokenizer, merged_state_dict, resolve_model
+
+    model_path = resolve_model(str(cfg.model.name))
+    tokenizer = load_tokenizer(model_path)
+    policy = build_policy(cfg, model_path, placement.train[0], resume_from)
+    ref_policy = None
+    if needs_ref:
+        ref_device = placement.ref[0]
+        ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, ref_device),
+                                 device=ref_device, trainable=False)
+    engine = build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed) + start_step)
+
+    def push_weights():
+        if cfg.inference_model.backend != "transformers":  # the fallback engine shares the policy itself
+            engine.push_weights(merged_state_dict(policy))
+
+    if resume_from is not None:
+        push_weights()
+    return Parts(
+        cfg=cfg, plan=plan, run_dir=run_dir, task=task, tokenizer=tokenizer, policy=policy, ref_policy=ref_policy,
+        engine=engine, loss=build_loss(cfg, policy), optimizer=build_optimizer(cfg, policy),
+        train_device=torch.device(placement.train[0]),
+        ref_device=torch.device(placement.ref[0]) if needs_ref else None,
+        push_weights=push_weights, resume_from=resume_from,
+    )

@@ -1,0 +1,142 @@
+"""Validate the composed config and derive the batch arithmetic, once, with errors that name the keys.
+
+The batch vocabulary (see README.md):
+
+* a *step* collects ``env.num_envs`` prompts x ``env.repeats`` completions (= ``train.dialog_turns_per_batch``);
+* the step's completions are cut into micro-batches of ``train.optim_batch_size`` completions;
+* ``train.gradient_accumulation_steps`` micro-batches make one optimizer step;
+* ``train.epochs`` passes are made over each step's completions;
+* the run lasts ``train.total_dialog_turns`` completions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.objective import AGGREGATIONS, KL_ESTIMATORS, REWARD_SCALES
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    prompts_per_step: int
+    group_size: int
+    completions_per_step: int
+    micro_batch: int
+    micro_batches_per_epoch: int
+    accumulation: int
+    epochs: int
+    optimizer_steps_per_step: int
+    total_steps: int
+    max_tokens: int
+
+    def table(self) -> str:
+        rows = [
+            ("prompts per step", f"{self.prompts_per_step}", "env.num_envs"),
+            ("completions per prompt (G)", f"{self.group_size}", "env.repeats"),
+            ("completions per step", f"{self.completions_per_step}", "train.dialog_turns_per_batch"),
+            ("completions per micro-batch", f"{self.micro_batch}", "train.optim_batch_size"),
+            ("micro-batches per optimizer step", f"{self.accumulation}", "train.gradient_accumulation_steps"),
+            ("epochs over each step's data", f"{self.epochs}", "train.epochs"),
+            ("optimizer steps per step", f"{self.optimizer_steps_per_step}", "derived"),
+            ("max completion tokens per step",
+             f"{self.completions_per_step * self.max_tokens}", "x inference_model.max_tokens"),
+            ("total steps", f"{self.total_steps}", "train.total_dialog_turns / completions per step"),
+        ]
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"  {name:<{width}}  {value:>8}   ({key})" for name, value, key in rows)
+
+
+def _positive_int(cfg: DictConfig, key: str) -> int:
+    value = _get(cfg, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{key}={value!r}: must be a positive integer")
+    return value
+
+
+def _get(cfg: DictConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = node.get(part) if node is not None else None
+    return node
+
+
+def _choice(cfg: DictConfig, key: str, choices) -> str:
+    value = _get(cfg, key)
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(choices)}")
+    return value
+
+
+def batch_plan(cfg: DictConfig) -> BatchPlan:
+    """The batch arithmetic of ``cfg``; refuses combinations that do not divide, naming the keys."""
+    prompts = _positive_int(cfg, "env.num_envs")
+    group = _positive_int(cfg, "env.repeats")
+    per_step = prompts * group
+    declared = _get(cfg, "train.dialog_turns_per_batch")
+    if declared is not None and declared != per_step:
+        raise ConfigError(
+            f"train.dialog_turns_per_batch={declared} but env.num_envs x env.repeats = {prompts} x {group} = "
+            f"{per_step}: set train.dialog_turns_per_batch=null (derived) or {per_step}"
+        )
+    micro = _positive_int(cfg, "train.optim_batch_size")
+    if per_step % micro:
+        raise ConfigError(
+            f"train.optim_batch_size={micro} does not divide the {per_step} completions per step "
+            f"(env.num_envs x env.repeats): pick a divisor of {per_step}"
+        )
+    micro_batches = per_step // micro
+    accumulation = _positive_int(cfg, "train.gradient_accumulation_steps")
+    if micro_batches % accumulation:
+        raise ConfigError(
+            f"train.gradient_accumulation_steps={accumulation} does not divide the {micro_batches} micro-batches "
+            f"per step ({per_step} completions / train.optim_batch_size={micro}): pick a divisor of {micro_batches}"
+        )
+    epochs = _positive_int(cfg, "train.epochs")
+    total = _positive_int(cfg, "train.total_dialog_turns")
+    return BatchPlan(
+        prompts_per_step=prompts,
+        group_size=group,
+        completions_per_step=per_step,
+        micro_batch=micro,
+        micro_batches_per_epoch=micro_batches,
+        accumulation=accumulation,
+        epochs=epochs,
+        optimizer_steps_per_step=epochs * micro_batches // accumulation,
+        total_steps=math.ceil(total / per_step),
+        max_tokens=_positive_int(cfg, "inference_model.max_tokens"),
+    )
+
+
+def validate(cfg: DictConfig) -> BatchPlan:
+    """Check every key the trainer reads before anything heavy starts; returns the batch plan."""
+    plan = batch_plan(cfg)
+    if _get(cfg, "env.max_steps") != 1:
+        raise ConfigError(f"env.max_steps={_get(cfg, 'env.max_steps')}: only single-turn tasks exist yet; set env.max_steps=1")
+    _choice(cfg, "loss.aggregation", AGGREGATIONS)
+    _choice(cfg, "loss.reward_scale", REWARD_SCALES)
+    _choice(cfg, "loss.kl_estimator", KL_ESTIMATORS)
+    _choice(cfg, "inference_model.backend", ("vllm", "transformers"))
+    _choice(cfg, "optimizer.name", ("AdamW", "Adam", "SGD"))
+    for key in ("loss.clip_epsilon_low", "loss.clip_epsilon_high", "train.kl_to_ref_coeff",
+                "train.kl_to_inference_coeff", "train.entropy_coeff", "optimizer.weight_decay"):
+        value = _get(cfg, key)
+        if not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{key}={value!r}: must be a number >= 0")
+    for key in ("optimizer.lr", "inference_model.temperature"):
+        value = _get(cfg, key)
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{key}={value!r}: must be a number > 0")
+    top_p = _get(cfg, "inference_model.top_p")
+    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+        raise ConfigError(f"inference_model.top_p={top_p!r}: must be in (0, 1]")
+    clip = _get(cfg, "optimizer.clip_grad_norm")
+    if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
+        raise ConfigError(f"optimizer.clip_grad_norm={clip!r}: must be > 0, or null for no clipping")
+    for key in ("logging.checkpoint_frequency", "logging.log_frequency"):
+        value = _get(cfg, key)
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{key}={value!r}: must be an integer >= 0")
+    return plan

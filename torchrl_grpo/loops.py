@@ -1,0 +1,207 @@
+"""The sync GRPO loop: collect -> (reference log-probs) -> advantages -> epochs of micro-batches with
+gradient accumulation and clipping -> optimizer -> push weights to the engine, until the plan's steps.
+
+Everything it needs arrives built in :class:`Parts` (``grpo_utils.build`` makes them from the config), so
+the loop reads as the algorithm and nothing else.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from torchrl_grpo import checkpoint
+from torchrl_grpo.config import BatchPlan
+from torchrl_grpo.objective import GRPOLoss, accumulation_weight, group_advantages, token_log_probs, total_loss
+from torchrl_grpo.tasks import Task
+from torchrl_grpo.telemetry import Telemetry, summarize
+from torchrl_grpo.trajectories import PromptSampler, build_batch, prompt_token_ids, score
+
+
+@dataclass
+class Parts:
+    cfg: object
+    plan: BatchPlan
+    run_dir: Path
+    task: Task
+    tokenizer: object
+    policy: torch.nn.Module
+    ref_policy: torch.nn.Module | None
+    engine: object
+    loss: GRPOLoss
+    optimizer: torch.optim.Optimizer
+    train_device: torch.device
+    ref_device: torch.device | None
+    push_weights: callable  # () -> None: the trainer's weights into the engine
+    resume_from: Path | None  # the checkpoint the builder loaded the weights from, if resuming
+
+
+def run_sync(parts: Parts) -> dict:
+    """Train until ``plan.total_steps``; returns the end-of-run summary (first vs last steps)."""
+    cfg, plan = parts.cfg, parts.plan
+    sampler = PromptSampler(len(parts.task.rows), int(cfg.env.seed))
+    ckpt_dir = parts.run_dir / cfg.logging.checkpoint_dir
+    start_step = _resume(parts, sampler)
+    telemetry = Telemetry(cfg, parts.run_dir, plan.total_steps, start_step, resumed=start_step > 0)
+    generator = torch.Generator().manual_seed(int(cfg.train.seed) + start_step)
+    try:
+        for step in range(start_step + 1, plan.total_steps + 1):
+            started = time.perf_counter()
+            batch, rollout_metrics, samples = collect(parts, sampler, version=step - 1)
+            train_metrics = optimize(parts, batch, generator)
+            push_started = time.perf_counter()
+            parts.push_weights()
+            metrics = {**rollout_metrics, **train_metrics, "weight_push_time": time.perf_counter() - push_started,
+                       "step_time": time.perf_counter() - started}
+            telemetry.log(step, metrics, samples)
+            if _checkpoint_due(cfg, step, plan.total_steps):
+                _save(parts, ckpt_dir, step, sampler)
+    finally:
+        telemetry.close()
+    summary = summarize(telemetry.csv.rows, ["reward"] + [f"reward/{n}" for n in parts.task.reward_names],
+                        window=max(1, min(5, plan.total_steps // 4)))
+    _print_summary(telemetry, summary)
+    return summary
+
+
+def collect(parts: Parts, sampler: PromptSampler, version: int):
+    """One collection step: prompts -> G completions each -> scored, advantage-stamped batch."""
+    cfg, plan = parts.cfg, parts.plan
+    rows = [parts.task.rows[i] for i in sampler.take(plan.prompts_per_step)]
+    prompts = prompt_token_ids(parts.task, parts.tokenizer, rows)
+    started = time.perf_counter()
+    completions = parts.engine.generate(
+        prompts, n=plan.group_size, max_tokens=plan.max_tokens,
+        temperature=float(cfg.inference_model.temperature), top_p=float(cfg.inference_model.top_p),
+    )
+    generation_time = time.perf_counter() - started
+    batch = build_batch(prompts, completions, plan.group_size, parts.tokenizer.pad_token_id, version)
+    batch.update(score(parts.task, rows, completions))
+    metrics = {}
+    if parts.ref_policy is not None:
+        batch["ref_log_probs"] = reference_log_probs(parts, batch)
+        if not cfg.train.kl_coef_in_loss:  # KL penalty in the reward (k1 summed over the completion)
+            kl = ((batch["sample_log_probs"] - batch["ref_log_probs"]) * batch["completion_mask"]).sum(-1)
+            batch["reward"] = batch["reward"] - float(cfg.train.kl_to_ref_coeff) * kl
+            metrics["kl_penalty_in_reward"] = kl.mean().item()
+    advantage, tied = group_advantages(batch["reward"], plan.group_size, cfg.loss.reward_scale)
+    batch["advantage"] = advantage
+    lengths = batch["completion_mask"].sum(-1).float()
+    metrics.update({
+        "reward": batch["reward"].mean().item(),
+        "reward_std": batch["reward"].std().item() if len(batch) > 1 else 0.0,
+        **{f"reward/{k}": v.float().mean().item() for k, v in batch["rewards"].items()},
+        "advantage_abs_mean": advantage.abs().mean().item(),
+        "tied_group_fraction": tied.float().mean().item(),
+        "completion_length": lengths.mean().item(),
+        "completion_length_max": lengths.max().item(),
+        "truncated_fraction": batch["truncated"].float().mean().item(),
+        "generation_time": generation_time,
+        "generation_tokens_per_s": lengths.sum().item() / max(generation_time, 1e-9),
+    })
+    samples = [(c.text, r) for c, r in zip(completions, batch["reward"].tolist())]
+    return batch, metrics, samples
+
+
+@torch.no_grad()
+def reference_log_probs(parts: Parts, batch) -> torch.Tensor:
+    """Log-probs of the frozen reference policy, computed once per step in micro-batches."""
+    out = torch.zeros_like(batch["sample_log_probs"])
+    temperature = float(parts.cfg.inference_model.temperature)
+    for idx in torch.arange(len(batch)).split(parts.plan.micro_batch):
+        mb = _trim(batch[idx]).to(parts.ref_device)
+        logp, _ = token_log_probs(parts.ref_policy, mb["tokens"], mb["attention_mask"], temperature)
+        out[idx, : logp.shape[1]] = logp.float().cpu() * mb["completion_mask"].cpu()
+    return out
+
+
+def optimize(parts: Parts, batch, generator: torch.Generator) -> dict:
+    """``epochs`` passes of shuffled micro-batches; one optimizer step per ``accumulation`` micro-batches."""
+    cfg, plan = parts.cfg, parts.plan
+    params = [p for p in parts.policy.parameters() if p.requires_grad]
+    clip = cfg.optimizer.clip_grad_norm
+    history: dict[str, list[float]] = {}
+    trained_tokens, skipped, started = 0, 0, time.perf_counter()
+    parts.policy.train()
+    for _ in range(plan.epochs):
+        order = torch.randperm(len(batch), generator=generator).split(plan.micro_batch)
+        for first in range(0, len(order), plan.accumulation):
+            micro = [_trim(batch[idx]).to(parts.train_device) for idx in order[first: first + plan.accumulation]]
+            weights = [accumulation_weight(parts.loss.aggregation, mb["completion_mask"]) for mb in micro]
+            for mb, weight in zip(micro, weights):
+                with _autocast(cfg, parts.train_device):
+                    losses = parts.loss(mb)
+                (total_loss(losses) * (weight / max(sum(weights), 1e-9))).backward()
+                for key, value in losses.items():
+                    history.setdefault(key, []).append(value.detach().float().item())
+                trained_tokens += int(mb["attention_mask"].sum())
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, float(clip) if clip else math.inf)
+            if torch.isfinite(grad_norm):
+                parts.optimizer.step()
+            else:  # a NaN/inf gradient would poison the weights: drop this update, say so in the metrics
+                skipped += 1
+            parts.optimizer.zero_grad(set_to_none=True)
+            history.setdefault("grad_norm", []).append(grad_norm.item())
+    parts.policy.eval()
+    elapsed = time.perf_counter() - started
+    metrics = {key: sum(v) / len(v) for key, v in history.items()}
+    metrics["loss"] = sum(metrics[k] for k in metrics if k.startswith("loss_"))
+    metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+    metrics["ratio_max"] = max(history["ratio_max"])
+    metrics.update({"skipped_updates": skipped, "lr": parts.optimizer.param_groups[0]["lr"],
+                    "train_time": elapsed, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
+    return metrics
+
+
+def _trim(batch):
+    """Drop the padding columns no row of this micro-batch uses."""
+    used = int(batch["attention_mask"].any(0).nonzero().max()) + 1
+    return batch.apply(lambda t: t[:, :used] if t.dim() == 2 else t)
+
+
+def _autocast(cfg, device: torch.device):
+    if cfg.train.mixed_precision and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _checkpoint_due(cfg, step: int, total: int) -> bool:
+    every = int(cfg.logging.checkpoint_frequency)
+    return step == total or (every > 0 and step % every == 0)
+
+
+def _save(parts: Parts, ckpt_dir: Path, step: int, sampler: PromptSampler) -> None:
+    from omegaconf import OmegaConf
+
+    state = {
+        "step": step,
+        "optimizer": parts.optimizer.state_dict(),
+        "sampler": sampler.state_dict(),
+        "rng": checkpoint.rng_state(),
+        "config": OmegaConf.to_container(parts.cfg, resolve=True),
+    }
+    checkpoint.save(ckpt_dir, step, parts.policy, parts.tokenizer, state, keep=int(parts.cfg.logging.keep_checkpoints))
+
+
+def _resume(parts: Parts, sampler: PromptSampler) -> int:
+    """Restore optimizer, data position and RNG from ``parts.resume_from`` (the builder loaded the weights
+    from it); returns the step to continue after."""
+    point = parts.resume_from
+    if point is None:
+        return 0
+    state = checkpoint.load_state(point)
+    parts.optimizer.load_state_dict(state["optimizer"])
+    sampler.load_state_dict(state["sampler"])
+    checkpoint.set_rng_state(state["rng"])
+    print(f"resumed from {point} (step {state['step']})", flush=True)
+    return int(state["step"])
+
+
+def _print_summary(telemetry: Telemetry, summary: dict) -> None:
+    telemetry.print("summary (mean of the first vs the last steps):")
+    for key, (first, last) in summary.items():
+        telemetry.print(f"  {key:<28} {first:8.3f} -> {last:8.3f}")

@@ -1,0 +1,82 @@
+"""Which devices the train, reference and inference models get.
+
+With GPUs: explicit ``<role>.devices`` lists are taken as given (and must exist); otherwise each role takes
+``<role>.num_devices`` GPUs, disjoint when enough exist, else all roles share the first GPUs (the engine
+then keeps ``inference_model.gpu_memory_utilization`` of its device). Without GPUs everything runs on the
+CPU; asking for GPUs there is an error, never a silent downgrade.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from torchrl_grpo.errors import ConfigError
+
+ROLES = ("train_model", "inference_model", "ref_model")
+
+
+@dataclass(frozen=True)
+class Placement:
+    train: list[str]
+    inference: list[str]
+    ref: list[str]
+    shared: bool
+
+    def describe(self) -> str:
+        note = " (roles share devices)" if self.shared else ""
+        return f"train on {','.join(self.train)}, inference on {','.join(self.inference)}, reference on {','.join(self.ref)}{note}"
+
+
+def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Placement:
+    """Assign devices to the roles of ``cfg``; ``gpu_count`` defaults to what torch sees."""
+    available = torch.cuda.device_count() if gpu_count is None else gpu_count
+    roles = [r for r in ROLES if r != "ref_model" or needs_ref]
+    if available == 0:
+        for role in roles:
+            devices = cfg[role].get("devices")
+            if devices:
+                raise ConfigError(f"{role}.devices={list(devices)} but this machine has no GPU: set {role}.devices=null to run on the CPU")
+            if cfg[role].get("num_devices", 1) > 1:
+                raise ConfigError(f"{role}.num_devices={cfg[role].num_devices} but this machine has no GPU: set {role}.num_devices=1 to run on the CPU")
+        return Placement(["cpu"], ["cpu"], ["cpu"], shared=True)
+
+    chosen: dict[str, list[int]] = {}
+    for role in roles:
+        devices = cfg[role].get("devices")
+        if devices:
+            missing = [d for d in devices if not 0 <= int(d) < available]
+            if missing:
+                raise ConfigError(f"{role}.devices={list(devices)}: GPU(s) {missing} do not exist (this machine has {available}: 0..{available - 1})")
+            chosen[role] = [int(d) for d in devices]
+    wanted = {r: int(cfg[r].get("num_devices", 1)) for r in roles if r not in chosen}
+    for role, n in wanted.items():
+        if n < 1 or n > available:
+            raise ConfigError(f"{role}.num_devices={n} but this machine has {available} GPU(s): set {role}.num_devices between 1 and {available}")
+    taken = {d for devs in chosen.values() for d in devs}
+    free = [d for d in range(available) if d not in taken]
+    if sum(wanted.values()) <= len(free):
+        for role, n in wanted.items():
+            chosen[role], free = free[:n], free[n:]
+    else:
+        for role, n in wanted.items():
+            chosen[role] = list(range(n))
+    as_names = {r: [f"cuda:{d}" for d in chosen[r]] for r in roles}
+    flat = [d for r in roles for d in chosen[r]]
+    return Placement(
+        train=as_names["train_model"],
+        inference=as_names["inference_model"],
+        ref=as_names.get("ref_model", as_names["train_model"]),
+        shared=len(flat) != len(set(flat)),
+    )
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    """``auto`` is bfloat16 on GPUs and float32 on the CPU (where bf16 matmuls are slow and log-probs drift)."""
+    if name in (None, "auto"):
+        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"torch_dtype={name!r}: use auto, float32, bfloat16 or float16")
+    return dtype

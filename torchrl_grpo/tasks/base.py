@@ -1,0 +1,95 @@
+"""The Task abstraction the trainer uses: prompts (a ``datasets.Dataset``) plus pluggable reward functions.
+
+A task is a dataset of rows (each with at least ``question`` and ``answer``), an optional system prompt and
+a list of :class:`Reward` s. Each reward is a named ``fn(completion, row) -> float`` with a weight; the
+trainer logs every component apart and optimises ``total = sum(weight * component)``. New rewards or new
+tasks (IFEval, reasoning-gym, ...) plug in by building a ``Task`` with other rewards; the trainer only calls
+:meth:`Task.messages`, :meth:`Task.score` and :meth:`Task.total`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import datasets
+
+from torchrl_grpo.errors import ConfigError
+
+RewardFn = Callable[[str, Mapping[str, Any]], float]
+
+
+@dataclass(frozen=True)
+class Reward:
+    """One reward component: ``fn(completion, row) -> float`` (unweighted) and its weight in the total."""
+
+    name: str
+    fn: RewardFn
+    weight: float = 1.0
+
+
+@dataclass
+class Task:
+    name: str
+    rows: datasets.Dataset
+    system_prompt: str | None
+    rewards: list[Reward] = field(default_factory=list)
+
+    def __post_init__(self):
+        names = [r.name for r in self.rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"task {self.name!r}: duplicate reward names {names}")
+
+    @property
+    def reward_weights(self) -> dict[str, float]:
+        """Component name -> weight; total reward = sum(weight * component)."""
+        return {r.name: float(r.weight) for r in self.rewards}
+
+    @property
+    def reward_names(self) -> list[str]:
+        return [r.name for r in self.rewards]
+
+    def add_reward(self, name: str, fn: RewardFn, weight: float = 1.0) -> Task:
+        """Append a reward component (e.g. a custom one); returns self."""
+        if name in self.reward_names:
+            raise ValueError(f"task {self.name!r} already has a reward named {name!r}")
+        self.rewards.append(Reward(name, fn, float(weight)))
+        return self
+
+    def set_weights(self, overrides: Mapping[str, Any] | None, key: str = "env.reward_weights") -> Task:
+        """Override weights by component name; unknown names or non-numbers raise ConfigError naming ``key``."""
+        if not overrides:
+            return self
+        known = self.reward_names
+        new = dict(self.reward_weights)
+        for name, weight in overrides.items():
+            if name not in known:
+                raise ConfigError(
+                    f"{key}.{name}: unknown reward component for task {self.name!r}; "
+                    f"choices: {', '.join(known)}"
+                )
+            try:
+                new[name] = float(weight)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{key}.{name}={weight!r}: the weight must be a number") from None
+        self.rewards = [Reward(r.name, r.fn, new[r.name]) for r in self.rewards]
+        return self
+
+    def messages(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
+        """Chat messages for one row: the optional system prompt, then the question as the user turn."""
+        msgs = []
+        if self.system_prompt:
+            msgs.append({"role": "system", "content": self.system_prompt})
+        msgs.append({"role": "user", "content": row["question"]})
+        return msgs
+
+    def score(self, completion: str, row: Mapping[str, Any]) -> dict[str, float]:
+        """Every reward component of ``completion`` for ``row``, unweighted, in reward order."""
+        return {r.name: float(r.fn(completion, row)) for r in self.rewards}
+
+    def total(self, components: Mapping[str, float]) -> float:
+        """``sum(weight * component)`` over this task's rewards (components not in the task are ignored)."""
+        return float(sum(r.weight * float(components[r.name]) for r in self.rewards))
+
+    def __len__(self) -> int:
+        return len(self.rows)

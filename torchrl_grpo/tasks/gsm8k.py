@@ -1,0 +1,256 @@
+"""GSM8K (and its offline stand-in, reasoning-gym's ``gsm_symbolic``): loading, answer parsing and rewards.
+
+Rewards (each in [0, 1], logged apart):
+
+* ``accuracy``: the last number of the completion equals the gold answer (after normalisation), whatever
+  the format;
+* ``answer_format``: the completion holds ``#### <number>`` somewhere;
+* ``think_format`` (only with ``env.reasoning=true``): exactly one ``<think>...</think>`` block with some
+  text in it, and a ``#### <number>`` answer after ``</think>``.
+"""
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.tasks.base import Reward, Task
+
+HUB_DATASET = "openai/gsm8k"
+GSM8K_NAMES = (HUB_DATASET, "gsm8k")
+GSM_SYMBOLIC = "gsm_symbolic"
+HUB_SPLITS = ("train", "test")
+
+SYSTEM_PROMPT = "Do not explain. Reply with only the final answer in the form: #### <number>"
+REASONING_SYSTEM_PROMPT = (
+    "First think through the problem step by step inside <think></think> tags. "
+    "After </think>, reply with only the final answer in the form: #### <number>"
+)
+DEFAULT_WEIGHTS = {"accuracy": 1.0, "answer_format": 0.5, "think_format": 0.5}
+
+# A number: optional sign (not when glued to a word/number, so "10-20" is 10 and 20, not 10 and -20),
+# optional "$", then either digits grouped by thousands commas ("1,234,567" but not "1,23" nor "3, 4"), or
+# plain digits, with an optional decimal part; or a bare decimal part (".5"). A "." not followed by a digit
+# ends the number, so the full stop of "is 42." is not part of it.
+_NUMBER = (
+    r"(?:(?<![\w.])[-\u2212])?\$?"
+    r"(?:(?:\d{1,3}(?:,\d{3})+(?!\d)|\d+)(?:\.\d+)?|(?<!\d)\.\d+)"
+)
+NUMBER_RE = re.compile(_NUMBER)
+ANSWER_RE = re.compile(r"####[ \t]*(" + _NUMBER + r")")
+_THINK_OPEN, _THINK_CLOSE = "<think>", "</think>"
+
+
+def normalize_number(text: str) -> str:
+    """Canonical string of one number: ``"1,234"``-> ``"1234"``, ``"$5"``-> ``"5"``, ``"3.50"``-> ``"3.5"``,
+    ``"7.0"``-> ``"7"``, ``".5"``-> ``"0.5"``, ``"-0"``-> ``"0"``. Equal values give equal strings."""
+    s = text.strip().replace("\u2212", "-").replace(",", "").replace("$", "")
+    negative = s.startswith("-")
+    s = s.lstrip("+-")
+    whole, _, frac = s.partition(".")
+    if not (whole + frac).isdigit():
+        raise ValueError(f"not a number: {text!r}")
+    whole = whole.lstrip("0") or "0"
+    frac = frac.rstrip("0")
+    out = whole + ("." + frac if frac else "")
+    return "-" + out if negative and out != "0" else out
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number in ``text``, normalised (see :func:`normalize_number`); None when there is none."""
+    last = None
+    for last in NUMBER_RE.finditer(text):
+        pass
+    return None if last is None else normalize_number(last.group(0))
+
+
+def gold_answer(answer_field: str) -> str:
+    """The normalised number after the last ``####`` of a GSM8K answer; a field without ``####`` (a bare
+    answer such as ``"42"``) gives its last number. Raises ValueError when there is no number."""
+    text = str(answer_field)
+    head, sep, tail = text.rpartition("####")
+    if sep:
+        m = re.match(r"\s*(" + _NUMBER + ")", tail)
+        if m:
+            return normalize_number(m.group(1))
+        found = extract_last_number(tail)
+    else:
+        found = extract_last_number(text)
+    if found is None:
+        raise ValueError(f"no number in the answer {text[-80:]!r}")
+    return found
+
+
+# ----------------------------------------------------------------------------------------------- rewards
+def accuracy(completion: str, row: Mapping[str, Any]) -> float:
+    """1.0 iff the completion's last number equals the row's gold answer, whatever the format."""
+    pred = extract_last_number(completion)
+    return float(pred is not None and pred == gold_answer(row["answer"]))
+
+
+def answer_format(completion: str, row: Mapping[str, Any] | None = None) -> float:
+    """1.0 iff the completion contains ``####`` followed (optional spaces) by a number."""
+    return float(ANSWER_RE.search(completion) is not None)
+
+
+def think_format(completion: str, row: Mapping[str, Any] | None = None) -> float:
+    """1.0 iff the completion has exactly one ``<think>...</think>`` block, with text in it, and a
+    ``#### <number>`` answer after ``</think>``."""
+    if completion.count(_THINK_OPEN) != 1 or completion.count(_THINK_CLOSE) != 1:
+        return 0.0
+    start = completion.index(_THINK_OPEN) + len(_THINK_OPEN)
+    end = completion.find(_THINK_CLOSE, start)
+    if end < 0 or not completion[start:end].strip():
+        return 0.0
+    return float(ANSWER_RE.search(completion, end + len(_THINK_CLOSE)) is not None)
+
+
+# ----------------------------------------------------------------------------------------------- loading
+def _one_line(err: BaseException) -> str:
+    msg = str(err).strip().splitlines()
+    return type(err).__name__ + (f": {msg[0][:200]}" if msg else "")
+
+
+def _local_files(path: Path, split: str) -> tuple[str, list[str]]:
+    """(datasets builder, files) for ``env.data_path``: a folder or a single .jsonl/.json/.parquet file."""
+    shown = f"env.data_path={path}"
+    if not path.exists():
+        raise ConfigError(
+            f"{shown}: no such file or folder ({path.resolve()}); point it at a folder holding {split}.jsonl "
+            f"(or the hub layout main/{split}-*.parquet) or at one .jsonl/.parquet file"
+        )
+    if path.is_file():
+        suffix = path.suffix.lower()
+        if suffix in (".jsonl", ".json"):
+            return "json", [str(path)]
+        if suffix == ".parquet":
+            return "parquet", [str(path)]
+        raise ConfigError(f"{shown}: unsupported file type {suffix!r}; use a .jsonl or .parquet file, or a folder")
+    for builder, pattern in (
+        ("json", f"{split}.jsonl"),
+        ("json", f"{split}.json"),
+        ("parquet", f"main/{split}-*.parquet"),
+        ("parquet", f"{split}-*.parquet"),
+        ("parquet", f"{split}.parquet"),
+    ):
+        files = sorted(str(p) for p in path.glob(pattern))
+        if files:
+            return builder, files
+    raise ConfigError(
+        f"{shown}: no {split}.jsonl nor main/{split}-*.parquet in that folder; check the folder, or env.split={split}"
+    )
+
+
+def _prepare(raw: datasets.Dataset, where: str) -> datasets.Dataset:
+    """Check the columns and replace ``answer`` by the normalised gold number."""
+    missing = [c for c in ("question", "answer") if c not in raw.column_names]
+    if missing:
+        raise ConfigError(f"{where}: rows lack the column(s) {missing}; GSM8K rows need 'question' and 'answer'")
+    golds = []
+    for i, ans in enumerate(raw["answer"]):
+        try:
+            golds.append(gold_answer(ans))
+        except ValueError:
+            raise ConfigError(f"{where}: row {i} has no number in its answer ({str(ans)[-60:]!r})") from None
+    return raw.remove_columns("answer").add_column("answer", golds)
+
+
+def load_gsm8k(dataset: str = HUB_DATASET, data_path: str | Path | None = None, split: str = "train") -> datasets.Dataset:
+    """GSM8K rows ``{"question", "answer"}`` with ``answer`` the normalised gold number.
+
+    ``data_path``: a folder holding ``train.jsonl``/``test.jsonl`` (or the hub layout ``main/train-*.parquet``)
+    or a single .jsonl/.parquet file (then ``split`` is not used). Without it, ``dataset`` is loaded from the
+    Hugging Face hub (config ``main``); an unreachable/offline hub raises ConfigError.
+    """
+    if data_path is not None and str(data_path) != "":
+        builder, files = _local_files(Path(data_path).expanduser(), split)
+        raw = datasets.load_dataset(builder, data_files=files, split="train")
+        return _prepare(raw, f"env.data_path={data_path}")
+    if split not in HUB_SPLITS:
+        raise ConfigError(f"env.split={split!r}: {dataset} has the splits {', '.join(HUB_SPLITS)}")
+    try:
+        raw = datasets.load_dataset(dataset, "main", split=split)
+    except Exception as err:  # offline, unreachable, unknown id: all mean "this source cannot be used here"
+        raise ConfigError(
+            f"env.dataset={dataset}: cannot load it from the Hugging Face hub ({_one_line(err)}); "
+            f"set env.data_path=<folder with {split}.jsonl, or a .jsonl/.parquet file> "
+            f"or use env=gsm_symbolic, which works offline"
+        ) from err
+    return _prepare(raw, f"env.dataset={dataset}")
+
+
+def load_gsm_symbolic(size: int = 2000, seed: int = 0) -> datasets.Dataset:
+    """``size`` GSM-style rows generated offline by reasoning-gym's ``gsm_symbolic`` (about 25 us a row)."""
+    import reasoning_gym
+
+    gen = reasoning_gym.create_dataset(GSM_SYMBOLIC, size=size, seed=seed)
+    questions, answers = [], []
+    for i in range(size):
+        item = gen[i]
+        questions.append(item["question"])
+        answers.append(gold_answer(item["answer"]))
+    return datasets.Dataset.from_dict({"question": questions, "answer": answers})
+
+
+# ------------------------------------------------------------------------------------------------- task
+def _get(cfg: Any, key: str, default: Any = None) -> Any:
+    value = cfg.get(key, default) if cfg is not None else default
+    return default if value is None else value
+
+
+def _bool(cfg: Any, key: str) -> bool:
+    value = _get(cfg, key, False)
+    if isinstance(value, bool) or value in (0, 1):
+        return bool(value)
+    raise ConfigError(f"env.{key}={value!r}: must be true or false")
+
+
+def _positive_int(cfg: Any, key: str, default: int) -> int:
+    value = _get(cfg, key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"env.{key}={value!r}: must be a positive integer")
+    return value
+
+
+def gsm8k_rewards(reasoning: bool) -> list[Reward]:
+    rewards = [
+        Reward("accuracy", accuracy, DEFAULT_WEIGHTS["accuracy"]),
+        Reward("answer_format", answer_format, DEFAULT_WEIGHTS["answer_format"]),
+    ]
+    if reasoning:
+        rewards.append(Reward("think_format", think_format, DEFAULT_WEIGHTS["think_format"]))
+    return rewards
+
+
+def build_gsm8k_task(env_cfg: Any) -> Task:
+    """The GSM8K task from the env config (keys: dataset, data_path, split, reasoning, system_prompt,
+    reward_weights, size, seed); see :func:`torchrl_grpo.tasks.build_task`."""
+    dataset = _get(env_cfg, "dataset", HUB_DATASET)
+    reasoning = _bool(env_cfg, "reasoning")
+    if dataset == GSM_SYMBOLIC:
+        seed = _get(env_cfg, "seed", 0)
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ConfigError(f"env.seed={seed!r}: must be an integer")
+        rows = load_gsm_symbolic(size=_positive_int(env_cfg, "size", 2000), seed=seed)
+        name = GSM_SYMBOLIC
+    elif dataset in GSM8K_NAMES:
+        rows = load_gsm8k(HUB_DATASET, _get(env_cfg, "data_path"), str(_get(env_cfg, "split", "train")))
+        name = "gsm8k"
+    else:
+        raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(GSM8K_NAMES + (GSM_SYMBOLIC,))}")
+
+    system_prompt = env_cfg.get("system_prompt") if env_cfg is not None else None
+    if system_prompt is None:
+        system_prompt = REASONING_SYSTEM_PROMPT if reasoning else SYSTEM_PROMPT
+    elif not isinstance(system_prompt, str):
+        raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for the default")
+    task = Task(name=name, rows=rows, system_prompt=system_prompt or None, rewards=gsm8k_rewards(reasoning))
+
+    overrides = _get(env_cfg, "reward_weights")
+    if overrides and not reasoning and "think_format" in overrides:
+        raise ConfigError("env.reward_weights.think_format: think_format is only scored with env.reasoning=true")
+    return task.set_weights(overrides)

@@ -1,0 +1,126 @@
+"""Metrics out of the trainer: a CSV in the run directory (always), console lines with a progress bar and
+ETA, and wandb when asked (offline mode when no API key is set)."""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+CONSOLE_KEYS = (
+    ("reward", "reward"),
+    ("kl_to_ref", "kl_ref"),
+    ("clip_fraction", "clip"),
+    ("entropy", "ent"),
+    ("completion_length", "len"),
+    ("grad_norm", "gnorm"),
+    ("step_time", "s/step"),
+)
+
+
+class MetricsCSV:
+    """One row per step; the header grows when a new metric appears (the file is rewritten then)."""
+
+    def __init__(self, path: Path, resume_step: int | None = None):
+        self.path = path
+        self.header: list[str] = []
+        self.rows: list[dict] = []
+        if path.exists() and resume_step is not None:
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                self.header = list(reader.fieldnames or [])
+                # rows logged after the checkpoint we resume from will be produced again
+                self.rows = [r for r in reader if int(float(r["step"])) <= resume_step]
+            self._rewrite()
+        elif path.exists():
+            path.unlink()
+
+    def write(self, row: dict) -> None:
+        self.rows.append(row)
+        new = [k for k in row if k not in self.header]
+        if new or not self.path.exists():
+            self.header += new
+            self._rewrite()
+            return
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, self.header, restval="").writerow(row)
+
+    def _rewrite(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, self.header, restval="")
+            writer.writeheader()
+            writer.writerows(self.rows)
+        os.replace(tmp, self.path)
+
+
+class Telemetry:
+    def __init__(self, cfg, run_dir: Path, total_steps: int, start_step: int, resumed: bool):
+        self.csv = MetricsCSV(run_dir / "metrics.csv", resume_step=start_step if resumed else None)
+        self.log_frequency = max(1, int(cfg.logging.log_frequency))
+        self.show_completions = int(cfg.logging.show_completions)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step", dynamic_ncols=True,
+                        disable=not cfg.logging.progress_bar, file=sys.stderr)
+        self.wandb = _start_wandb(cfg, run_dir) if cfg.logging.wandb.enabled else None
+
+    def log(self, step: int, metrics: dict, samples: list[tuple[str, float]]) -> None:
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.csv.write(row)
+        if self.wandb is not None:
+            self.wandb.log(row, step=step)
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{row.get('reward', float('nan')):.3f}")
+        if step % self.log_frequency == 0:
+            parts = [f"step {step}"] + [
+                f"{short} {row[key]:.4g}" for key, short in CONSOLE_KEYS if isinstance(row.get(key), float)
+            ]
+            self.print(" | ".join(parts))
+            for text, reward in samples[: self.show_completions]:
+                self.print(f"    sample (reward {reward:.2f}): {text.strip()[:200]!r}")
+
+    def print(self, line: str) -> None:
+        self.bar.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _start_wandb(cfg, run_dir: Path):
+    import wandb
+
+    mode = cfg.logging.wandb.mode
+    if mode == "auto":
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    from omegaconf import OmegaConf
+
+    return wandb.init(
+        project=cfg.logging.wandb.project,
+        name=cfg.logging.experiment_name or f"{cfg.train.exp_name}-{run_dir.name}",
+        dir=str(run_dir),
+        mode=mode,
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+def summarize(rows: list[dict], keys: list[str], window: int) -> dict:
+    """Mean of each key over the first and the last ``window`` steps (the end-of-run summary)."""
+    out = {}
+    for key in keys:
+        values = [float(r[key]) for r in rows if r.get(key) not in (None, "") and not math.isnan(float(r[key]))]
+        if values:
+            out[key] = (sum(values[:window]) / len(values[:window]), sum(values[-window:]) / len(values[-window:]))
+    return out
