@@ -1,0 +1,94 @@
+"""Hydra composition of the real config tree, the batch arithmetic, placement and the prompt sampler."""
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from torchrl_grpo.config import batch_plan, validate
+from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.placement import place
+from torchrl_grpo.trajectories import PromptSampler
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "config")
+
+
+def cfg_with(*overrides, name="grpo_gsm8k"):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose(config_name=name, overrides=list(overrides))
+
+
+def test_default_config_composes_and_validates():
+    cfg = cfg_with()
+    plan = validate(cfg)
+    assert cfg.model.name == "smollm2-135m-instruct" and cfg.env.dataset == "openai/gsm8k"
+    assert cfg.mode == "sync" and cfg.loss.aggregation == "sequence_mean"
+    assert plan.completions_per_step == 16 and plan.total_steps == 30
+
+
+def test_groups_override_defaults_and_users_override_groups():
+    cfg = cfg_with("model=qwen2.5-1.5b-instruct", "env=gsm_symbolic")
+    assert cfg.model.name == "Qwen/Qwen2.5-1.5B-Instruct" and cfg.inference_model.max_tokens == 512
+    assert cfg.env.dataset == "gsm_symbolic" and cfg.env.num_envs == 2
+    cfg = cfg_with("model=qwen2.5-1.5b-instruct", "inference_model.max_tokens=64")
+    assert cfg.inference_model.max_tokens == 64
+
+
+def test_batch_arithmetic():
+    cfg = cfg_with("env.num_envs=4", "env.repeats=6", "train.optim_batch_size=4",
+                   "train.gradient_accumulation_steps=3", "train.epochs=2", "train.total_dialog_turns=100")
+    plan = batch_plan(cfg)
+    # 24 completions per step, 6 micro-batches of 4, 2 optimizer steps per epoch, 2 epochs
+    assert (plan.completions_per_step, plan.micro_batches_per_epoch, plan.optimizer_steps_per_step) == (24, 6, 4)
+    assert plan.total_steps == 5  # ceil(100 / 24)
+    table = plan.table()
+    assert "train.gradient_accumulation_steps" in table and "24" in table
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["train.optim_batch_size=5"], "train.optim_batch_size=5"),
+    (["train.optim_batch_size=4", "train.gradient_accumulation_steps=3"], "train.gradient_accumulation_steps=3"),
+    (["train.dialog_turns_per_batch=10"], "train.dialog_turns_per_batch=10"),
+    (["env.repeats=0"], "env.repeats=0"),
+    (["loss.aggregation=mean"], "loss.aggregation='mean'"),
+    (["inference_model.top_p=1.5"], "inference_model.top_p=1.5"),
+    (["optimizer.lr=0"], "optimizer.lr=0"),
+    (["env.max_steps=2"], "env.max_steps=2"),
+])
+def test_bad_combinations_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        validate(cfg_with(*overrides))
+    assert str(err.value).startswith(key) and "\n" not in str(err.value)
+
+
+def test_placement_without_gpus_is_cpu_and_refuses_gpu_requests():
+    assert place(cfg_with(), needs_ref=True, gpu_count=0).train == ["cpu"]
+    with pytest.raises(ConfigError, match=r"^train_model.num_devices=2 .* no GPU"):
+        place(cfg_with("train_model.num_devices=2"), needs_ref=False, gpu_count=0)
+    with pytest.raises(ConfigError, match=r"^inference_model.devices=\[1\]"):
+        place(cfg_with("inference_model.devices=[1]"), needs_ref=False, gpu_count=0)
+
+
+def test_placement_with_gpus():
+    three = place(cfg_with(), needs_ref=True, gpu_count=3)
+    assert (three.train, three.inference, three.ref, three.shared) == (["cuda:0"], ["cuda:1"], ["cuda:2"], False)
+    one = place(cfg_with(), needs_ref=True, gpu_count=1)
+    assert one.train == one.inference == one.ref == ["cuda:0"] and one.shared
+    two = place(cfg_with("train_model.num_devices=2", "inference_model.devices=[3]"), needs_ref=False, gpu_count=4)
+    assert two.train == ["cuda:0", "cuda:1"] and two.inference == ["cuda:3"]
+    with pytest.raises(ConfigError, match=r"^train_model.num_devices=5 but this machine has 4 GPU"):
+        place(cfg_with("train_model.num_devices=5"), needs_ref=False, gpu_count=4)
+    with pytest.raises(ConfigError, match=r"^ref_model.devices=\[7\]: GPU\(s\) \[7\] do not exist"):
+        place(cfg_with("ref_model.devices=[7]"), needs_ref=True, gpu_count=2)
+
+
+def test_prompt_sampler_covers_each_epoch_and_resumes_exactly():
+    sampler = PromptSampler(5, seed=3)
+    first = sampler.take(5)
+    assert sorted(first) == list(range(5))
+    sampler.take(2)
+    state = sampler.state_dict()
+    rest = sampler.take(7)
+    again = PromptSampler(5, seed=3)
+    again.load_state_dict(state)
+    assert again.take(7) == rest
+    assert PromptSampler(5, seed=4).take(5) != first or PromptSampler(5, seed=5).take(5) != first
