@@ -72,7 +72,9 @@ def resolve_model(name: str) -> str:
     local = pathlib.Path(key).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
-            raise ConfigError(f"model.name={name!r}: the directory has no config.json; give an HF-format model directory")
+            raise ConfigError(
+                f"model.name={name!r}: the directory has no config.json; give an HF-format model directory"
+            )
         return name
     # A hub id is "name" or "org/name"; anything shaped like a path was meant to be a local directory.
     if key.startswith(("/", "./", "../", "~")) or key.count("/") > 1 or os.sep != "/" and os.sep in key:
@@ -244,6 +246,9 @@ def _cached_build(final: pathlib.Path, build: Callable[[pathlib.Path], None]) ->
         t0 = time.perf_counter()
         log.info("building %s (once; cached afterwards)", final)
         build(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the cache is not
         (tmp / _MARKER).write_text(json.dumps({"built_s": round(time.perf_counter() - t0, 2), "time": time.time()}))
         if final.exists() and not (final / _MARKER).is_file():
             _remove_dir(final)  # not ours or not finished: never trusted
@@ -287,7 +292,8 @@ def _remove_dir(path: pathlib.Path) -> None:
 
 def _hub_offline() -> bool:
     """Read at call time: huggingface_hub reads HF_HUB_OFFLINE only once, when it is imported."""
-    return any(os.environ.get(v, "").strip().lower() in ("1", "true", "yes", "on") for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    flags = (os.environ.get(v, "").strip().lower() for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return any(f in ("1", "true", "yes", "on") for f in flags)
 
 
 def _download(repo_id: str) -> str:
@@ -302,15 +308,23 @@ def _download(repo_id: str) -> str:
             allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja", "*.tiktoken"],
         )
     except (errors.RepositoryNotFoundError, errors.GatedRepoError) as e:
-        kind = "gated (accept its license on the hub, then `hf auth login`)" if isinstance(e, errors.GatedRepoError) else "not found on the Hugging Face hub (or private)"
+        if isinstance(e, errors.GatedRepoError):
+            kind = "gated (accept its license on the hub, then `hf auth login`)"
+        else:
+            kind = "not found on the Hugging Face hub (or private)"
         raise ConfigError(f"model.name={repo_id!r}: {kind}; or {_OFFLINE_FIX}") from None
     except errors.HFValidationError:
-        raise ConfigError(f"model.name={repo_id!r}: neither a local directory nor a valid hub id; or {_OFFLINE_FIX}") from None
-    except Exception as e:  # offline mode, not cached, network down, proxy, ...
-        why = "HF_HUB_OFFLINE is set and it is not in the local hub cache" if offline else f"the hub is unreachable ({type(e).__name__})"
-        raise ConfigError(f"model.name={repo_id!r}: cannot download: {why}; {_OFFLINE_FIX}") from None
+        raise ConfigError(
+            f"model.name={repo_id!r}: neither a local directory nor a valid hub id; or {_OFFLINE_FIX}"
+        ) from None
+    except Exception:  # offline mode, not cached, network down, proxy, ...
+        log.debug("snapshot_download(%r) failed", repo_id, exc_info=True)
+        why = "HF_HUB_OFFLINE is set" if offline else "the Hugging Face hub is unreachable"
+        raise ConfigError(f"model.name={repo_id!r}: not in the local hub cache and {why}; {_OFFLINE_FIX}") from None
     if not any(pathlib.Path(path).glob("*.safetensors")):
-        raise ConfigError(f"model.name={repo_id!r}: the repo has no safetensors weights; convert it and give the local directory")
+        raise ConfigError(
+            f"model.name={repo_id!r}: the repo has no safetensors weights; convert it and give the local directory"
+        )
     return path
 
 
@@ -366,7 +380,8 @@ def _tiny_corpus(n: int = 600) -> list[str]:
             out.append(f"Each box holds {c} {it}. There are {b} boxes. How many {it} are there in total? "
                        f"{b} * {c} = {b * c}. #### {b * c}")
         elif kind == 3:
-            out.append(f"{p} shares {b * c} {it} equally among {c} friends. Each friend gets {b * c} / {c} = {b}. #### {b}")
+            out.append(f"{p} shares {b * c} {it} equally among {c} friends. "
+                       f"Each friend gets {b * c} / {c} = {b}. #### {b}")
         elif kind == 4:
             out.append(f"{p} works {c} {many} a week and earns {b} dollars per {one}. "
                        f"That is {c} * {b} = {c * b} dollars. The answer is {c * b}.")
@@ -494,7 +509,14 @@ def _build_smollm2(out: pathlib.Path, gguf: pathlib.Path) -> None:
     model.save_pretrained(out)
 
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok.model_max_length = config.max_position_embeddings  # GGUF leaves it "unlimited"
     tok.save_pretrained(out)
+    # Loading kwargs leak into the saved config; a later reader must not inherit local_files_only.
+    cfg_path = out / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    for k in ("is_local", "local_files_only", "gguf_file"):
+        tok_cfg.pop(k, None)
+    cfg_path.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
     _check_smollm2(out, model.generation_config.eos_token_id)
 
 
@@ -510,4 +532,4 @@ def _check_smollm2(out: pathlib.Path, gen_eos) -> None:
         raise RuntimeError(f"{out}: the converted tokenizer's eos is {tok.eos_token!r}, expected {_IM_END!r}")
     eos_ids = gen_eos if isinstance(gen_eos, list) else [gen_eos]
     if tok.eos_token_id not in eos_ids:
-        raise RuntimeError(f"{out}: generation_config eos {gen_eos} does not include the tokenizer's {tok.eos_token_id}")
+        raise RuntimeError(f"{out}: generation_config eos {gen_eos} lacks the tokenizer's eos {tok.eos_token_id}")
