@@ -129,8 +129,9 @@ class TableLM(torch.nn.Module):
         g = torch.Generator().manual_seed(seed)
         self.table = torch.nn.Parameter(torch.randn(vocab, vocab, generator=g, dtype=torch.float64))
 
-    def forward(self, input_ids, attention_mask=None):
-        return type("Out", (), {"logits": self.table[input_ids]})()
+    def forward(self, input_ids, attention_mask=None, logits_to_keep=0):
+        logits = self.table[input_ids]
+        return type("Out", (), {"logits": logits[:, -logits_to_keep:] if logits_to_keep else logits})()
 
 
 def _hand_logp(model, tokens, temperature):
@@ -150,6 +151,8 @@ def test_token_log_probs_shift_and_temperature():
     got, entropy = token_log_probs(model, tokens, torch.ones_like(tokens, dtype=torch.bool), 0.7, True)
     assert torch.allclose(got.double(), _hand_logp(model, tokens, 0.7), atol=1e-5)
     assert got[:, 0].abs().sum() == 0
+    late, _ = token_log_probs(model, tokens, torch.ones_like(tokens, dtype=torch.bool), 0.7, start=2)
+    assert torch.equal(late[:, 2:], got[:, 2:]) and late[:, :2].abs().sum() == 0
     p = torch.softmax(model.table.detach()[tokens[0, 0]] / 0.7, -1)
     assert entropy[0, 1].item() == pytest.approx(-(p * p.log()).sum().item(), abs=1e-5)
 
@@ -244,3 +247,24 @@ def test_all_tied_rewards_give_zero_objective_and_finite_grads():
     assert out["loss_objective"].item() == 0.0
     total_loss(out).backward()
     assert torch.isfinite(model.table.grad).all()
+
+
+def test_entropy_bonus_value_and_gradient():
+    model = TableLM()
+    tokens = torch.tensor([[0, 3, 1, 4], [2, 2, 0, 1]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool)
+    cur = _hand_logp(model, tokens, 1.0) * mask
+    out = GRPOLoss(model, entropy_coeff=0.1, aggregation="token_mean")(
+        _batch(tokens, mask, torch.zeros(2), cur, cur))
+    total_loss(out).backward()
+    table = model.table.detach().clone().requires_grad_(True)
+    terms = []
+    for i in range(2):
+        for t in range(1, 4):
+            if mask[i, t]:
+                logp = torch.log_softmax(table[tokens[i, t - 1]], -1)
+                terms.append(-(logp.exp() * logp).sum())
+    expected = -0.1 * sum(terms) / len(terms)
+    assert out["loss_entropy"].item() == pytest.approx(expected.item(), abs=1e-6)
+    expected.backward()
+    assert torch.allclose(model.table.grad, table.grad, atol=1e-6)

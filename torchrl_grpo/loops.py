@@ -16,7 +16,9 @@ import torch
 
 from torchrl_grpo import checkpoint
 from torchrl_grpo.config import BatchPlan
-from torchrl_grpo.objective import GRPOLoss, accumulation_weight, group_advantages, token_log_probs, total_loss
+from torchrl_grpo.objective import (
+    GRPOLoss, accumulation_weight, first_completion_column, group_advantages, token_log_probs, total_loss,
+)
 from torchrl_grpo.tasks import Task
 from torchrl_grpo.telemetry import Telemetry, summarize
 from torchrl_grpo.trajectories import PromptSampler, build_batch, prompt_token_ids, score
@@ -114,7 +116,8 @@ def reference_log_probs(parts: Parts, batch) -> torch.Tensor:
     temperature = float(parts.cfg.inference_model.temperature)
     for idx in torch.arange(len(batch)).split(parts.plan.micro_batch):
         mb = _trim(batch[idx]).to(parts.ref_device)
-        logp, _ = token_log_probs(parts.ref_policy, mb["tokens"], mb["attention_mask"], temperature)
+        logp, _ = token_log_probs(parts.ref_policy, mb["tokens"], mb["attention_mask"], temperature,
+                                  start=first_completion_column(mb["completion_mask"]))
         out[idx, : logp.shape[1]] = logp.float().cpu() * mb["completion_mask"].cpu()
     return out
 

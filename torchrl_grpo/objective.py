@@ -109,22 +109,35 @@ def clipped_surrogate(logp, logp_old, advantages, eps_low: float, eps_high: floa
     return loss, ratio, clipped_low, clipped_high
 
 
-def token_log_probs(model, tokens, attention_mask, temperature: float = 1.0, with_entropy: bool = False):
+def first_completion_column(completion_mask: torch.Tensor) -> int:
+    """The first position where any row has a completion token (at least 1: position 0 has no prefix)."""
+    columns = completion_mask.any(0).nonzero()
+    return max(1, int(columns.min())) if len(columns) else completion_mask.shape[1]
+
+
+def token_log_probs(model, tokens, attention_mask, temperature: float = 1.0, with_entropy: bool = False,
+                    start: int = 1, entropy_grad: bool = False):
     """Log-prob of each token given its prefix, under ``softmax(logits / temperature)``, as [N, L].
 
-    Position 0 (no prefix) gets 0. The temperature is the sampling one, so that these log-probs and the
-    engine's describe the same distribution. Entropy of that distribution per position if asked.
+    Only positions ``>= start`` are computed (the rest, prompt positions, are 0): the vocabulary
+    projection and log-softmax over prompt tokens would dominate the cost of short completions. The
+    temperature is the sampling one, so that these log-probs and the engine's describe the same
+    distribution. The per-position entropy of that distribution too if asked, differentiable only if
+    ``entropy_grad`` (otherwise it is a diagnostic and must not cost a backward pass).
     """
-    logits = model(input_ids=tokens, attention_mask=attention_mask.long()).logits[:, :-1].float()
+    length = tokens.shape[1]
+    start = min(max(1, start), length)
+    logits = model(input_ids=tokens, attention_mask=attention_mask.long(),
+                   logits_to_keep=length - start + 1).logits[:, :-1].float()
     if temperature != 1.0:
         logits = logits / temperature
     log_probs = F.log_softmax(logits, dim=-1)
-    taken = log_probs.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
-    taken = F.pad(taken, (1, 0))
+    taken = F.pad(log_probs.gather(-1, tokens[:, start:].unsqueeze(-1)).squeeze(-1), (start, 0))
     if not with_entropy:
         return taken, None
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return taken, F.pad(entropy, (1, 0))
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return taken, F.pad(entropy, (start, 0))
 
 
 class GRPOLoss(LossModule):
@@ -172,7 +185,8 @@ class GRPOLoss(LossModule):
     def forward(self, batch: TensorDictBase) -> TensorDict:
         mask = batch["completion_mask"]
         logp, entropy = token_log_probs(
-            self.policy, batch["tokens"], batch["attention_mask"], self.temperature, with_entropy=True
+            self.policy, batch["tokens"], batch["attention_mask"], self.temperature, with_entropy=True,
+            start=first_completion_column(mask), entropy_grad=self.entropy_coeff > 0,
         )
         logp_old = batch["sample_log_probs"].float()
         surrogate, ratio, clipped_low, clipped_high = clipped_surrogate(
