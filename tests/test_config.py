@@ -52,12 +52,17 @@ def test_batch_arithmetic():
     (["loss.aggregation=mean"], "loss.aggregation='mean'"),
     (["inference_model.top_p=1.5"], "inference_model.top_p=1.5"),
     (["optimizer.lr=0"], "optimizer.lr=0"),
+    (["inference_model.top_p=0.9"], "inference_model.top_p=0.9 with loss.old_log_probs=engine"),
     (["env.max_steps=2"], "env.max_steps=2"),
 ])
 def test_bad_combinations_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
         validate(cfg_with(*overrides))
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
+
+
+def test_nucleus_sampling_is_accepted_with_recomputed_old_log_probs():
+    validate(cfg_with("inference_model.top_p=0.9", "loss.old_log_probs=trainer"))
 
 
 def test_placement_without_gpus_is_cpu_and_refuses_gpu_requests():

@@ -164,6 +164,7 @@ def _batch(tokens, mask, adv, old, ref):
             "attention_mask": torch.ones_like(tokens, dtype=torch.bool),
             "completion_mask": mask,
             "advantage": adv,
+            "old_log_probs": old,
             "sample_log_probs": old,
             "ref_log_probs": ref,
         },

@@ -34,7 +34,7 @@ def rows(run_dir: Path) -> list[dict]:
 def test_train_then_resume(tmp_path):
     run_dir = tmp_path / "run"
     first = run([*SMALL, "train.total_dialog_turns=16", "logging.checkpoint_frequency=1", "train.kl_to_ref_coeff=0.05",
-                 f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+                 "loss.old_log_probs=trainer", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "completions per step" in first.stdout and "summary" in first.stdout
     logged = rows(run_dir)
@@ -42,6 +42,8 @@ def test_train_then_resume(tmp_path):
     for key in ("reward", "reward/accuracy", "reward/answer_format", "loss_objective", "kl_to_ref", "entropy",
                 "grad_norm", "clip_fraction", "ess", "generation_tokens_per_s", "step_time"):
         assert all(r[key] not in ("", "nan") for r in logged), key
+    # the trainer's recomputed log-probs agree with the vLLM engine's in the real loop (float32)
+    assert all(float(r["engine_trainer_logp_gap_max"]) < 1e-4 for r in logged)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     assert (run_dir / "checkpoints" / "step_000002" / "model.safetensors").is_file()
 

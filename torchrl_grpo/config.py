@@ -132,6 +132,11 @@ def validate(cfg: DictConfig) -> BatchPlan:
     top_p = _get(cfg, "inference_model.top_p")
     if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
         raise ConfigError(f"inference_model.top_p={top_p!r}: must be in (0, 1]")
+    if _choice(cfg, "loss.old_log_probs", ("engine", "trainer")) == "engine" and top_p < 1:
+        raise ConfigError(
+            f"inference_model.top_p={top_p} with loss.old_log_probs=engine: the engine's log-probs are then "
+            "renormalised over the nucleus and the ratio is biased; set loss.old_log_probs=trainer (or top_p=1)"
+        )
     clip = _get(cfg, "optimizer.clip_grad_norm")
     if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
         raise ConfigError(f"optimizer.clip_grad_norm={clip!r}: must be > 0, or null for no clipping")

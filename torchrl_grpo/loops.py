@@ -84,8 +84,14 @@ def collect(parts: Parts, sampler: PromptSampler, version: int):
     batch = build_batch(prompts, completions, plan.group_size, parts.tokenizer.pad_token_id, version)
     batch.update(score(parts.task, rows, completions))
     metrics = {}
+    if cfg.loss.old_log_probs == "trainer":
+        batch["old_log_probs"] = scored_log_probs(parts, parts.policy, parts.train_device, batch)
+        gap = (batch["old_log_probs"] - batch["sample_log_probs"]).abs()[batch["completion_mask"]]
+        metrics["engine_trainer_logp_gap_max"] = gap.max().item()
+    else:
+        batch["old_log_probs"] = batch["sample_log_probs"]
     if parts.ref_policy is not None:
-        batch["ref_log_probs"] = reference_log_probs(parts, batch)
+        batch["ref_log_probs"] = scored_log_probs(parts, parts.ref_policy, parts.ref_device, batch)
         if not cfg.train.kl_coef_in_loss:  # KL penalty in the reward (k1 summed over the completion)
             kl = ((batch["sample_log_probs"] - batch["ref_log_probs"]) * batch["completion_mask"]).sum(-1)
             batch["reward"] = batch["reward"] - float(cfg.train.kl_to_ref_coeff) * kl
@@ -110,13 +116,14 @@ def collect(parts: Parts, sampler: PromptSampler, version: int):
 
 
 @torch.no_grad()
-def reference_log_probs(parts: Parts, batch) -> torch.Tensor:
-    """Log-probs of the frozen reference policy, computed once per step in micro-batches."""
+def scored_log_probs(parts: Parts, model, device, batch) -> torch.Tensor:
+    """Completion-token log-probs of ``batch`` under ``model`` (reference, or the policy before its update),
+    computed once per step in micro-batches; 0 outside completions."""
     out = torch.zeros_like(batch["sample_log_probs"])
     temperature = float(parts.cfg.inference_model.temperature)
     for idx in torch.arange(len(batch)).split(parts.plan.micro_batch):
-        mb = _trim(batch[idx]).to(parts.ref_device)
-        logp, _ = token_log_probs(parts.ref_policy, mb["tokens"], mb["attention_mask"], temperature,
+        mb = _trim(batch[idx]).to(device)
+        logp, _ = token_log_probs(model, mb["tokens"], mb["attention_mask"], temperature,
                                   start=first_completion_column(mb["completion_mask"]))
         out[idx, : logp.shape[1]] = logp.float().cpu() * mb["completion_mask"].cpu()
     return out

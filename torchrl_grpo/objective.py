@@ -144,7 +144,9 @@ class GRPOLoss(LossModule):
     """Clipped-surrogate GRPO loss with KL to the reference and to the sampling policy, and an entropy bonus.
 
     Reads from the batch: ``tokens``, ``attention_mask``, ``completion_mask`` [N, L], ``advantage`` [N],
-    ``sample_log_probs`` [N, L] (the engine's), and ``ref_log_probs`` [N, L] when ``kl_to_ref_coeff > 0``.
+    ``old_log_probs`` [N, L] (the ratio's denominator: the engine's sampling log-probs, or the policy's
+    own recomputed before the update), ``sample_log_probs`` [N, L] (the engine's, for the KL to the
+    sampling policy), and ``ref_log_probs`` [N, L] when ``kl_to_ref_coeff > 0``.
     Returns ``loss_objective``, ``loss_kl_to_ref``, ``loss_kl_to_inference``, ``loss_entropy`` (their sum
     is what to minimise) and detached diagnostics.
     """
@@ -188,11 +190,11 @@ class GRPOLoss(LossModule):
             self.policy, batch["tokens"], batch["attention_mask"], self.temperature, with_entropy=True,
             start=first_completion_column(mask), entropy_grad=self.entropy_coeff > 0,
         )
-        logp_old = batch["sample_log_probs"].float()
         surrogate, ratio, clipped_low, clipped_high = clipped_surrogate(
-            logp, logp_old, batch["advantage"].float(), self.clip_epsilon_low, self.clip_epsilon_high
+            logp, batch["old_log_probs"].float(), batch["advantage"].float(), self.clip_epsilon_low,
+            self.clip_epsilon_high,
         )
-        kl_inference = kl_estimate(logp, logp_old, self.kl_estimator)
+        kl_inference = kl_estimate(logp, batch["sample_log_probs"].float(), self.kl_estimator)
         out = {
             "loss_objective": self._mean(surrogate, mask),
             "loss_kl_to_inference": self.kl_to_inference_coeff * self._mean(kl_inference, mask),
