@@ -44,7 +44,7 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_policy(cfg: DictConfig, model_path: str, device: str, resume_from: Path | None):
+def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_from: Path | None):
     """The trained policy: base weights (or a full checkpoint's), LoRA if enabled, dropout off (so that the
     ratio is exactly 1 on fresh data), in eval mode outside optimisation."""
     from torchrl_grpo.models import load_policy
@@ -53,10 +53,11 @@ def build_policy(cfg: DictConfig, model_path: str, device: str, resume_from: Pat
     full_checkpoint = resume_from is not None and lora is None
     policy = load_policy(
         str(resume_from) if full_checkpoint else model_path,
-        dtype=resolve_dtype(cfg.train_model.torch_dtype, device),
-        device=device,
+        dtype=resolve_dtype(cfg.train_model.torch_dtype, devices[0]),
+        device=devices,
         gradient_checkpointing=bool(cfg.train_model.gradient_checkpointing),
         lora=lora,
+        attn_implementation=cfg.train_model.attn_implementation,
     )
     if resume_from is not None and lora is not None:
         from peft import set_peft_model_state_dict
@@ -78,10 +79,9 @@ def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy,
     backend = cfg.inference_model.backend
     if backend == "transformers":
         return rollout.TransformersEngine(policy, tokenizer, seed=seed)
-    device = placement.inference[0]
-    dtype = resolve_dtype(cfg.inference_model.torch_dtype, device)
+    dtype = resolve_dtype(cfg.inference_model.torch_dtype, placement.inference[0])
     return rollout.make_engine(
-        backend, model_path, dtype=str(dtype).removeprefix("torch."), device=device,
+        backend, model_path, dtype=str(dtype).removeprefix("torch."), device=placement.inference,
         gpu_memory_utilization=float(cfg.inference_model.gpu_memory_utilization),
         max_model_len=int(cfg.inference_model.max_model_len), seed=seed,
     )
@@ -126,12 +126,11 @@ def build(cfg: DictConfig, run_dir: Path) -> Parts:
 
     model_path = resolve_model(str(cfg.model.name))
     tokenizer = load_tokenizer(model_path)
-    policy = build_policy(cfg, model_path, placement.train[0], resume_from)
+    policy = build_policy(cfg, model_path, placement.train, resume_from)
     ref_policy = None
     if needs_ref:
-        ref_device = placement.ref[0]
-        ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, ref_device),
-                                 device=ref_device, trainable=False)
+        ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, placement.ref[0]),
+                                 device=placement.ref, trainable=False)
     engine = build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed) + start_step)
 
     def push_weights():

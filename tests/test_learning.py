@@ -30,7 +30,7 @@ def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path
                                        "answer": ["0"] * 32})
     task = Task("digits", rows, system_prompt=None, rewards=[Reward("digits", digit_share)])
     tokenizer = load_tokenizer(tiny_model_path)
-    policy = build_policy(cfg, tiny_model_path, "cpu", None)
+    policy = build_policy(cfg, tiny_model_path, ["cpu"], None)
     original = {k: v.clone() for k, v in merged_state_dict(policy).items()}
     parts = Parts(
         cfg=cfg, plan=validate(cfg), run_dir=tmp_path, task=task, tokenizer=tokenizer, policy=policy,

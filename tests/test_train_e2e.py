@@ -126,7 +126,7 @@ def _assert_adapter_restores(saved: Path, config_file: Path):
     from grpo_utils import build_policy
     from torchrl_grpo.models import resolve_model
 
-    policy = build_policy(OmegaConf.load(config_file), resolve_model("tiny"), "cpu", saved)
+    policy = build_policy(OmegaConf.load(config_file), resolve_model("tiny"), ["cpu"], saved)
     restored = get_peft_model_state_dict(policy)
     on_disk = load_file(str(saved / "adapter_model.safetensors"))
     assert on_disk.keys() == restored.keys()

@@ -27,7 +27,7 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -97,7 +97,7 @@ def load_policy(
     path: str,
     *,
     dtype: torch.dtype,
-    device: str | torch.device,
+    device: str | torch.device | Sequence[str],
     gradient_checkpointing: bool = False,
     lora: Mapping[str, Any] | None = None,
     trainable: bool = True,
@@ -107,15 +107,22 @@ def load_policy(
 
     `lora` is the config's ``train_model.lora`` (enabled, r, alpha, dropout, target_modules).
     `trainable=False` gives a frozen model in eval mode (the reference model). Gradient checkpointing
-    turns the KV cache off (it is useless in training and conflicts with recomputation).
+    turns the KV cache off (it is useless in training and conflicts with recomputation). Several GPUs
+    (a list) split the layers over them (transformers' ``device_map``, naive model parallelism: inputs
+    go to the first device, logits come from the last).
     """
     from transformers import AutoModelForCausalLM
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
-    model.to(torch.device(device))
+    devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
+    if len(devices) > 1:
+        memory = {d.index: torch.cuda.get_device_properties(d.index).total_memory for d in devices}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map="auto", max_memory=memory, **kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        model.to(devices[0])
     if gradient_checkpointing:
         # Non-reentrant checkpointing also gives gradients to LoRA weights when the inputs need none.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

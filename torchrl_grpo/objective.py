@@ -132,12 +132,14 @@ def token_log_probs(model, tokens, attention_mask, temperature: float = 1.0, wit
     if temperature != 1.0:
         logits = logits / temperature
     log_probs = F.log_softmax(logits, dim=-1)
-    taken = F.pad(log_probs.gather(-1, tokens[:, start:].unsqueeze(-1)).squeeze(-1), (start, 0))
+    # with the layers split over several GPUs the logits live on the last one: come back to the inputs'
+    taken = log_probs.gather(-1, tokens[:, start:].unsqueeze(-1).to(log_probs.device)).squeeze(-1)
+    taken = F.pad(taken, (start, 0)).to(tokens.device)
     if not with_entropy:
         return taken, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
         entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return taken, F.pad(entropy, (start, 0))
+    return taken, F.pad(entropy, (start, 0)).to(tokens.device)
 
 
 class GRPOLoss(LossModule):

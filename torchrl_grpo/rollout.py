@@ -107,15 +107,15 @@ def _preserved_global_rng() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _visible_cuda_device(device: torch.device) -> Iterator[None]:
-    """Show vLLM's engine process only ``device`` while it starts (it always uses its cuda:0)."""
-    if device.type != "cuda" or device.index is None:
+def _visible_cuda_devices(devices: Sequence[torch.device]) -> Iterator[None]:
+    """Show vLLM's engine process only ``devices`` while it starts (it uses the first visible ones)."""
+    if devices[0].type != "cuda" or devices[0].index is None:
         yield
         return
     old = os.environ.get("CUDA_VISIBLE_DEVICES")
     visible = [d.strip() for d in old.split(",")] if old else None
-    physical = visible[device.index] if visible and device.index < len(visible) else str(device.index)
-    os.environ["CUDA_VISIBLE_DEVICES"] = physical
+    physical = [visible[d.index] if visible and d.index < len(visible) else str(d.index) for d in devices]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical)
     try:
         yield
     finally:
@@ -199,7 +199,8 @@ class VLLMEngine:
 
     GPU (official vllm, untested here): vLLM's default engine process; ``device="cuda:K"`` is passed to
     it by setting ``CUDA_VISIBLE_DEVICES`` to that one GPU while the engine starts (vLLM always uses the
-    first visible device; an existing ``CUDA_VISIBLE_DEVICES`` list is honoured, K indexes into it).
+    first visible device; an existing ``CUDA_VISIBLE_DEVICES`` list is honoured, K indexes into it). A
+    list of devices shows them all and shards the model over them (``tensor_parallel_size``).
     ``gpu_memory_utilization`` is the fraction of that GPU vLLM may take. Weight pushes then go through a
     safetensors file in /dev/shm (tensors cannot be handed to another process by reference). Do not set
     ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` on a GPU unless the engine should use the process's first
@@ -213,7 +214,7 @@ class VLLMEngine:
         model_path: str,
         *,
         dtype: str = "float32",
-        device: str = "cpu",
+        device: str | Sequence[str] = "cpu",
         gpu_memory_utilization: float = 0.5,
         max_model_len: int = 1024,
         seed: int = 0,
@@ -221,8 +222,9 @@ class VLLMEngine:
         **llm_kwargs,
     ):
         self.model_path = str(model_path)
-        self.device = torch.device(device)
-        if self.device.type not in ("cpu", "cuda"):
+        self.devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
+        self.device = self.devices[0]
+        if self.device.type not in ("cpu", "cuda") or len({d.type for d in self.devices}) > 1:
             raise ConfigError(f"inference_model.device={device!r}: the vLLM engine runs on 'cpu' or 'cuda[:K]'")
         self._on_cpu = self.device.type == "cpu"
         for key, value in {**_ENV_DEFAULTS, **(_CPU_ENV_DEFAULTS if self._on_cpu else {})}.items():
@@ -248,9 +250,11 @@ class VLLMEngine:
         )
         if self._on_cpu:
             kwargs["enforce_eager"] = True
+        elif len(self.devices) > 1:
+            kwargs["tensor_parallel_size"] = len(self.devices)
         kwargs.update(llm_kwargs)
         t0 = time.perf_counter()
-        with _preserved_global_rng(), _visible_cuda_device(self.device):
+        with _preserved_global_rng(), _visible_cuda_devices(self.devices):
             self.llm = vllm.LLM(**kwargs)
         self.start_s = time.perf_counter() - t0
         # The engine's own stream for the (in-process) global torch generator vLLM samples from.
