@@ -133,3 +133,23 @@ def _assert_adapter_restores(saved: Path, config_file: Path):
     assert all(torch.equal(on_disk[k], restored[k]) for k in on_disk)
     # lora_A starts random (unseeded here), so equality means the saved values were loaded
     assert any(k.endswith("lora_A.weight") and on_disk[k].abs().sum() > 0 for k in on_disk)
+
+
+@needs_vllm
+def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    args = [*SMALL, "train.total_dialog_turns=400", "logging.checkpoint_frequency=0", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if (run_dir / "metrics.csv").exists() and rows(run_dir):
+            break
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err[-3000:]
+    stopped_at = len(rows(run_dir))
+    assert 1 <= stopped_at < 50 and f"stopped after step {stopped_at}" in out
+    assert (run_dir / "checkpoints" / f"step_{stopped_at:06d}" / "trainer_state.pt").is_file()

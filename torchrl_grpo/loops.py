@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import signal
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,27 +49,61 @@ def run_sync(parts: Parts) -> dict:
     cfg, plan = parts.cfg, parts.plan
     sampler = PromptSampler(len(parts.task.rows), int(cfg.env.seed))
     ckpt_dir = parts.run_dir / cfg.logging.checkpoint_dir
-    start_step = _resume(parts, sampler)
+    generator = torch.Generator().manual_seed(int(cfg.train.seed))
+    start_step = _resume(parts, sampler, generator)
     telemetry = Telemetry(cfg, parts.run_dir, plan.total_steps, start_step, resumed=start_step > 0)
-    generator = torch.Generator().manual_seed(int(cfg.train.seed) + start_step)
     try:
-        for step in range(start_step + 1, plan.total_steps + 1):
-            started = time.perf_counter()
-            batch, rollout_metrics, samples = collect(parts, sampler, version=step - 1)
-            train_metrics = optimize(parts, batch, generator)
-            push_started = time.perf_counter()
-            parts.push_weights()
-            metrics = {**rollout_metrics, **train_metrics, "weight_push_time": time.perf_counter() - push_started,
-                       "step_time": time.perf_counter() - started}
-            telemetry.log(step, metrics, samples)
-            if _checkpoint_due(cfg, step, plan.total_steps):
-                _save(parts, ckpt_dir, step, sampler)
+        with StopRequest() as stop:
+            for step in range(start_step + 1, plan.total_steps + 1):
+                _step(parts, step, sampler, generator, telemetry)
+                if _checkpoint_due(cfg, step, plan.total_steps) or stop.requested:
+                    _save(parts, ckpt_dir, step, sampler, generator)
+                if stop.requested:
+                    telemetry.print(f"stopped after step {step} (checkpoint saved); continue with "
+                                    f"train.resume=auto hydra.run.dir={parts.run_dir}")
+                    break
     finally:
         telemetry.close()
     summary = summarize(telemetry.csv.rows, ["reward"] + [f"reward/{n}" for n in parts.task.reward_names],
                         window=max(1, min(5, plan.total_steps // 4)))
     _print_summary(telemetry, summary)
     return summary
+
+
+def _step(parts: Parts, step: int, sampler: PromptSampler, generator: torch.Generator, telemetry: Telemetry):
+    """Collect, optimize, push the weights, log."""
+    started = time.perf_counter()
+    batch, rollout_metrics, samples = collect(parts, sampler, version=step - 1)
+    train_metrics = optimize(parts, batch, generator)
+    push_started = time.perf_counter()
+    parts.push_weights()
+    metrics = {**rollout_metrics, **train_metrics, "weight_push_time": time.perf_counter() - push_started,
+               "step_time": time.perf_counter() - started}
+    telemetry.log(step, metrics, samples)
+
+
+class StopRequest:
+    """The first SIGINT/SIGTERM asks the loop to stop after the current step with a checkpoint (nothing
+    is lost); a second one interrupts at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __enter__(self):
+        self.requested = False
+        self._previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
+        return self
+
+    def _handle(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print(f"\n{signal.Signals(signum).name}: finishing this step and saving a checkpoint "
+              "(send it again to stop at once)", file=sys.stderr, flush=True)
+
+    def __exit__(self, *exc):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        return False
 
 
 def collect(parts: Parts, sampler: PromptSampler, version: int):
@@ -184,7 +220,7 @@ def _checkpoint_due(cfg, step: int, total: int) -> bool:
     return step == total or (every > 0 and step % every == 0)
 
 
-def _save(parts: Parts, ckpt_dir: Path, step: int, sampler: PromptSampler) -> None:
+def _save(parts: Parts, ckpt_dir: Path, step: int, sampler: PromptSampler, generator: torch.Generator) -> None:
     from omegaconf import OmegaConf
 
     state = {
@@ -192,12 +228,13 @@ def _save(parts: Parts, ckpt_dir: Path, step: int, sampler: PromptSampler) -> No
         "optimizer": parts.optimizer.state_dict(),
         "sampler": sampler.state_dict(),
         "rng": checkpoint.rng_state(),
+        "shuffle_rng": generator.get_state(),
         "config": OmegaConf.to_container(parts.cfg, resolve=True),
     }
     checkpoint.save(ckpt_dir, step, parts.policy, parts.tokenizer, state, keep=int(parts.cfg.logging.keep_checkpoints))
 
 
-def _resume(parts: Parts, sampler: PromptSampler) -> int:
+def _resume(parts: Parts, sampler: PromptSampler, generator: torch.Generator) -> int:
     """Restore optimizer, data position and RNG from ``parts.resume_from`` (the builder loaded the weights
     from it); returns the step to continue after."""
     point = parts.resume_from
@@ -207,6 +244,7 @@ def _resume(parts: Parts, sampler: PromptSampler) -> int:
     parts.optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(state["sampler"])
     checkpoint.set_rng_state(state["rng"])
+    generator.set_state(state["shuffle_rng"])
     print(f"resumed from {point} (step {state['step']})", flush=True)
     return int(state["step"])
 
