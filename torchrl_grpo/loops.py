@@ -64,9 +64,9 @@ def run_sync(parts: Parts) -> dict:
                     break
     finally:
         telemetry.close()
-    summary = summarize(telemetry.csv.rows, ["reward"] + [f"reward/{n}" for n in parts.task.reward_names],
-                        window=max(1, min(5, plan.total_steps // 4)))
-    _print_summary(telemetry, summary)
+    window = max(1, min(5, plan.total_steps // 4))
+    summary = summarize(telemetry.csv.rows, ["reward"] + [f"reward/{n}" for n in parts.task.reward_names], window)
+    _print_summary(telemetry, summary, window)
     return summary
 
 
@@ -249,7 +249,7 @@ def _resume(parts: Parts, sampler: PromptSampler, generator: torch.Generator) ->
     return int(state["step"])
 
 
-def _print_summary(telemetry: Telemetry, summary: dict) -> None:
-    telemetry.print("summary (mean of the first vs the last steps):")
-    for key, (first, last) in summary.items():
-        telemetry.print(f"  {key:<28} {first:8.3f} -> {last:8.3f}")
+def _print_summary(telemetry: Telemetry, summary: dict, window: int) -> None:
+    telemetry.print(f"summary: {'first step':>12} {f'first {window} mean':>14} {f'last {window} mean':>14}")
+    for key, trend in summary.items():
+        telemetry.print(f"  {key:<22} {trend.first_step:>12.3f} {trend.first_mean:>14.3f} {trend.last_mean:>14.3f}")

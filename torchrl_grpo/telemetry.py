@@ -6,6 +6,7 @@ import csv
 import math
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
@@ -116,11 +117,21 @@ def _start_wandb(cfg, run_dir: Path):
     )
 
 
-def summarize(rows: list[dict], keys: list[str], window: int) -> dict:
-    """Mean of each key over the first and the last ``window`` steps (the end-of-run summary)."""
+@dataclass(frozen=True)
+class Trend:
+    """How one metric moved over a run: its first step, and its mean over the first and last steps."""
+
+    first_step: float
+    first_mean: float
+    last_mean: float
+
+
+def summarize(rows: list[dict], keys: list[str], window: int) -> dict[str, Trend]:
+    """The end-of-run summary: a :class:`Trend` per key, means over ``window`` steps."""
     out = {}
     for key in keys:
         values = [float(r[key]) for r in rows if r.get(key) not in (None, "") and not math.isnan(float(r[key]))]
         if values:
-            out[key] = (sum(values[:window]) / len(values[:window]), sum(values[-window:]) / len(values[-window:]))
+            head, tail = values[:window], values[-window:]
+            out[key] = Trend(values[0], sum(head) / len(head), sum(tail) / len(tail))
     return out
