@@ -108,6 +108,11 @@ def build_loss(cfg: DictConfig, policy) -> GRPOLoss:
         kl_estimator=cfg.loss.kl_estimator,
         entropy_coeff=float(cfg.train.entropy_coeff),
         temperature=float(cfg.inference_model.temperature),
+        importance_level=cfg.loss.importance_level,
+        tis_cap=None if cfg.loss.tis_cap is None else float(cfg.loss.tis_cap),
+        overlong=cfg.loss.overlong,
+        off_policy_mask_threshold=(None if cfg.loss.off_policy_mask_threshold is None
+                                   else float(cfg.loss.off_policy_mask_threshold)),
     )
 
 

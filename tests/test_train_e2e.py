@@ -153,3 +153,18 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
     stopped_at = len(rows(run_dir))
     assert 1 <= stopped_at < 50 and f"stopped after step {stopped_at}" in out
     assert (run_dir / "checkpoints" / f"step_{stopped_at:06d}" / "trainer_state.pt").is_file()
+
+
+@needs_vllm
+def test_every_loss_preset_trains_with_finite_metrics(tmp_path):
+    presets = ["grpo", "dapo", "dr_grpo", "gspo"]
+    sweep = run(["--multirun", *SMALL, "train.total_dialog_turns=16", "train.epochs=2", "train.kl_to_ref_coeff=0.01",
+                 f"loss={','.join(presets)}", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, timeout=600)
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    for job, preset in enumerate(presets):
+        logged = rows(tmp_path / "sweep" / str(job))
+        assert len(logged) == 2, preset
+        for row in logged:
+            for key, value in row.items():
+                if key.startswith(("loss", "kl", "ratio", "ess", "clip", "grad_norm", "reward", "entropy")):
+                    assert value not in ("", "nan", "inf", "-inf"), (preset, key)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.objective import AGGREGATIONS, KL_ESTIMATORS, REWARD_SCALES
+from torchrl_grpo.objective import AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, OVERLONG, REWARD_SCALES
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,50 @@ def validate(cfg: DictConfig) -> BatchPlan:
             f"inference_model.top_p={top_p} with loss.old_log_probs=engine: the engine's log-probs are then "
             "renormalised over the nucleus and the ratio is biased; set loss.old_log_probs=trainer (or top_p=1)"
         )
+    # loss variants (docs/objective.md): types, ranges and the combinations that need each other
+    aggregation = _get(cfg, "loss.aggregation")
+    if _choice(cfg, "loss.importance_level", IMPORTANCE_LEVELS) == "sequence" and aggregation != "sequence_mean":
+        raise ConfigError(
+            f"loss.aggregation={aggregation} with loss.importance_level=sequence: the sequence ratio (GSPO) gives one "
+            "loss per completion, averaged per completion; set loss.aggregation=sequence_mean"
+        )
+    tis_cap = _get(cfg, "loss.tis_cap")
+    if tis_cap is not None:
+        if not isinstance(tis_cap, (int, float)) or isinstance(tis_cap, bool) or tis_cap <= 0:
+            raise ConfigError(f"loss.tis_cap={tis_cap!r}: must be a number > 0 (e.g. 2), or null to turn TIS off")
+        if _get(cfg, "loss.old_log_probs") != "trainer":
+            raise ConfigError(
+                f"loss.tis_cap={tis_cap} with loss.old_log_probs={_get(cfg, 'loss.old_log_probs')}: the TIS weight "
+                "exp(old - sample) is 1 unless the old log-probs are the trainer's; set loss.old_log_probs=trainer "
+                "(or loss.tis_cap=null)"
+            )
+    overlong = _choice(cfg, "loss.overlong", OVERLONG)
+    buffer = _get(cfg, "loss.overlong_buffer")
+    if buffer is not None and (not isinstance(buffer, int) or isinstance(buffer, bool) or buffer < 1):
+        raise ConfigError(
+            f"loss.overlong_buffer={buffer!r}: must be a positive number of tokens, or null for "
+            "inference_model.max_tokens // 5"
+        )
+    if overlong == "soft" and buffer is not None and buffer >= plan.max_tokens:
+        raise ConfigError(
+            f"loss.overlong_buffer={buffer} with inference_model.max_tokens={plan.max_tokens}: the penalty ramp must "
+            f"fit in the completion budget; set loss.overlong_buffer below {plan.max_tokens} (or null for "
+            f"{max(1, plan.max_tokens // 5)})"
+        )
+    threshold = _get(cfg, "loss.off_policy_mask_threshold")
+    if threshold is not None and (
+        not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or threshold <= 0
+    ):
+        raise ConfigError(
+            f"loss.off_policy_mask_threshold={threshold!r}: must be a number > 0 (e.g. 0.5), or null to turn "
+            "the off-policy mask off"
+        )
+    dynamic = _get(cfg, "loss.dynamic_sampling")
+    if not isinstance(dynamic, bool):
+        raise ConfigError(f"loss.dynamic_sampling={dynamic!r}: must be true or false")
+    rounds = _get(cfg, "loss.max_resample_rounds")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
+        raise ConfigError(f"loss.max_resample_rounds={rounds!r}: must be an integer >= 0")
     clip = _get(cfg, "optimizer.clip_grad_norm")
     if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
         raise ConfigError(f"optimizer.clip_grad_norm={clip!r}: must be > 0, or null for no clipping")
@@ -145,3 +189,4 @@ def validate(cfg: DictConfig) -> BatchPlan:
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"{key}={value!r}: must be an integer >= 0")
     return plan
+

@@ -11,7 +11,7 @@ import math
 import signal
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,11 +19,11 @@ import torch
 from torchrl_grpo import checkpoint
 from torchrl_grpo.config import BatchPlan
 from torchrl_grpo.objective import (
-    GRPOLoss, accumulation_weight, first_completion_column, group_advantages, token_log_probs, total_loss,
+    GRPOLoss, first_completion_column, group_advantages, overlong_penalty, token_log_probs, total_loss,
 )
 from torchrl_grpo.tasks import Task
 from torchrl_grpo.telemetry import Telemetry, summarize
-from torchrl_grpo.trajectories import PromptSampler, build_batch, prompt_token_ids, score
+from torchrl_grpo.trajectories import PromptSampler, build_batch, prompt_token_ids, reward_tensors
 
 
 @dataclass
@@ -106,20 +106,67 @@ class StopRequest:
         return False
 
 
+@dataclass
+class Group:
+    """One prompt, its G completions and their reward components (task rewards, unweighted)."""
+
+    row: dict
+    prompt: list[int]
+    completions: list
+    components: list[dict]
+
+
+def sample_groups(parts: Parts, sampler: PromptSampler) -> tuple[list[Group], dict]:
+    """The step's ``prompts_per_step`` groups. With ``loss.dynamic_sampling`` (DAPO), groups whose rewards
+    all tie (no signal) are replaced by fresh prompts for up to ``loss.max_resample_rounds`` more rounds;
+    if still short, tied groups fill the rest so that the step keeps its size. Ties are judged on the task
+    reward plus the overlong penalty, before any KL penalty (which would untie everything)."""
+    cfg, plan, task = parts.cfg, parts.plan, parts.task
+    dynamic = bool(cfg.loss.dynamic_sampling)
+    kept, spare, rounds, sampled, generation_time = [], [], 0, 0, 0.0
+    while len(kept) < plan.prompts_per_step and (rounds == 0 or (dynamic and rounds <= cfg.loss.max_resample_rounds)):
+        rows = [task.rows[i] for i in sampler.take(plan.prompts_per_step - len(kept))]
+        prompts = prompt_token_ids(task, parts.tokenizer, rows)
+        started = time.perf_counter()
+        completions = parts.engine.generate(
+            prompts, n=plan.group_size, max_tokens=plan.max_tokens,
+            temperature=float(cfg.inference_model.temperature), top_p=float(cfg.inference_model.top_p),
+        )
+        generation_time += time.perf_counter() - started
+        for j, row in enumerate(rows):
+            mine = completions[j * plan.group_size: (j + 1) * plan.group_size]
+            group = Group(row, prompts[j], mine, [task.score(c.text, row) for c in mine])
+            rewards = torch.tensor([task.total(c) for c in group.components]) + _overlong(parts, mine)
+            (spare if dynamic and bool((rewards == rewards[0]).all()) else kept).append(group)
+        rounds, sampled = rounds + 1, sampled + len(rows)
+    dropped = len(spare)
+    kept += spare[: plan.prompts_per_step - len(kept)]
+    stats = {"generation_time": generation_time}
+    if dynamic:
+        stats.update({"dropped_group_fraction": dropped / sampled, "sampling_rounds": rounds})
+    return kept, stats
+
+
+def _overlong(parts: Parts, completions) -> torch.Tensor:
+    """DAPO's soft overlong penalty per completion (``loss.overlong=soft``), else zeros."""
+    lengths = torch.tensor([len(c.token_ids) for c in completions])
+    if parts.cfg.loss.overlong != "soft":
+        return torch.zeros(len(completions))
+    return overlong_penalty(lengths, parts.plan.max_tokens, parts.cfg.loss.overlong_buffer)
+
+
 def collect(parts: Parts, sampler: PromptSampler, version: int):
     """One collection step: prompts -> G completions each -> scored, advantage-stamped batch."""
     cfg, plan = parts.cfg, parts.plan
-    rows = [parts.task.rows[i] for i in sampler.take(plan.prompts_per_step)]
-    prompts = prompt_token_ids(parts.task, parts.tokenizer, rows)
-    started = time.perf_counter()
-    completions = parts.engine.generate(
-        prompts, n=plan.group_size, max_tokens=plan.max_tokens,
-        temperature=float(cfg.inference_model.temperature), top_p=float(cfg.inference_model.top_p),
-    )
-    generation_time = time.perf_counter() - started
-    batch = build_batch(prompts, completions, plan.group_size, parts.tokenizer.pad_token_id, version)
-    batch.update(score(parts.task, rows, completions))
-    metrics = {}
+    groups, metrics = sample_groups(parts, sampler)
+    completions = [replace(c, prompt_index=g) for g, group in enumerate(groups) for c in group.completions]
+    batch = build_batch([g.prompt for g in groups], completions, plan.group_size, parts.tokenizer.pad_token_id,
+                        version)
+    batch.update(reward_tensors(parts.task, [c for g in groups for c in g.components]))
+    if cfg.loss.overlong == "soft":
+        penalty = _overlong(parts, completions)
+        batch["reward"] = batch["reward"] + penalty
+        metrics["overlong_penalty_mean"] = penalty.mean().item()
     if cfg.loss.old_log_probs == "trainer":
         batch["old_log_probs"] = scored_log_probs(parts, parts.policy, parts.train_device, batch)
         gap = (batch["old_log_probs"] - batch["sample_log_probs"]).abs()[batch["completion_mask"]]
@@ -144,8 +191,7 @@ def collect(parts: Parts, sampler: PromptSampler, version: int):
         "completion_length": lengths.mean().item(),
         "completion_length_max": lengths.max().item(),
         "truncated_fraction": batch["truncated"].float().mean().item(),
-        "generation_time": generation_time,
-        "generation_tokens_per_s": lengths.sum().item() / max(generation_time, 1e-9),
+        "generation_tokens_per_s": lengths.sum().item() / max(metrics["generation_time"], 1e-9),
     })
     samples = [(c.text, r) for c, r in zip(completions, batch["reward"].tolist())]
     return batch, metrics, samples
@@ -177,7 +223,7 @@ def optimize(parts: Parts, batch, generator: torch.Generator) -> dict:
         order = torch.randperm(len(batch), generator=generator).split(plan.micro_batch)
         for first in range(0, len(order), plan.accumulation):
             micro = [_trim(batch[idx]).to(parts.train_device) for idx in order[first: first + plan.accumulation]]
-            weights = [accumulation_weight(parts.loss.aggregation, mb["completion_mask"]) for mb in micro]
+            weights = [parts.loss.accumulation_weight(mb) for mb in micro]
             for mb, weight in zip(micro, weights):
                 with _autocast(cfg, parts.train_device):
                     losses = parts.loss(mb)

@@ -77,10 +77,10 @@ def build_batch(prompts: list[list[int]], completions, group_size: int, pad_id: 
     )
 
 
-def score(task: Task, rows: list[dict], completions) -> TensorDict:
-    """Each reward component and the weighted total of every completion."""
-    components = [task.score(c.text, rows[c.prompt_index]) for c in completions]
-    per_name = {name: torch.tensor([comp[name] for comp in components]) for name in task.reward_names}
-    total = torch.tensor([task.total(comp) for comp in components])
-    return TensorDict({"reward": total, "rewards": TensorDict(per_name, batch_size=[len(completions)])},
-                      batch_size=[len(completions)])
+def reward_tensors(task: Task, components: list[dict]) -> TensorDict:
+    """Each reward component (``("rewards", name)``) and the weighted total (``reward``) per completion,
+    from ``task.score`` outputs in batch order."""
+    per_name = {name: torch.tensor([c[name] for c in components]) for name in task.reward_names}
+    total = torch.tensor([task.total(c) for c in components])
+    return TensorDict({"reward": total, "rewards": TensorDict(per_name, batch_size=[len(components)])},
+                      batch_size=[len(components)])

@@ -7,12 +7,15 @@ from typing import Any
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, RewardFn, Task
 from torchrl_grpo.tasks.gsm8k import build_gsm8k_task
+from torchrl_grpo.tasks.ifeval import build_ifeval_task
 
 # env.dataset -> builder(env_cfg) -> Task. New tasks add themselves with register_task.
 TASK_BUILDERS: dict[str, Callable[[Any], Task]] = {
     "openai/gsm8k": build_gsm8k_task,
     "gsm8k": build_gsm8k_task,
     "gsm_symbolic": build_gsm8k_task,
+    "google/IFEval": build_ifeval_task,
+    "ifeval": build_ifeval_task,
 }
 DEFAULT_DATASET = "openai/gsm8k"
 
