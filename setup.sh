@@ -1,18 +1,19 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv with everything the trainer and its tests need. Idempotent: a stamp holding the
 # hash of the requirements skips the install when nothing changed. GRPO_STACK=gpu installs the GPU stack
-# (official vLLM) instead of the CPU one; the default picks gpu when nvidia-smi sees a GPU.
+# (official vLLM: requirements_ifeval.txt, which includes requirements_gsm8k.txt) instead of the CPU one;
+# the default picks gpu when nvidia-smi sees a GPU.
 set -euo pipefail
 cd "$(dirname "$0")"
 stack="${GRPO_STACK:-$(nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)}"
 case "$stack" in
   cpu) reqs=requirements_cpu.txt ;;
-  gpu) reqs=requirements_gsm8k.txt ;;
+  gpu) reqs=requirements_ifeval.txt ;;  # includes requirements_gsm8k.txt
   *) echo "error: GRPO_STACK=$stack: use cpu or gpu" >&2; exit 2 ;;
 esac
 python="${PYTHON:-python3}"
 stamp=".venv/.installed-$stack"
-want="$(cat "$reqs" setup.sh | sha256sum | cut -c1-16)"
+want="$(cat requirements_*.txt setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
@@ -25,5 +26,6 @@ if [ "$stack" = cpu ]; then
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi
 .venv/bin/python -c "import torch, torchrl, tensordict, transformers, hydra, vllm" >/dev/null
+.venv/bin/python -c "from torchrl_grpo.tasks.ifeval import ensure_punkt_tab; ensure_punkt_tab()"
 echo "$want" > "$stamp"
 echo "setup: done" >&2

@@ -116,7 +116,10 @@ def _use_nltk_data(root: Path) -> None:
     parts = [p for p in os.environ.get("NLTK_DATA", "").split(os.pathsep) if p]
     if text not in parts:
         os.environ["NLTK_DATA"] = os.pathsep.join([text, *parts])
-    import nltk.data
+    try:
+        import nltk.data
+    except ImportError as err:
+        raise ConfigError(f"IFEval's checkers need nltk ({err}); run ./setup.sh or {_CHECKERS_INSTALL}") from None
 
     if text not in nltk.data.path:
         nltk.data.path.insert(0, text)
@@ -297,7 +300,7 @@ def _local_files(path: Path, split: str) -> tuple[str, list[str]]:
     )
 
 
-def _prepare(raw: datasets.Dataset, where: str, validate: bool = True) -> datasets.Dataset:
+def _prepare(raw: datasets.Dataset, where: str) -> datasets.Dataset:
     """Rows ``{question, key, instruction_id_list, kwargs}`` from IFEval's ``{key, prompt, instruction_id_list,
     kwargs}``; ``kwargs`` becomes a JSON string (one dict per instruction, None values dropped), so that
     ``datasets`` does not merge the dicts into one struct with nulls again."""
@@ -306,7 +309,7 @@ def _prepare(raw: datasets.Dataset, where: str, validate: bool = True) -> datase
         raise ConfigError(
             f"{where}: rows lack the column(s) {missing}; IFEval rows need prompt, instruction_id_list and kwargs"
         )
-    known = set(_checkers()[0]) if validate else None
+    known = set(_checkers()[0])
     keys = raw["key"] if "key" in raw.column_names else list(range(len(raw)))
     questions, ids_col, kwargs_col = [], [], []
     for i, (prompt, ids, kwargs) in enumerate(zip(raw["prompt"], raw["instruction_id_list"], raw["kwargs"])):
@@ -319,10 +322,9 @@ def _prepare(raw: datasets.Dataset, where: str, validate: bool = True) -> datase
             raise ConfigError(
                 f"{where}: row {i} (key {keys[i]}): {len(ids)} instruction ids but {len(cleaned)} kwargs dicts"
             )
-        if known is not None:
-            unknown = [x for x in ids if x not in known]
-            if unknown:
-                raise ConfigError(f"{where}: row {i} (key {keys[i]}): unknown instruction id(s) {unknown}")
+        unknown = [x for x in ids if x not in known]
+        if unknown:
+            raise ConfigError(f"{where}: row {i} (key {keys[i]}): unknown instruction id(s) {unknown}")
         questions.append(str(prompt))
         ids_col.append(ids)
         kwargs_col.append(json.dumps(cleaned, sort_keys=True))
@@ -373,7 +375,7 @@ def _get(cfg: Any, key: str, default: Any = None) -> Any:
 
 def ifeval_rewards(reward: str = DEFAULT_REWARD) -> list[Reward]:
     """The four components, weight 1 on ``reward`` and 0 on the others (all are logged)."""
-    if reward not in REWARD_NAMES:
+    if not isinstance(reward, str) or reward not in REWARD_NAMES:
         raise ConfigError(f"env.reward={reward!r}: choose one of {', '.join(REWARD_NAMES)}")
     return [Reward(name, REWARD_FNS[name], 1.0 if name == reward else 0.0) for name in REWARD_NAMES]
 
@@ -384,8 +386,7 @@ def build_ifeval_task(env_cfg: Any) -> Task:
     dataset = _get(env_cfg, "dataset", HUB_DATASET)
     if dataset not in IFEVAL_NAMES:
         raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(IFEVAL_NAMES)}")
-    reward = _get(env_cfg, "reward", DEFAULT_REWARD)
-    rewards = ifeval_rewards(reward if isinstance(reward, str) else repr(reward))
+    rewards = ifeval_rewards(_get(env_cfg, "reward", DEFAULT_REWARD))
     system_prompt = env_cfg.get("system_prompt") if env_cfg is not None else None
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for none")
