@@ -296,6 +296,7 @@ def _resume(parts: Parts, sampler: PromptSampler, generator: torch.Generator) ->
 
 
 def _print_summary(telemetry: Telemetry, summary: dict, window: int) -> None:
-    telemetry.print(f"summary: {'first step':>12} {f'first {window} mean':>14} {f'last {window} mean':>14}")
+    width = max([len(key) for key in summary] + [8])
+    telemetry.print(f"{'summary:':<{width + 2}} {'first step':>12} {f'first {window} mean':>14} {f'last {window} mean':>14}")
     for key, trend in summary.items():
-        telemetry.print(f"  {key:<22} {trend.first_step:>12.3f} {trend.first_mean:>14.3f} {trend.last_mean:>14.3f}")
+        telemetry.print(f"  {key:<{width}} {trend.first_step:>12.3f} {trend.first_mean:>14.3f} {trend.last_mean:>14.3f}")
