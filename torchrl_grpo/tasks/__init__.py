@@ -32,7 +32,33 @@ def build_task(env_cfg: Any) -> Task:
     builder = TASK_BUILDERS.get(dataset) if isinstance(dataset, str) else None
     if builder is None:
         raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(TASK_BUILDERS)}")
-    return builder(env_cfg)
+    return add_custom_rewards(builder(env_cfg), env_cfg.get("rewards") or [])
 
 
-__all__ = ["Reward", "RewardFn", "Task", "TASK_BUILDERS", "build_task", "register_task"]
+def add_custom_rewards(task: Task, entries) -> Task:
+    """Append the rewards of ``env.rewards``: each entry names a function ``fn(completion, row) -> float``
+    by its import path (``_target_``), with a ``weight`` (default 1) and a ``name`` (default: the
+    function's), e.g. ``{_target_: my_rewards.length, weight: 0.5}``. Each is logged apart."""
+    from hydra.utils import get_method
+
+    for i, entry in enumerate(entries):
+        key = f"env.rewards[{i}]"
+        target = entry.get("_target_") if hasattr(entry, "get") else None
+        if not isinstance(target, str):
+            raise ConfigError(f"{key}: give the reward function's import path as _target_ (e.g. mypkg.rewards.length)")
+        try:
+            fn = get_method(target)
+        except Exception as err:  # ImportError, AttributeError, ValueError from hydra
+            raise ConfigError(f"{key}._target_={target}: cannot import it ({type(err).__name__}); "
+                              "check the module is on PYTHONPATH and the function name") from None
+        weight = entry.get("weight", 1.0)
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
+            raise ConfigError(f"{key}.weight={weight!r}: must be a number")
+        name = entry.get("name") or target.rsplit(".", 1)[-1]
+        if name in task.reward_names:
+            raise ConfigError(f"{key}.name={name!r}: the task already has a reward of that name; give another name")
+        task.add_reward(name, fn, float(weight))
+    return task
+
+
+__all__ = ["Reward", "RewardFn", "Task", "TASK_BUILDERS", "add_custom_rewards", "build_task", "register_task"]
