@@ -1,16 +1,21 @@
-"""Async GRPO (Ray actors collect while the trainer optimizes): not built yet.
+"""Async GRPO: Ray rollout actors collect while the trainer optimizes (see torchrl_grpo/async_loop.py).
 
-It composes the same config tree as grpo.py (with mode=async) and then stops with a clear message, so
-that scripts written for the original recipe fail loudly instead of silently training in sync mode.
+    python grpo-async.py env=gsm_symbolic                    # one vLLM actor, one-step off-policy
+    python grpo-async.py ray.num_actors=2 train.max_staleness=2
+    python grpo-async.py ray.address=auto                     # join a running Ray cluster
+
+It composes the same config tree as grpo.py with mode=async (added unless a mode= is given).
+Exit codes: 0 done (or stopped by SIGINT/SIGTERM with a checkpoint), 2 bad config, 1 a rollout actor
+died or hung (one line on stderr, after a checkpoint of the last finished step).
 """
 import sys
 from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from grpo_utils import exit_on_config_error
-from torchrl_grpo.errors import ConfigError
+from grpo_utils import build, exit_on_config_error
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 
@@ -18,7 +23,15 @@ CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 @hydra.main(config_path=CONFIG_DIR, config_name="grpo_gsm8k", version_base="1.3")
 @exit_on_config_error
 def main(cfg: DictConfig) -> None:
-    raise ConfigError("grpo-async.py: async mode is not available yet; run `python grpo.py` (sync) with the same overrides")
+    from torchrl_grpo.async_loop import AsyncRunError, check_async_config, run_async
+
+    check_async_config(cfg)  # before anything heavy: a bad async key fails in a second
+    parts = build(cfg, Path(HydraConfig.get().runtime.output_dir), with_engine=False)
+    try:
+        run_async(parts)
+    except AsyncRunError as err:
+        print(f"error: {err}", file=sys.stderr, flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

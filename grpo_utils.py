@@ -116,8 +116,8 @@ def build_loss(cfg: DictConfig, policy) -> GRPOLoss:
     )
 
 
-def build(cfg: DictConfig, run_dir: Path) -> Parts:
-    """Everything a sync run needs, from a composed config."""
+def build(cfg: DictConfig, run_dir: Path, with_engine: bool = True) -> Parts:
+    """Everything a run needs, from a composed config (async runs: no engine, the actors have theirs)."""
     plan = validate(cfg)
     needs_ref = float(cfg.train.kl_to_ref_coeff) > 0
     placement = place(cfg, needs_ref)
@@ -136,14 +136,16 @@ def build(cfg: DictConfig, run_dir: Path) -> Parts:
     if needs_ref:
         ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, placement.ref[0]),
                                  device=placement.ref, trainable=False)
-    engine = build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed) + start_step)
+    engine, push_weights = None, None
+    if with_engine:
+        engine = build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed) + start_step)
 
-    def push_weights():
-        if cfg.inference_model.backend != "transformers":  # the fallback engine shares the policy itself
-            engine.push_weights(merged_state_dict(policy))
+        def push_weights():
+            if cfg.inference_model.backend != "transformers":  # the fallback engine shares the policy itself
+                engine.push_weights(merged_state_dict(policy))
 
-    if resume_from is not None:
-        push_weights()
+        if resume_from is not None:
+            push_weights()
     return Parts(
         cfg=cfg, plan=plan, run_dir=run_dir, task=task, tokenizer=tokenizer, policy=policy, ref_policy=ref_policy,
         engine=engine, loss=build_loss(cfg, policy), optimizer=build_optimizer(cfg, policy),

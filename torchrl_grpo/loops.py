@@ -167,14 +167,9 @@ def collect(parts: Parts, sampler: PromptSampler, version: int):
         penalty = _overlong(parts, completions)
         batch["reward"] = batch["reward"] + penalty
         metrics["overlong_penalty_mean"] = penalty.mean().item()
-    if cfg.loss.old_log_probs == "trainer":
-        batch["old_log_probs"] = scored_log_probs(parts, parts.policy, parts.train_device, batch)
-        gap = (batch["old_log_probs"] - batch["sample_log_probs"]).abs()[batch["completion_mask"]]
-        metrics["engine_trainer_logp_gap_max"] = gap.max().item()
-    else:
-        batch["old_log_probs"] = batch["sample_log_probs"]
+    batch["old_log_probs"] = batch["sample_log_probs"]
+    metrics.update(trainer_log_probs(parts, batch))
     if parts.ref_policy is not None:
-        batch["ref_log_probs"] = scored_log_probs(parts, parts.ref_policy, parts.ref_device, batch)
         if not cfg.train.kl_coef_in_loss:  # KL penalty in the reward (k1 summed over the completion)
             kl = ((batch["sample_log_probs"] - batch["ref_log_probs"]) * batch["completion_mask"]).sum(-1)
             batch["reward"] = batch["reward"] - float(cfg.train.kl_to_ref_coeff) * kl
@@ -195,6 +190,19 @@ def collect(parts: Parts, sampler: PromptSampler, version: int):
     })
     samples = [(c.text, r) for c, r in zip(completions, batch["reward"].tolist())]
     return batch, metrics, samples
+
+
+def trainer_log_probs(parts: Parts, batch) -> dict:
+    """The log-probs only a process holding the policy can add: the policy's own before its update
+    (``loss.old_log_probs=trainer``, replacing the engine's) and the reference's; returns metrics."""
+    metrics = {}
+    if parts.cfg.loss.old_log_probs == "trainer":
+        batch["old_log_probs"] = scored_log_probs(parts, parts.policy, parts.train_device, batch)
+        gap = (batch["old_log_probs"] - batch["sample_log_probs"]).abs()[batch["completion_mask"]]
+        metrics["engine_trainer_logp_gap_max"] = gap.max().item()
+    if parts.ref_policy is not None:
+        batch["ref_log_probs"] = scored_log_probs(parts, parts.ref_policy, parts.ref_device, batch)
+    return metrics
 
 
 @torch.no_grad()
