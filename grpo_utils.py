@@ -21,7 +21,7 @@ from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.loops import Parts
 from torchrl_grpo.objective import GRPOLoss
 from torchrl_grpo.placement import Placement, place, resolve_dtype
-from torchrl_grpo.tasks import build_task
+from torchrl_grpo.tasks import Task, build_task, eval_env_config
 
 
 def exit_on_config_error(main):
@@ -116,6 +116,26 @@ def build_loss(cfg: DictConfig, policy) -> GRPOLoss:
     )
 
 
+def build_eval_task(cfg: DictConfig) -> Task:
+    """The task's evaluation split: ``env`` with ``env.eval`` merged over it (GSM8K's test split, another
+    seed for generated tasks, reasoning-gym's held-out tasks)."""
+    return build_task(eval_env_config(cfg.env))
+
+
+def build_eval_engine(cfg: DictConfig):
+    """(engine, tokenizer) for ``evaluate.py``: the configured backend on ``model.name``, no trainer."""
+    from torchrl_grpo.models import load_policy, load_tokenizer, resolve_model
+
+    placement = place(cfg, needs_ref=False)
+    model_path = resolve_model(str(cfg.model.name))
+    tokenizer = load_tokenizer(model_path)
+    policy = None
+    if cfg.inference_model.backend == "transformers":
+        policy = load_policy(model_path, dtype=resolve_dtype(cfg.inference_model.torch_dtype, placement.inference[0]),
+                             device=placement.inference, trainable=False)
+    return build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed)), tokenizer
+
+
 def build(cfg: DictConfig, run_dir: Path, with_engine: bool = True) -> Parts:
     """Everything a run needs, from a composed config (async runs: no engine, the actors have theirs)."""
     plan = validate(cfg)
@@ -127,6 +147,7 @@ def build(cfg: DictConfig, run_dir: Path, with_engine: bool = True) -> Parts:
     print(f"batch plan:\n{plan.table()}\nplacement: {placement.describe()}", flush=True)
 
     task = build_task(cfg.env)
+    eval_task = build_eval_task(cfg) if int(cfg.logging.eval_frequency) > 0 else None
     from torchrl_grpo.models import load_policy, load_tokenizer, merged_state_dict, resolve_model
 
     model_path = resolve_model(str(cfg.model.name))
@@ -147,7 +168,8 @@ def build(cfg: DictConfig, run_dir: Path, with_engine: bool = True) -> Parts:
         if resume_from is not None:
             push_weights()
     return Parts(
-        cfg=cfg, plan=plan, run_dir=run_dir, task=task, tokenizer=tokenizer, policy=policy, ref_policy=ref_policy,
+        cfg=cfg, plan=plan, run_dir=run_dir, task=task, eval_task=eval_task, tokenizer=tokenizer, policy=policy,
+        ref_policy=ref_policy,
         engine=engine, loss=build_loss(cfg, policy), optimizer=build_optimizer(cfg, policy),
         train_device=torch.device(placement.train[0]),
         ref_device=torch.device(placement.ref[0]) if needs_ref else None,

@@ -43,6 +43,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo.config import batch_plan
 from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.evaluation import eval_due, evaluate_policy
 from torchrl_grpo.loops import (
     Parts, StopRequest, _checkpoint_due, _print_summary, _resume, _save, collect, optimize, trainer_log_probs,
 )
@@ -231,6 +232,9 @@ def run_async(parts: Parts) -> dict:
               f"weights pushed every {frequency} step(s), batches older than {max_staleness} version(s) dropped",
               flush=True)
         telemetry = Telemetry(cfg, parts.run_dir, plan.total_steps, start_step, resumed=start_step > 0)
+        eval_engine = _eval_engine(parts) if parts.eval_task is not None else None
+        if start_step == 0 and eval_due(cfg, 0, plan.total_steps):
+            telemetry.record(0, evaluate_policy(parts, eval_engine))
         with StopRequest() as stop:
             while step < plan.total_steps:
                 waited = time.perf_counter()
@@ -274,6 +278,8 @@ def run_async(parts: Parts) -> dict:
                            "stale_dropped": state.stale_dropped, "actor": actor, "batch_wait_time": wait_time,
                            "weight_push_time": push_time,
                            "step_time": time.perf_counter() - step_started + wait_time}
+                if eval_due(cfg, step, plan.total_steps):
+                    metrics.update(evaluate_policy(parts, eval_engine))
                 telemetry.log(step, metrics, samples)
                 if _checkpoint_due(cfg, step, plan.total_steps) or stop.requested:
                     _save(parts, ckpt_dir, step, state, generator)
@@ -301,6 +307,14 @@ def run_async(parts: Parts) -> dict:
     summary = summarize(telemetry.csv.rows, ["reward"] + [f"reward/{n}" for n in parts.task.reward_names], window)
     _print_summary(telemetry, summary, window)
     return summary
+
+
+def _eval_engine(parts: Parts):
+    """The trainer's evaluation engine in async mode: the transformers engine over the trained policy itself
+    (the vLLM engines live in the rollout actors and may hold older weights)."""
+    from torchrl_grpo.rollout import TransformersEngine
+
+    return TransformersEngine(parts.policy, parts.tokenizer, seed=int(parts.cfg.train.seed))
 
 
 class _Fault(Exception):

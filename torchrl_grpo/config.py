@@ -184,9 +184,27 @@ def validate(cfg: DictConfig) -> BatchPlan:
     clip = _get(cfg, "optimizer.clip_grad_norm")
     if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
         raise ConfigError(f"optimizer.clip_grad_norm={clip!r}: must be > 0, or null for no clipping")
-    for key in ("logging.checkpoint_frequency", "logging.log_frequency"):
+    for key in ("logging.checkpoint_frequency", "logging.log_frequency", "logging.eval_frequency"):
         value = _get(cfg, key)
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"{key}={value!r}: must be an integer >= 0")
+    _validate_eval(cfg)
     return plan
+
+
+def _validate_eval(cfg: DictConfig) -> None:
+    """The eval: block (evaluate.py and the trainer's periodic evaluation)."""
+    samples = _positive_int(cfg, "eval.samples")
+    for key in ("eval.num_prompts", "eval.max_tokens"):
+        if _get(cfg, key) is not None:
+            _positive_int(cfg, key)
+    temperature = _get(cfg, "eval.temperature")
+    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
+        raise ConfigError(f"eval.temperature={temperature!r}: must be a number >= 0 (0 = greedy)")
+    if samples > 1 and temperature == 0:
+        raise ConfigError(f"eval.samples={samples} with eval.temperature=0: greedy decoding gives {samples} identical "
+                          "responses; set eval.temperature>0 (e.g. 1.0) for pass@k, or eval.samples=1")
+    responses = _get(cfg, "eval.responses")
+    if responses is not None and not isinstance(responses, str):
+        raise ConfigError(f"eval.responses={responses!r}: give the path of a JSONL file, or null to generate")
 

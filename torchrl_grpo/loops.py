@@ -18,10 +18,11 @@ import torch
 
 from torchrl_grpo import checkpoint
 from torchrl_grpo.config import BatchPlan
+from torchrl_grpo.evaluation import eval_due, evaluate_policy
 from torchrl_grpo.objective import (
     GRPOLoss, first_completion_column, group_advantages, overlong_penalty, token_log_probs, total_loss,
 )
-from torchrl_grpo.tasks import Task
+from torchrl_grpo.tasks import Task, per_task_means
 from torchrl_grpo.telemetry import Telemetry, summarize
 from torchrl_grpo.trajectories import PromptSampler, build_batch, prompt_token_ids, reward_tensors
 
@@ -42,6 +43,7 @@ class Parts:
     ref_device: torch.device | None
     push_weights: callable  # () -> None: the trainer's weights into the engine
     resume_from: Path | None  # the checkpoint the builder loaded the weights from, if resuming
+    eval_task: Task | None = None  # the evaluation split, when logging.eval_frequency > 0
 
 
 def run_sync(parts: Parts) -> dict:
@@ -53,6 +55,8 @@ def run_sync(parts: Parts) -> dict:
     start_step = _resume(parts, sampler, generator)
     telemetry = Telemetry(cfg, parts.run_dir, plan.total_steps, start_step, resumed=start_step > 0)
     try:
+        if start_step == 0 and eval_due(cfg, 0, plan.total_steps):
+            telemetry.record(0, evaluate_policy(parts, parts.engine))
         with StopRequest() as stop:
             for step in range(start_step + 1, plan.total_steps + 1):
                 _step(parts, step, sampler, generator, telemetry)
@@ -79,6 +83,8 @@ def _step(parts: Parts, step: int, sampler: PromptSampler, generator: torch.Gene
     parts.push_weights()
     metrics = {**rollout_metrics, **train_metrics, "weight_push_time": time.perf_counter() - push_started,
                "step_time": time.perf_counter() - started}
+    if eval_due(parts.cfg, step, parts.plan.total_steps):
+        metrics.update(evaluate_policy(parts, parts.engine))
     telemetry.log(step, metrics, samples)
 
 
@@ -162,7 +168,8 @@ def collect(parts: Parts, sampler: PromptSampler, version: int):
     completions = [replace(c, prompt_index=g) for g, group in enumerate(groups) for c in group.completions]
     batch = build_batch([g.prompt for g in groups], completions, plan.group_size, parts.tokenizer.pad_token_id,
                         version)
-    batch.update(reward_tensors(parts.task, [c for g in groups for c in g.components]))
+    components = [c for g in groups for c in g.components]
+    batch.update(reward_tensors(parts.task, components))
     if cfg.loss.overlong == "soft":
         penalty = _overlong(parts, completions)
         batch["reward"] = batch["reward"] + penalty
@@ -187,6 +194,8 @@ def collect(parts: Parts, sampler: PromptSampler, version: int):
         "completion_length_max": lengths.max().item(),
         "truncated_fraction": batch["truncated"].float().mean().item(),
         "generation_tokens_per_s": lengths.sum().item() / max(metrics["generation_time"], 1e-9),
+        **per_task_means([g.row for g in groups for _ in g.completions], components,
+                         [parts.task.total(c) for c in components]),
     })
     samples = [(c.text, r) for c, r in zip(completions, batch["reward"].tolist())]
     return batch, metrics, samples

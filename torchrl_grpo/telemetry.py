@@ -21,6 +21,8 @@ CONSOLE_KEYS = (
     ("step_time", "s/step"),
 )
 
+EVAL_CONSOLE_KEYS = ("accuracy", "reward")
+
 
 class MetricsCSV:
     """One row per step; the header grows when a new metric appears (the file is rewritten then)."""
@@ -67,11 +69,22 @@ class Telemetry:
                         disable=not cfg.logging.progress_bar, file=sys.stderr)
         self.wandb = _start_wandb(cfg, run_dir) if cfg.logging.wandb.enabled else None
 
-    def log(self, step: int, metrics: dict, samples: list[tuple[str, float]]) -> None:
+    def record(self, step: int, metrics: dict) -> dict:
+        """Write ``metrics`` as the row of ``step`` (CSV, wandb) and print its evaluation line, if any; the
+        trainer's evaluation before the first step is recorded as step 0."""
         row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
         self.csv.write(row)
         if self.wandb is not None:
             self.wandb.log(row, step=step)
+        shown = [(key, row.get(f"eval/{key}")) for key in EVAL_CONSOLE_KEYS]
+        if any(isinstance(value, float) for _, value in shown):
+            self.print(f"eval at step {step}: " + " | ".join(
+                f"{key} {value:.4g}" for key, value in shown if isinstance(value, float)))
+        return row
+
+    def log(self, step: int, metrics: dict, samples: list[tuple[str, float]]) -> None:
+        """One training step: its row, the progress bar, a console line every ``logging.log_frequency`` steps."""
+        row = self.record(step, metrics)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{row.get('reward', float('nan')):.3f}")
         if step % self.log_frequency == 0:

@@ -5,9 +5,10 @@ from collections.abc import Callable
 from typing import Any
 
 from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.tasks.base import Reward, RewardFn, Task
+from torchrl_grpo.tasks.base import Reward, RewardFn, Task, per_task_means
 from torchrl_grpo.tasks.gsm8k import build_gsm8k_task
 from torchrl_grpo.tasks.ifeval import build_ifeval_task
+from torchrl_grpo.tasks.reasoning_gym_tasks import build_reasoning_gym_task
 
 # env.dataset -> builder(env_cfg) -> Task. New tasks add themselves with register_task.
 TASK_BUILDERS: dict[str, Callable[[Any], Task]] = {
@@ -16,6 +17,7 @@ TASK_BUILDERS: dict[str, Callable[[Any], Task]] = {
     "gsm_symbolic": build_gsm8k_task,
     "google/IFEval": build_ifeval_task,
     "ifeval": build_ifeval_task,
+    "reasoning_gym": build_reasoning_gym_task,
 }
 DEFAULT_DATASET = "openai/gsm8k"
 
@@ -33,6 +35,16 @@ def build_task(env_cfg: Any) -> Task:
     if builder is None:
         raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(TASK_BUILDERS)}")
     return add_custom_rewards(builder(env_cfg), env_cfg.get("rewards") or [])
+
+
+def eval_env_config(env_cfg: Any) -> Any:
+    """The env config of the task's evaluation split: ``env`` with its ``env.eval`` block merged over it
+    (e.g. ``{split: test}`` for GSM8K, another seed for generated tasks, held-out tasks for reasoning-gym)."""
+    from omegaconf import OmegaConf
+
+    base = OmegaConf.create(OmegaConf.to_container(env_cfg, resolve=True)) if env_cfg is not None else OmegaConf.create()
+    overrides = base.pop("eval", None) or {}
+    return OmegaConf.merge(base, overrides)
 
 
 def add_custom_rewards(task: Task, entries) -> Task:
@@ -61,4 +73,5 @@ def add_custom_rewards(task: Task, entries) -> Task:
     return task
 
 
-__all__ = ["Reward", "RewardFn", "Task", "TASK_BUILDERS", "add_custom_rewards", "build_task", "register_task"]
+__all__ = ["Reward", "RewardFn", "Task", "TASK_BUILDERS", "add_custom_rewards", "build_task", "eval_env_config",
+           "per_task_means", "register_task"]

@@ -34,6 +34,7 @@ class Task:
     rows: datasets.Dataset
     system_prompt: str | None
     rewards: list[Reward] = field(default_factory=list)
+    success: str | None = None  # the component that says "solved" (value >= 1) for pass@k; None: the first
 
     def __post_init__(self):
         names = [r.name for r in self.rewards]
@@ -44,6 +45,11 @@ class Task:
     def reward_weights(self) -> dict[str, float]:
         """Component name -> weight; total reward = sum(weight * component)."""
         return {r.name: float(r.weight) for r in self.rewards}
+
+    @property
+    def success_reward(self) -> str:
+        """The reward component whose value >= 1 counts a completion as solved (evaluation, pass@k)."""
+        return self.success or self.rewards[0].name
 
     @property
     def reward_names(self) -> list[str]:
@@ -93,3 +99,19 @@ class Task:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+
+def per_task_means(rows: list[Mapping[str, Any]], components: list[Mapping[str, float]], totals: list[float],
+                   prefix: str = "task/") -> dict[str, float]:
+    """``{prefix}<task>/<component>`` and ``{prefix}<task>/reward`` means over the completions of each task,
+    for batches that mix tasks (rows with a ``task`` field, e.g. reasoning-gym); {} for single-task rows."""
+    names = [row.get("task") for row in rows]
+    if not names or any(not isinstance(n, str) for n in names):
+        return {}
+    out = {}
+    for name in dict.fromkeys(names):
+        mine = [i for i, n in enumerate(names) if n == name]
+        for key in components[0]:
+            out[f"{prefix}{name}/{key}"] = sum(float(components[i][key]) for i in mine) / len(mine)
+        out[f"{prefix}{name}/reward"] = sum(totals[i] for i in mine) / len(mine)
+    return out

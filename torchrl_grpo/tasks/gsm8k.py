@@ -248,7 +248,8 @@ def build_gsm8k_task(env_cfg: Any) -> Task:
         system_prompt = REASONING_SYSTEM_PROMPT if reasoning else SYSTEM_PROMPT
     elif not isinstance(system_prompt, str):
         raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for the default")
-    task = Task(name=name, rows=rows, system_prompt=system_prompt or None, rewards=gsm8k_rewards(reasoning))
+    task = Task(name=name, rows=rows, system_prompt=system_prompt or None, rewards=gsm8k_rewards(reasoning),
+                success="accuracy")
 
     overrides = _get(env_cfg, "reward_weights")
     if overrides and not reasoning and "think_format" in overrides:

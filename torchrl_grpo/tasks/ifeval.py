@@ -392,5 +392,5 @@ def build_ifeval_task(env_cfg: Any) -> Task:
         raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for none")
     _checkers()  # fails fast (one line) when the checkers are missing; writes the NLTK data once
     rows = load_ifeval(HUB_DATASET, _get(env_cfg, "data_path"), str(_get(env_cfg, "split", "train")))
-    task = Task(name="ifeval", rows=rows, system_prompt=system_prompt or None, rewards=rewards)
+    task = Task(name="ifeval", rows=rows, system_prompt=system_prompt or None, rewards=rewards, success="prompt_strict")
     return task.set_weights(_get(env_cfg, "reward_weights"))

@@ -1,0 +1,136 @@
+"""Evaluation: pass@k against brute force, scoring hand-made responses, reading response files, and
+evaluate.py as users run it (a real subprocess: responses mode on GSM8K's test rows, generation mode with
+the tiny model on the vLLM CPU engine)."""
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.evaluation import ks_for, pass_at_k, read_responses, score_responses
+from torchrl_grpo.tasks import build_task, eval_env_config
+
+ROOT = Path(__file__).resolve().parents[1]
+GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
+needs_vllm = pytest.mark.skipif(
+    subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode != 0,
+    reason="vllm is not importable here")
+
+
+def brute_pass_at_k(outcomes: list[bool], k: int) -> float:
+    """The share of all k-subsets of the responses that hold at least one correct one."""
+    subsets = list(itertools.combinations(outcomes, k))
+    return sum(any(s) for s in subsets) / len(subsets)
+
+
+@pytest.mark.parametrize("n, c", [(1, 0), (1, 1), (4, 0), (4, 1), (4, 3), (5, 2), (8, 8)])
+def test_pass_at_k_equals_brute_force_over_subsets(n, c):
+    outcomes = [True] * c + [False] * (n - c)
+    for k in range(1, n + 1):
+        assert pass_at_k(n, c, k) == pytest.approx(brute_pass_at_k(outcomes, k), abs=1e-12)
+
+
+def test_pass_at_k_bad_arguments_and_ks():
+    with pytest.raises(ValueError):
+        pass_at_k(3, 1, 4)
+    assert ks_for(1) == [1] and ks_for(4) == [1, 2, 4] and ks_for(6) == [1, 2, 4, 6]
+
+
+def gsm_task():
+    return build_task(OmegaConf.create({"dataset": "gsm_symbolic", "size": 4, "seed": 0}))
+
+
+def test_score_responses_by_hand():
+    task = gsm_task()
+    rows = [dict(task.rows[i]) for i in range(2)]
+    right = [f"#### {r['answer']}" for r in rows]
+    # row 0: 1 of 3 right (format on all 3: the wrong one still has "#### 999999"); row 1: 2 of 3 right,
+    # the unformatted one holds the right number last (accuracy counts it, the format does not)
+    responses = [[right[0], "#### 999999", "no idea"], [right[1], f"it is {rows[1]['answer']}", "#### 999999"]]
+    metrics, records = score_responses(task, rows, responses)
+    accuracy = [[1, 0, 0], [1, 1, 0]]
+    fmt = [[1, 1, 0], [1, 0, 1]]
+    assert metrics["accuracy"] == pytest.approx(3 / 6)
+    assert metrics["pass@1"] == pytest.approx((1 / 3 + 2 / 3) / 2)
+    assert metrics["pass@2"] == pytest.approx(((1 - 1 / 3) + 1.0) / 2)  # C(2,2)/C(3,2) = 1/3 miss for row 0
+    assert "pass@3" in metrics and metrics["pass@3"] == pytest.approx(1.0)
+    assert metrics["reward/answer_format"] == pytest.approx(4 / 6)
+    totals = [a + 0.5 * f for ra, rf in zip(accuracy, fmt) for a, f in zip(ra, rf)]
+    assert metrics["reward"] == pytest.approx(sum(totals) / 6)
+    assert [r["scores"]["reward"] for r in records] == totals
+    assert records[4]["response"] == responses[1][1] and records[4]["question"] == rows[1]["question"]
+
+
+def test_read_responses_groups_by_row_and_ignores_scores(tmp_path):
+    path = tmp_path / "r.jsonl"
+    lines = [{"question": "a", "answer": "1", "response": "x"}, {"question": "b", "answer": "2", "response": "y"},
+             {"question": "a", "answer": "1", "response": "z", "scores": {"reward": 1.0}}]
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    rows, responses = read_responses(path)
+    assert rows == [{"question": "a", "answer": "1"}, {"question": "b", "answer": "2"}]
+    assert responses == [["x", "z"], ["y"]]
+    path.write_text('{"question": "a"}\n')
+    with pytest.raises(ConfigError, match='line 1 has no string field "response"'):
+        read_responses(path)
+    path.write_text("not json\n")
+    with pytest.raises(ConfigError, match="line 1 is not JSON"):
+        read_responses(path)
+
+
+def test_eval_env_merges_the_eval_block_over_env():
+    env = OmegaConf.create({"dataset": "openai/gsm8k", "split": "train", "data_path": "/d", "eval": {"split": "test"}})
+    merged = eval_env_config(env)
+    assert merged.split == "test" and merged.data_path == "/d" and "eval" not in merged
+
+
+def evaluate(args, cwd):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, str(ROOT / "evaluate.py"), *args, f"hydra.run.dir={cwd}/run"], cwd=cwd,
+                          env=env, capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(not GSM8K.is_dir(), reason=f"GSM8K data not found at {GSM8K}")
+def test_evaluate_py_scores_a_responses_file_of_gsm8k_test_rows(tmp_path):
+    rows = [json.loads(line) for line in open(GSM8K / "test.jsonl")][:4]
+    with open(tmp_path / "responses.jsonl", "w") as f:
+        for i, row in enumerate(rows):
+            gold = row["answer"].rsplit("####", 1)[1].strip()
+            for response in ([f"So #### {gold}", "#### 0.123"] if i % 2 == 0 else ["#### 0.123", "#### 0.456"]):
+                f.write(json.dumps({**row, "response": response}) + "\n")
+    out = evaluate(["env=gsm8k", f"env.data_path={GSM8K}", f"eval.responses={tmp_path / 'responses.jsonl'}"], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = json.loads(out.stdout.strip().splitlines()[-1])
+    assert metrics["prompts"] == 4 and metrics["responses"] == 8
+    assert metrics["accuracy"] == pytest.approx(2 / 8) and metrics["pass@2"] == pytest.approx(2 / 4)
+    assert metrics["reward/answer_format"] == 1.0
+    assert json.loads((tmp_path / "run" / "eval_metrics.json").read_text()) == metrics
+    assert len((tmp_path / "run" / "eval_responses.jsonl").read_text().splitlines()) == 8
+
+
+def test_evaluate_py_bad_key_is_one_line(tmp_path):
+    out = evaluate(["env=gsm_symbolic", "eval.samples=4"], tmp_path)
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "error: eval.samples=4 with eval.temperature=0: greedy decoding gives 4 identical responses; "
+        "set eval.temperature>0 (e.g. 1.0) for pass@k, or eval.samples=1"]
+
+
+@needs_vllm
+def test_evaluate_py_generates_with_vllm_then_rescores_its_own_file(tmp_path):
+    args = ["model=tiny", "env=reasoning_gym", "env.eval.size=2", "eval.num_prompts=6", "eval.samples=2",
+            "eval.temperature=1.0", "inference_model.max_tokens=8"]
+    out = evaluate(args, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    metrics = json.loads(out.stdout.strip().splitlines()[-1])
+    assert metrics["prompts"] == 6 and metrics["responses"] == 12 and {"pass@1", "pass@2"} <= set(metrics)
+    # interleaved rows: the first 6 prompts hold the 5 evaluation tasks, the held-out one included
+    assert "base_conversion/accuracy" in metrics and "maze/reward" in metrics
+    written = tmp_path / "run" / "eval_responses.jsonl"
+    (tmp_path / "again").mkdir()
+    again = evaluate(["env=reasoning_gym", "env.eval.size=2", f"eval.responses={written}"], tmp_path / "again")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert json.loads(again.stdout.strip().splitlines()[-1]) == metrics

@@ -1,0 +1,142 @@
+"""How good is the model on a task: score responses with the task's rewards, or generate them first.
+
+One code path serves ``evaluate.py`` and the trainer's evaluation every ``logging.eval_frequency`` steps:
+:func:`generate_responses` (the rollout engine, on the task's evaluation split) then :func:`score_responses`.
+
+Metrics: the mean of each reward component and of the weighted total over all responses; ``accuracy``, the
+share of responses whose success component (``Task.success_reward``: ``accuracy`` for GSM8K and
+reasoning-gym, ``prompt_strict`` for IFEval) is >= 1; ``pass@k`` for k = 1, 2, 4, ... up to the responses
+per prompt (and that count itself), with the unbiased estimator of Chen et al. 2021 (2107.03374):
+``pass@k = mean over prompts of 1 - C(n - c, k) / C(n, k)`` for n responses of which c solved; and the same
+per task for rows that carry a ``task`` field (reasoning-gym).
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from math import comb
+from pathlib import Path
+from typing import Any
+
+from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.tasks import Task, per_task_means
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The probability that at least one of k responses drawn without replacement from n, c of which are
+    correct, is correct: ``1 - C(n-c, k) / C(n, k)``."""
+    if not 0 < k <= n or not 0 <= c <= n:
+        raise ValueError(f"pass_at_k needs 0 < k <= n and 0 <= c <= n (n={n}, c={c}, k={k})")
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def ks_for(n: int) -> list[int]:
+    """The k of the pass@k report for n responses per prompt: 1, 2, 4, ... below n, and n."""
+    ks, k = [], 1
+    while k < n:
+        ks.append(k)
+        k *= 2
+    return ks + [n]
+
+
+def score_responses(task: Task, rows: Sequence[Mapping[str, Any]], responses: Sequence[Sequence[str]]) -> tuple[dict, list[dict]]:
+    """Metrics of ``responses[i]`` (the responses to ``rows[i]``, at least one each; pass@k up to the smallest
+    count), and the scored records (the row's fields, ``response``, and ``scores``: each component and the
+    weighted ``reward``) in row order."""
+    if not rows or len(rows) != len(responses) or min(len(r) for r in responses) == 0:
+        raise ValueError("score_responses needs one or more responses for each of one or more rows")
+    success = task.success_reward
+    records, solved = [], []
+    for row, outs in zip(rows, responses):
+        solved.append(0)
+        for text in outs:
+            components = task.score(text, row)
+            solved[-1] += components[success] >= 1
+            records.append({**row, "response": text, "scores": {**components, "reward": task.total(components)}})
+    counts = [len(outs) for outs in responses]
+    metrics = {
+        "prompts": float(len(rows)), "responses": float(len(records)),
+        "accuracy": sum(solved) / len(records),
+        **{f"pass@{k}": sum(pass_at_k(n, c, k) for n, c in zip(counts, solved)) / len(rows) for k in ks_for(min(counts))},
+        **{f"reward{'' if key == 'reward' else '/' + key}": sum(r["scores"][key] for r in records) / len(records)
+           for key in ["reward", *task.reward_names]},
+    }
+    flat_rows = [row for row, outs in zip(rows, responses) for _ in outs]
+    metrics.update(per_task_means(flat_rows, [{k: r["scores"][k] for k in task.reward_names} for r in records],
+                                  [r["scores"]["reward"] for r in records], prefix=""))
+    return metrics, records
+
+
+def generate_responses(engine, task: Task, tokenizer, rows: Sequence[Mapping[str, Any]], *, samples: int,
+                       max_tokens: int, temperature: float, top_p: float = 1.0) -> list[list[str]]:
+    """``samples`` completions of each row's prompt from ``engine`` (greedy when ``temperature`` is 0)."""
+    from torchrl_grpo.trajectories import prompt_token_ids
+
+    completions = engine.generate(prompt_token_ids(task, tokenizer, list(rows)), n=samples, max_tokens=max_tokens,
+                                  temperature=temperature, top_p=top_p)
+    return [[c.text for c in completions[i * samples: (i + 1) * samples]] for i in range(len(rows))]
+
+
+def eval_rows(task: Task, num_prompts: int | None) -> list[dict]:
+    """The first ``num_prompts`` rows of the evaluation split (all when None): the same prompts every time."""
+    count = len(task.rows) if num_prompts is None else min(int(num_prompts), len(task.rows))
+    return [task.rows[i] for i in range(count)]
+
+
+def evaluate_with_engine(engine, task: Task, tokenizer, eval_cfg, default_max_tokens: int) -> tuple[dict, list[dict]]:
+    """Generate on the evaluation split as ``eval_cfg`` says (num_prompts, samples, temperature, max_tokens)
+    and score; what the trainer logs under ``eval/`` and ``evaluate.py`` prints."""
+    rows = eval_rows(task, eval_cfg.num_prompts)
+    max_tokens = default_max_tokens if eval_cfg.max_tokens is None else int(eval_cfg.max_tokens)
+    responses = generate_responses(engine, task, tokenizer, rows, samples=int(eval_cfg.samples),
+                                   max_tokens=max_tokens, temperature=float(eval_cfg.temperature))
+    return score_responses(task, rows, responses)
+
+
+def read_responses(path: str | Path) -> tuple[list[dict], list[list[str]]]:
+    """Rows and their responses from a JSONL of ``{<dataset fields>, "response": str}`` (what ``evaluate.py``
+    writes as ``eval_responses.jsonl``; its ``scores`` are ignored); rows with the same fields are the
+    responses to one prompt."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"eval.responses={path}: no such file; give a JSONL with one {{..., \"response\": ...}} a line")
+    groups: dict[str, tuple[dict, list[str]]] = {}
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ConfigError(f"eval.responses={path}: line {number} is not JSON ({err.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("response"), str):
+                raise ConfigError(f"eval.responses={path}: line {number} has no string field \"response\"")
+            row = {k: v for k, v in record.items() if k not in ("response", "scores")}
+            key = json.dumps(row, sort_keys=True, default=str)
+            groups.setdefault(key, (row, []))[1].append(record["response"])
+    if not groups:
+        raise ConfigError(f"eval.responses={path}: the file holds no response")
+    return [row for row, _ in groups.values()], [outs for _, outs in groups.values()]
+
+
+def format_table(metrics: Mapping[str, float]) -> str:
+    """The metrics as two aligned columns, for the console."""
+    width = max(len(k) for k in metrics)
+    return "\n".join(f"  {key:<{width}}  {value:10.4f}" for key, value in metrics.items())
+
+
+def eval_due(cfg, step: int, total_steps: int) -> bool:
+    """Evaluation during training: before the first step (step 0), every ``logging.eval_frequency`` steps and
+    after the last one; never when the frequency is 0."""
+    every = int(cfg.logging.eval_frequency)
+    return every > 0 and (step == 0 or step % every == 0 or step == total_steps)
+
+
+def evaluate_policy(parts, engine) -> dict:
+    """The trainer's evaluation (``parts.eval_task`` through ``engine``, which holds the current weights):
+    :func:`evaluate_with_engine`'s metrics under ``eval/``, and the time it took."""
+    import time
+
+    started = time.perf_counter()
+    metrics, _ = evaluate_with_engine(engine, parts.eval_task, parts.tokenizer, parts.cfg.eval, parts.plan.max_tokens)
+    return {**{f"eval/{k}": v for k, v in metrics.items()}, "eval_time": time.perf_counter() - started}

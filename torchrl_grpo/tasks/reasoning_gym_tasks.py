@@ -1,0 +1,138 @@
+"""reasoning-gym tasks (``env=reasoning_gym``): one or several of its procedural datasets, scored by their own
+``score_answer``, generated offline.
+
+``env.tasks`` lists dataset names (``[syllogism, maze]``) or entries ``{name: maze, size: 200, <any of the
+dataset's config keys>}``; each task gets ``env.size`` rows (or its own ``size``) generated with ``env.seed``,
+and the rows of all tasks are pooled, interleaved task by task (the prompt sampler shuffles them for training;
+evaluation takes the first ``eval.num_prompts``, which then cover every task). Rows are ``{question, answer, task,
+index}``: ``task``/``index`` find the generated entry again, which the task's scorer needs (some scorers read
+its metadata), so rows written out (``evaluate.py``'s responses) are scored against the very entry.
+
+Rewards (logged apart, and per task as ``task/<name>/<component>``):
+
+* ``accuracy``: the dataset's ``score_answer`` on the text of the last ``<answer>...</answer>`` block (0 when
+  there is none); most scorers give 1 or 0, a few give partial credit;
+* ``answer_format``: 1 when the completion has an ``<answer>...</answer>`` block.
+
+Held-out evaluation (RL-for-Real's ``multi_tasks`` setup: train on several tasks, test on those plus one more)
+is ``env.eval.tasks``: the evaluation split is built from the same keys with ``env.eval`` merged over them.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import datasets
+
+from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.tasks.base import Reward, Task
+
+DATASET = "reasoning_gym"
+DEFAULT_WEIGHTS = {"accuracy": 1.0, "answer_format": 0.5}
+
+
+def _entry_spec(entry: Any, i: int, size: int) -> tuple[str, dict]:
+    """(name, create_dataset kwargs without seed) of one ``env.tasks`` entry."""
+    key = f"env.tasks[{i}]"
+    if isinstance(entry, str):
+        return entry, {"size": size}
+    if not hasattr(entry, "items") or not isinstance(entry.get("name"), str):
+        raise ConfigError(f"{key}={entry!r}: give a reasoning-gym dataset name, or {{name: <dataset>, size: N, ...}}")
+    kwargs = {k: v for k, v in entry.items() if k != "name"}
+    kwargs.setdefault("size", size)
+    return entry["name"], kwargs
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One reasoning-gym dataset's generated entries (``question``, ``answer``, ``metadata``) and its scorer."""
+
+    entries: list[dict]
+    score_answer: Callable[[str | None, dict], float]
+
+
+def generate(specs: list, size: int, seed: int) -> dict[str, Generated]:
+    """Task name -> its generated entries and scorer."""
+    import reasoning_gym
+    from reasoning_gym.factory import DATASETS
+
+    out: dict[str, Generated] = {}
+    for i, entry in enumerate(specs):
+        name, kwargs = _entry_spec(entry, i, size)
+        if name not in DATASETS:
+            close = [n for n in sorted(DATASETS) if name[:4] in n][:5]
+            raise ConfigError(f"env.tasks[{i}]={name!r}: not a reasoning-gym dataset"
+                              + (f" (close: {', '.join(close)})" if close else "")
+                              + "; reasoning_gym.factory.DATASETS lists them all")
+        if name in out:
+            raise ConfigError(f"env.tasks[{i}]={name!r}: listed twice; give it once (with a larger size)")
+        try:
+            gen = reasoning_gym.create_dataset(name, seed=seed, **kwargs)
+        except (TypeError, ValueError, AssertionError) as err:
+            raise ConfigError(f"env.tasks[{i}] ({name}): reasoning-gym refused its config ({err})") from None
+        out[name] = Generated([gen[j] for j in range(len(gen))], gen.score_answer)
+    return out
+
+
+def answer_text(completion: str) -> str | None:
+    """The text of the completion's last ``<answer>...</answer>`` block (reasoning-gym's convention)."""
+    from reasoning_gym.utils import extract_answer
+
+    return extract_answer(completion)
+
+
+def answer_format(completion: str, row: Mapping[str, Any] | None = None) -> float:
+    return float(answer_text(completion) is not None)
+
+
+def make_accuracy(generated: dict[str, Generated]) -> Callable[[str, Mapping[str, Any]], float]:
+    """``accuracy(completion, row)``: the scorer of ``row["task"]`` against the generated entry of the row."""
+
+    def accuracy(completion: str, row: Mapping[str, Any]) -> float:
+        task, index = row.get("task"), row.get("index")
+        if task not in generated or not isinstance(index, int) or not 0 <= index < len(generated[task].entries):
+            raise ConfigError(f"row {str(row.get('question'))[:60]!r}: task={task!r} index={index!r} is not one of "
+                              "this run's reasoning-gym rows; score it with the env.tasks, env.size and env.seed "
+                              "that generated it")
+        entry = generated[task].entries[index]
+        if entry["question"] != row.get("question"):
+            raise ConfigError(f"row {task}[{index}]: its question differs from the one reasoning-gym generates here; "
+                              "score it with the env.tasks, env.size and env.seed that generated it")
+        return float(generated[task].score_answer(answer_text(completion), entry))
+
+    return accuracy
+
+
+def build_reasoning_gym_task(env_cfg: Any) -> Task:
+    """The reasoning-gym task from the env config (keys: tasks, size, seed, system_prompt, reward_weights)."""
+    from reasoning_gym.utils import SYSTEM_PROMPTS
+
+    specs = list(env_cfg.get("tasks") or [])
+    if not specs:
+        raise ConfigError("env.tasks is empty: list reasoning-gym datasets, e.g. env.tasks='[syllogism,maze]'")
+    size, seed = env_cfg.get("size", 200), env_cfg.get("seed", 0)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"env.size={size!r}: must be a positive integer (rows per task)")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"env.seed={seed!r}: must be an integer")
+    generated = generate(specs, size, seed)
+    # round-robin over the tasks, so that any first N rows (evaluation's eval.num_prompts) cover every task
+    longest = max(len(g.entries) for g in generated.values())
+    pooled = [(name, j, g.entries[j]) for j in range(longest) for name, g in generated.items() if j < len(g.entries)]
+    rows = datasets.Dataset.from_dict({
+        "question": [e["question"] for _, _, e in pooled],
+        "answer": [str(e["answer"]) for _, _, e in pooled],
+        "task": [name for name, _, _ in pooled],
+        "index": [j for _, j, _ in pooled],
+    })
+    system_prompt = env_cfg.get("system_prompt")
+    if system_prompt is None:
+        system_prompt = SYSTEM_PROMPTS["default"]
+    elif not isinstance(system_prompt, str):
+        raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for reasoning-gym's default")
+    rewards = [Reward("accuracy", make_accuracy(generated), DEFAULT_WEIGHTS["accuracy"]),
+               Reward("answer_format", answer_format, DEFAULT_WEIGHTS["answer_format"])]
+    task = Task(name="reasoning_gym:" + "+".join(generated), rows=rows, system_prompt=system_prompt or None,
+                rewards=rewards, success="accuracy")
+    return task.set_weights(env_cfg.get("reward_weights"))
