@@ -134,3 +134,20 @@ def test_evaluate_py_generates_with_vllm_then_rescores_its_own_file(tmp_path):
     again = evaluate(["env=reasoning_gym", "env.eval.size=2", f"eval.responses={written}"], tmp_path / "again")
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1]) == metrics
+
+
+@needs_vllm
+def test_grpo_async_py_evaluates_with_the_trainers_policy(tmp_path):
+    """Async mode evaluates in the trainer (the transformers engine over the trained policy): eval/ rows at
+    steps 0 (before training), 2 and 3 (the last)."""
+    from test_async import SMALL, ray_processes, rows, run
+
+    run_dir = tmp_path / "run"
+    out = run([*SMALL, "train.total_dialog_turns=24", "logging.eval_frequency=2", "eval.num_prompts=3",
+               f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = rows(run_dir)
+    assert [r["step"] for r in table] == ["0", "1", "2", "3"]
+    assert [r["step"] for r in table if r.get("eval/accuracy") not in (None, "")] == ["0", "2", "3"]
+    assert all(float(r["eval/prompts"]) == 3 for r in table if r.get("eval/prompts"))
+    assert not ray_processes()
