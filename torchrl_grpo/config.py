@@ -120,6 +120,15 @@ def validate(cfg: DictConfig) -> BatchPlan:
     _choice(cfg, "loss.kl_estimator", KL_ESTIMATORS)
     _choice(cfg, "inference_model.backend", ("vllm", "transformers"))
     _choice(cfg, "optimizer.name", ("AdamW", "Adam", "SGD"))
+    sync_iter = _get(cfg, "train.sync_iter")
+    if not isinstance(sync_iter, bool):
+        raise ConfigError(f"train.sync_iter={sync_iter!r}: must be true or false")
+    if not sync_iter and _get(cfg, "mode") == "sync" and _get(cfg, "inference_model.backend") == "transformers":
+        raise ConfigError(
+            "train.sync_iter=false with inference_model.backend=transformers: that engine samples with the trained "
+            "policy itself, which cannot generate while it is optimized; use inference_model.backend=vllm or "
+            "train.sync_iter=true"
+        )
     for key in ("loss.clip_epsilon_low", "loss.clip_epsilon_high", "train.kl_to_ref_coeff",
                 "train.kl_to_inference_coeff", "train.entropy_coeff", "optimizer.weight_decay"):
         value = _get(cfg, key)

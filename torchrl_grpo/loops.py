@@ -7,10 +7,12 @@ the loop reads as the algorithm and nothing else.
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -54,19 +56,22 @@ def run_sync(parts: Parts) -> dict:
     generator = torch.Generator().manual_seed(int(cfg.train.seed))
     start_step = _resume(parts, sampler, generator)
     telemetry = Telemetry(cfg, parts.run_dir, plan.total_steps, start_step, resumed=start_step > 0)
+    prefetch = None if cfg.train.sync_iter else Prefetch(parts, sampler, version=start_step)
     try:
         if start_step == 0 and eval_due(cfg, 0, plan.total_steps):
             telemetry.record(0, evaluate_policy(parts, parts.engine))
         with StopRequest() as stop:
             for step in range(start_step + 1, plan.total_steps + 1):
-                _step(parts, step, sampler, generator, telemetry)
+                _step(parts, step, sampler, generator, telemetry, prefetch)
                 if _checkpoint_due(cfg, step, plan.total_steps) or stop.requested:
-                    _save(parts, ckpt_dir, step, sampler, generator)
+                    _save(parts, ckpt_dir, step, prefetch.position if prefetch else sampler, generator)
                 if stop.requested:
                     telemetry.print(f"stopped after step {step} (checkpoint saved); continue with "
                                     f"train.resume=auto hydra.run.dir={parts.run_dir}")
                     break
     finally:
+        if prefetch is not None:
+            prefetch.close()
         telemetry.close()
     window = max(1, min(5, plan.total_steps // 4))
     summary = summarize(telemetry.csv.rows, ["reward"] + [f"reward/{n}" for n in parts.task.reward_names], window)
@@ -74,15 +79,21 @@ def run_sync(parts: Parts) -> dict:
     return summary
 
 
-def _step(parts: Parts, step: int, sampler: PromptSampler, generator: torch.Generator, telemetry: Telemetry):
-    """Collect, optimize, push the weights, log."""
+def _step(parts: Parts, step: int, sampler: PromptSampler, generator: torch.Generator, telemetry: Telemetry,
+          prefetch: Prefetch | None = None):
+    """Collect, optimize, push the weights, log. With ``prefetch`` the next step's generation overlaps this
+    step's scoring and optimizer, and the push waits for it."""
     started = time.perf_counter()
-    batch, rollout_metrics, samples = collect(parts, sampler, version=step - 1)
+    version, sampled = prefetch.next(more=step < parts.plan.total_steps) if prefetch else (step - 1, None)
+    batch, rollout_metrics, samples = collect(parts, sampler, version, sampled)
     train_metrics = optimize(parts, batch, generator)
+    waits = {"batch_wait_time": prefetch.finish()} if prefetch else {}
     push_started = time.perf_counter()
     parts.push_weights()
-    metrics = {**rollout_metrics, **train_metrics, "weight_push_time": time.perf_counter() - push_started,
-               "step_time": time.perf_counter() - started}
+    if prefetch:
+        prefetch.version = step
+    metrics = {**rollout_metrics, **train_metrics, **waits, "policy_version": version, "staleness": step - 1 - version,
+               "weight_push_time": time.perf_counter() - push_started, "step_time": time.perf_counter() - started}
     if eval_due(parts.cfg, step, parts.plan.total_steps):
         metrics.update(evaluate_policy(parts, parts.engine))
     telemetry.log(step, metrics, samples)
@@ -110,6 +121,45 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         return False
+
+
+class Prefetch:
+    """``train.sync_iter=false``: the next step's groups are generated in a background thread while this step
+    is scored and optimized, as in the original recipe: batch k+1 is sampled by the weights before step k's
+    update (staleness <= 1). vLLM runs in this process and is used by one thread at a time: the weight push
+    (and any evaluation) comes after :meth:`finish`. Policy-dependent log-probs are computed in the trainer
+    when the batch is taken. A checkpoint saves :attr:`position`, the prompt order before the prefetched
+    prompts: on resume that batch is simply sampled again, with the checkpoint's weights. The in-process
+    engine samples from torch's global generator (swapped in around each generate): a trainer that draws
+    from it too (LoRA dropout) makes runs not bit-reproducible."""
+
+    def __init__(self, parts: Parts, sampler: PromptSampler, version: int):
+        self.parts, self.sampler = parts, sampler
+        self.version = version  # the policy version of the weights in the engine
+        self.position = copy.deepcopy(sampler)
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-prefetch")
+        self._running, self._ready = None, None
+
+    def next(self, more: bool) -> tuple[int, tuple[list[Group], dict]]:
+        """This step's (policy version, groups): prefetched during the last step, or generated now (a run's
+        first step); then, if ``more`` steps follow, starts generating the next step's at the engine's weights."""
+        ready = self._ready or (self.version, sample_groups(self.parts, self.sampler))
+        self._ready, self.position = None, copy.deepcopy(self.sampler)
+        if more:
+            self._running = (self.version, self._pool.submit(sample_groups, self.parts, self.sampler))
+        return ready
+
+    def finish(self) -> float:
+        """Wait for the generation in flight (before the engine may take new weights); returns the seconds waited."""
+        if self._running is None:
+            return 0.0
+        started = time.perf_counter()
+        version, future = self._running
+        self._ready, self._running = (version, future.result()), None
+        return time.perf_counter() - started
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)  # the engine must not be closed under a generate in flight
 
 
 @dataclass
@@ -161,10 +211,11 @@ def _overlong(parts: Parts, completions) -> torch.Tensor:
     return overlong_penalty(lengths, parts.plan.max_tokens, parts.cfg.loss.overlong_buffer)
 
 
-def collect(parts: Parts, sampler: PromptSampler, version: int):
-    """One collection step: prompts -> G completions each -> scored, advantage-stamped batch."""
+def collect(parts: Parts, sampler: PromptSampler, version: int, sampled: tuple[list[Group], dict] | None = None):
+    """One collection step: prompts -> G completions each -> scored, advantage-stamped batch. ``sampled``: the
+    step's :func:`sample_groups` already generated (by :class:`Prefetch`), else they are generated here."""
     cfg, plan = parts.cfg, parts.plan
-    groups, metrics = sample_groups(parts, sampler)
+    groups, metrics = sampled or sample_groups(parts, sampler)
     completions = [replace(c, prompt_index=g) for g, group in enumerate(groups) for c in group.completions]
     batch = build_batch([g.prompt for g in groups], completions, plan.group_size, parts.tokenizer.pad_token_id,
                         version)
