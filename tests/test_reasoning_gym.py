@@ -104,3 +104,4 @@ def test_grpo_py_trains_on_reasoning_gym_and_evaluates_held_out_tasks(tmp_path):
     trained = {key.split("/")[1] for r in table[1:] for key, v in r.items() if key.startswith("task/") and v != ""}
     assert trained and trained <= {"number_filtering", "string_insertion", "family_relationships", "maze"}
     assert "eval at step 0: accuracy" in out.stdout
+    assert "  eval, step 0 -> step 3: accuracy " in out.stdout  # the end-of-run summary: before vs after

@@ -368,3 +368,8 @@ def _print_summary(telemetry: Telemetry, summary: dict, window: int) -> None:
     telemetry.print(f"{'summary:':<{width + 2}} {'first step':>12} {f'first {window} mean':>14} {f'last {window} mean':>14}")
     for key, trend in summary.items():
         telemetry.print(f"  {key:<{width}} {trend.first_step:>12.3f} {trend.first_mean:>14.3f} {trend.last_mean:>14.3f}")
+    evaluated = [r for r in telemetry.csv.rows if r.get("eval/accuracy") not in (None, "")]
+    if len(evaluated) > 1:  # before vs after training, on the held-out evaluation split
+        first, last = evaluated[0], evaluated[-1]
+        telemetry.print(f"  eval, step {int(first['step'])} -> step {int(last['step'])}: " + " | ".join(
+            f"{key} {float(first[f'eval/{key}']):.3f} -> {float(last[f'eval/{key}']):.3f}" for key in ("accuracy", "reward")))
