@@ -1,46 +1,16 @@
 """grpo-async.py joining a running two-node Ray cluster (``ray.address=<head>``), the way a multi-node job
 runs: a head and a second node simulated on this machine by ``ray.cluster_utils.Cluster``, one CPU each, so
 that two one-CPU rollout actors can only be placed one per node."""
-import csv
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
-import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["model=tiny", "env=gsm_symbolic", "env.size=64", "env.num_envs=2", "env.repeats=4",
-         "train.optim_batch_size=4", "train.gradient_accumulation_steps=2", "inference_model.max_tokens=8",
-         "logging.progress_bar=false", "optimizer.lr=1e-3"]
+from test_async import ROOT, SMALL, needs_ray_and_vllm, ray_processes, rows
 
 
-def _importable(module: str) -> bool:
-    return subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode == 0
-
-
-def ray_processes() -> str:
-    """Ray's daemons still alive on this machine; they go within a moment of a shutdown."""
-    out = ""
-    for _ in range(40):
-        out = subprocess.run(["pgrep", "-fa", "raylet|gcs_server"], capture_output=True, text=True).stdout
-        if not out.strip():
-            return ""
-        time.sleep(0.5)
-    return out
-
-
-def rows(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.csv"
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-@pytest.mark.skipif(not (_importable("ray") and _importable("vllm")), reason="ray or vllm is not importable here")
+@needs_ray_and_vllm
 def test_async_run_on_a_two_node_cluster_uses_both_nodes(tmp_path):
     from ray.cluster_utils import Cluster
 
@@ -51,6 +21,7 @@ def test_async_run_on_a_two_node_cluster_uses_both_nodes(tmp_path):
     try:
         second = cluster.add_node(**node)
         cluster.wait_for_nodes()
+        assert_null_address_starts_a_private_ray(cluster.address)
         # a long run, stopped (SIGINT: finish the step, checkpoint) once both actors' batches were trained on: the
         # two engines start side by side on this machine's cores and one may take several steps longer
         args = [*SMALL, f"ray.address={cluster.address}", "ray.num_actors=2", "train.max_staleness=2",
@@ -80,3 +51,17 @@ def test_async_run_on_a_two_node_cluster_uses_both_nodes(tmp_path):
             proc.communicate()
         cluster.shutdown()
     assert not ray_processes()
+
+
+def assert_null_address_starts_a_private_ray(running: str) -> None:
+    """``ray.address=null`` with a cluster already running here (and ``RAY_ADDRESS`` naming it, as ``ray start``
+    leaves it) starts a Ray of its own with the CPUs it asked for: a bare ``ray.init()`` would join the running
+    one and refuse ``num_cpus`` (a leftover ``ray start`` failed every async test that way once)."""
+    probe = ("import ray; from omegaconf import OmegaConf; from torchrl_grpo.async_loop import ray_init_kwargs; "
+             "ray.init(**ray_init_kwargs(OmegaConf.load('config/mode/async.yaml'))); "
+             "print(ray.get_runtime_context().gcs_address, int(ray.cluster_resources()['CPU'])); ray.shutdown()")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**os.environ, "RAY_ADDRESS": running},
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-3000:]
+    address, cpus = out.stdout.split()[-2:]
+    assert address != running and cpus == "2"  # its own: 1 actor x 1 CPU + the trainer

@@ -167,16 +167,18 @@ class AsyncState:
 
 
 def ray_init_kwargs(cfg: DictConfig) -> dict:
-    """``ray.init`` arguments: ``ray.address`` (null: start a local Ray; auto or host:port: join one) and
-    every key of ``ray.init``; a local Ray gets ``num_cpus`` = what the actors ask for plus one for the
-    trainer's own tasks, unless ``ray.init.num_cpus`` says otherwise (Ray would otherwise count every core)."""
+    """``ray.init`` arguments: ``ray.address`` (null: start a private local Ray; auto or host:port: join one)
+    and every key of ``ray.init``; a local Ray gets ``num_cpus`` = what the actors ask for plus one for the
+    trainer's own tasks, unless ``ray.init.num_cpus`` says otherwise (Ray would otherwise count every core).
+    null maps to Ray's ``"local"``: a bare ``ray.init()`` joins whatever cluster ``RAY_ADDRESS`` or an earlier
+    ``ray start`` on this machine left behind, and then refuses ``num_cpus``."""
     ray_cfg = cfg.ray
     kwargs = {k: v for k, v in OmegaConf.to_container(ray_cfg.init, resolve=True).items() if v is not None}
-    address = ray_cfg.address or None
+    address = ray_cfg.address or "local"
     kwargs.setdefault("include_dashboard", False)
-    if address is None and "num_cpus" not in kwargs:
-        kwargs["num_cpus"] = max(1, int(round(ray_cfg.num_actors * float(ray_cfg.actor_num_cpus)))) + 1
-    if address is not None:
+    if address == "local":
+        kwargs.setdefault("num_cpus", max(1, int(round(ray_cfg.num_actors * float(ray_cfg.actor_num_cpus)))) + 1)
+    else:
         kwargs.pop("num_cpus", None)  # a running cluster has its resources already
     # workers import torchrl_grpo: make the repository importable from any working directory
     root = str(Path(__file__).resolve().parents[1])
@@ -213,7 +215,7 @@ def run_async(parts: Parts) -> dict:
         ray.init(**kwargs)
     except Exception as err:  # no cluster at ray.address, a bad ray.init key, ...
         ray.shutdown()
-        raise ConfigError(f"ray.address={kwargs['address']}: could not start or join Ray ({_first_line(err)})") from None
+        raise ConfigError(f"ray.address={cfg.ray.address}: could not start or join Ray ({_first_line(err)})") from None
     actors, step = [], start_step
     telemetry = None
     try:
