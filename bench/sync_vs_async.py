@@ -1,0 +1,87 @@
+"""Sync vs async throughput on one small config: runs ``grpo.py`` (on-policy), ``grpo.py train.sync_iter=false``
+(next batch generated while this one trains) and ``grpo-async.py`` (Ray actors) with the same overrides, and
+prints trained completions/s and completion tokens/s over the steps after the warm-up, with each mode's ratio
+to sync. Throughput is the trainer's: completions it trained on per second of its loop (``step_time`` summed,
+waits for data included), so start-up and the final checkpoint are left out; the end-to-end wall is printed too.
+
+    .venv/bin/python bench/sync_vs_async.py                          # SmolLM2-135M, gsm_symbolic, 10 steps
+    .venv/bin/python bench/sync_vs_async.py --steps 6 model=tiny     # extra arguments are Hydra overrides
+"""
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {
+    "sync": ("grpo.py", []),
+    "sync_iter=false": ("grpo.py", ["train.sync_iter=false"]),
+    "async": ("grpo-async.py", []),
+}
+
+
+def run_mode(name: str, script: str, extra: list[str], overrides: list[str], steps: int, out_dir: Path) -> dict:
+    run_dir = out_dir / name.replace("=", "-")
+    args = [sys.executable, str(ROOT / script), "env=gsm_symbolic", "logging.progress_bar=false",
+            "logging.checkpoint_frequency=0", *overrides, *extra, f"hydra.run.dir={run_dir}"]
+    probe = subprocess.run([*args, "--cfg", "job", "--resolve"], capture_output=True, text=True, cwd=ROOT)
+    per_step = completions_per_step(probe.stdout)
+    args.insert(-1, f"train.total_dialog_turns={steps * per_step}")
+    started = time.perf_counter()
+    log = out_dir / f"{run_dir.name}.log"
+    with open(log, "w") as f:
+        done = subprocess.run(args, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if done.returncode != 0:
+        sys.exit(f"error: {name} failed (exit {done.returncode}); see {log}")
+    with open(run_dir / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    return {"rows": rows, "per_step": per_step, "wall_s": time.perf_counter() - started}
+
+
+def completions_per_step(job_yaml: str) -> int:
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.create(job_yaml)
+    return int(cfg.train.dialog_turns_per_batch or cfg.env.num_envs * cfg.env.repeats)
+
+
+def throughput(result: dict, warmup: int) -> dict:
+    """Completions/s and tokens/s over the steps after ``warmup`` (the first includes engine warm-up)."""
+    rows = [r for r in result["rows"] if int(float(r["step"])) > warmup]
+    seconds = sum(float(r["step_time"]) for r in rows)
+    completions = result["per_step"] * len(rows)
+    tokens = sum(float(r["completion_length"]) * result["per_step"] for r in rows)
+    return {"steps": len(rows), "seconds": round(seconds, 1), "completions_per_s": round(completions / seconds, 3),
+            "tokens_per_s": round(tokens / seconds, 1), "wall_s": round(result["wall_s"], 1)}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=10, help="steps per mode")
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-sync-vs-async")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every mode")
+    opts = parser.parse_args()
+    if opts.steps <= opts.warmup:
+        sys.exit(f"error: --steps={opts.steps} leaves no step after --warmup={opts.warmup}: raise --steps")
+    opts.out.mkdir(parents=True, exist_ok=True)
+    figures = {}
+    for name, (script, extra) in MODES.items():
+        figures[name] = throughput(run_mode(name, script, extra, opts.overrides, opts.steps, opts.out), opts.warmup)
+        print(f"{name:>16}: " + ", ".join(f"{k} {v}" for k, v in figures[name].items()), flush=True)
+    base = figures["sync"]["completions_per_s"]
+    for name, fig in figures.items():
+        fig["ratio_to_sync"] = round(fig["completions_per_s"] / base, 2)
+    print("| mode | completions/s | tokens/s | vs sync | wall s |\n|---|---|---|---|---|")
+    for name, fig in figures.items():
+        print(f"| {name} | {fig['completions_per_s']} | {fig['tokens_per_s']} | {fig['ratio_to_sync']}x | {fig['wall_s']} |")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
