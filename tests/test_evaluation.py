@@ -11,15 +11,13 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from test_train_e2e import needs_vllm
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.evaluation import ks_for, pass_at_k, read_responses, score_responses
 from torchrl_grpo.tasks import build_task, eval_env_config
 
 ROOT = Path(__file__).resolve().parents[1]
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
-needs_vllm = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode != 0,
-    reason="vllm is not importable here")
 
 
 def brute_pass_at_k(outcomes: list[bool], k: int) -> float:

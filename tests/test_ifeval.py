@@ -12,6 +12,7 @@ import datasets
 import pytest
 from hydra import compose, initialize_config_dir
 
+from test_train_e2e import needs_vllm
 from torchrl_grpo.config import validate
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.tasks import TASK_BUILDERS, build_task
@@ -36,9 +37,6 @@ needs_data = pytest.mark.skipif(
     not INPUT.exists() or not GPT4.exists(),
     reason=f"IFEval data not found at {IFEVAL} (expected ../shared/data beside the repo)",
 )
-needs_vllm = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode != 0,
-    reason="vllm is not importable here")
 
 
 def _row(ids, kwargs, question="Write something."):

@@ -1,7 +1,6 @@
 """Does training work? The real loop (vLLM engine, weight push, GRPOLoss, AdamW) on a task the tiny random
 model can learn in seconds: the reward is the share of digit characters in the completion."""
 import datasets
-import pytest
 import torch
 from hydra import compose, initialize_config_dir
 

@@ -1,36 +1,13 @@
 """grpo.py with train.sync_iter=false (the next batch is generated while the current one trains): a real
 subprocess, Hydra, the tiny model and the vLLM CPU engine, then a resume; and the key's validation."""
-import csv
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from hydra import compose, initialize_config_dir
 
+from test_config import cfg_with
+from test_train_e2e import SMALL as BASE, needs_vllm, rows, run
 from torchrl_grpo.config import validate
 from torchrl_grpo.errors import ConfigError
 
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["model=tiny", "env=gsm_symbolic", "env.size=64", "env.num_envs=2", "env.repeats=4",
-         "train.optim_batch_size=4", "train.gradient_accumulation_steps=2", "inference_model.max_tokens=8",
-         "logging.progress_bar=false", "optimizer.lr=1e-3", "train.sync_iter=false"]
-
-needs_vllm = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode != 0,
-    reason="vllm is not importable here")
-
-
-def run(args, cwd, timeout=300):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, str(ROOT / "grpo.py"), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def rows(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.csv", newline="") as f:
-        return list(csv.DictReader(f))
+SMALL = [*BASE, "train.sync_iter=false"]
 
 
 @needs_vllm
@@ -59,11 +36,6 @@ def test_sync_iter_false_overlaps_one_step_then_resumes(tmp_path):
     assert [int(float(r["step"])) for r in logged] == [1, 2, 3, 4, 5, 6]
     assert [float(r["staleness"]) for r in logged[4:]] == [0, 1]
     assert [float(r["policy_version"]) for r in logged[4:]] == [4, 4]
-
-
-def cfg_with(*overrides):
-    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base="1.3"):
-        return compose(config_name="grpo_gsm8k", overrides=list(overrides))
 
 
 def test_sync_iter_is_validated():
