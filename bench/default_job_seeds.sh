@@ -4,6 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1
+mkdir -p outputs
 for seed in "${@:-0 1 2}"; do
   dir="outputs/bench-default-seed$seed"
   start=$(date +%s)
