@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from shared_data import GSM8K, needs
 from test_train_e2e import needs_vllm
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.evaluation import ks_for, pass_at_k, read_responses, score_responses
 from torchrl_grpo.tasks import build_task, eval_env_config
 
 ROOT = Path(__file__).resolve().parents[1]
-GSM8K = ROOT.parent / "shared" / "data" / "gsm8k"
 
 
 def brute_pass_at_k(outcomes: list[bool], k: int) -> float:
@@ -92,7 +92,7 @@ def evaluate(args, cwd):
                           env=env, capture_output=True, text=True, timeout=300)
 
 
-@pytest.mark.skipif(not GSM8K.is_dir(), reason=f"GSM8K data not found at {GSM8K}")
+@needs(GSM8K / "test.jsonl")
 def test_evaluate_py_scores_a_responses_file_of_gsm8k_test_rows(tmp_path):
     rows = [json.loads(line) for line in open(GSM8K / "test.jsonl")][:4]
     with open(tmp_path / "responses.jsonl", "w") as f:

@@ -1,11 +1,11 @@
 """GSM8K task: answer extraction on the real data, rewards, loading (local, hub offline, gsm_symbolic), build_task."""
 import json
 import time
-from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
 
+from shared_data import GSM8K, needs
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.tasks import TASK_BUILDERS, Task, build_task, register_task
 from torchrl_grpo.tasks.gsm8k import (
@@ -21,12 +21,7 @@ from torchrl_grpo.tasks.gsm8k import (
     think_format,
 )
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-GSM8K = DATA / "gsm8k"
-needs_data = pytest.mark.skipif(
-    not (GSM8K / "train.jsonl").exists() or not (GSM8K / "test.jsonl").exists(),
-    reason=f"GSM8K data not found at {GSM8K} (expected ../shared/data beside the repo)",
-)
+needs_data = needs(GSM8K / "train.jsonl", GSM8K / "test.jsonl")
 
 
 def _read_jsonl(path):

@@ -12,6 +12,7 @@ import datasets
 import pytest
 from hydra import compose, initialize_config_dir
 
+from shared_data import IFEVAL, needs
 from test_train_e2e import needs_vllm
 from torchrl_grpo.config import validate
 from torchrl_grpo.errors import ConfigError
@@ -29,14 +30,9 @@ from torchrl_grpo.tasks.ifeval import (
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG_DIR = str(ROOT / "config")
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-IFEVAL = DATA / "ifeval"
 INPUT = IFEVAL / "input_data.jsonl"
 GPT4 = IFEVAL / "gpt4_responses.jsonl"
-needs_data = pytest.mark.skipif(
-    not INPUT.exists() or not GPT4.exists(),
-    reason=f"IFEval data not found at {IFEVAL} (expected ../shared/data beside the repo)",
-)
+needs_data = needs(INPUT, GPT4)
 
 
 def _row(ids, kwargs, question="Write something."):

@@ -19,6 +19,7 @@ import datasets
 
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
+from torchrl_grpo.tasks.sources import env_value, load_rows
 
 HUB_DATASET = "openai/gsm8k"
 GSM8K_NAMES = (HUB_DATASET, "gsm8k")
@@ -110,41 +111,6 @@ def think_format(completion: str, row: Mapping[str, Any] | None = None) -> float
 
 
 # ----------------------------------------------------------------------------------------------- loading
-def _one_line(err: BaseException) -> str:
-    msg = str(err).strip().splitlines()
-    return type(err).__name__ + (f": {msg[0][:200]}" if msg else "")
-
-
-def _local_files(path: Path, split: str) -> tuple[str, list[str]]:
-    """(datasets builder, files) for ``env.data_path``: a folder or a single .jsonl/.json/.parquet file."""
-    shown = f"env.data_path={path}"
-    if not path.exists():
-        raise ConfigError(
-            f"{shown}: no such file or folder ({path.resolve()}); point it at a folder holding {split}.jsonl "
-            f"(or the hub layout main/{split}-*.parquet) or at one .jsonl/.parquet file"
-        )
-    if path.is_file():
-        suffix = path.suffix.lower()
-        if suffix in (".jsonl", ".json"):
-            return "json", [str(path)]
-        if suffix == ".parquet":
-            return "parquet", [str(path)]
-        raise ConfigError(f"{shown}: unsupported file type {suffix!r}; use a .jsonl or .parquet file, or a folder")
-    for builder, pattern in (
-        ("json", f"{split}.jsonl"),
-        ("json", f"{split}.json"),
-        ("parquet", f"main/{split}-*.parquet"),
-        ("parquet", f"{split}-*.parquet"),
-        ("parquet", f"{split}.parquet"),
-    ):
-        files = sorted(str(p) for p in path.glob(pattern))
-        if files:
-            return builder, files
-    raise ConfigError(
-        f"{shown}: no {split}.jsonl nor main/{split}-*.parquet in that folder; check the folder, or env.split={split}"
-    )
-
-
 def _prepare(raw: datasets.Dataset, where: str) -> datasets.Dataset:
     """Check the columns and replace ``answer`` by the normalised gold number."""
     missing = [c for c in ("question", "answer") if c not in raw.column_names]
@@ -166,21 +132,17 @@ def load_gsm8k(dataset: str = HUB_DATASET, data_path: str | Path | None = None, 
     or a single .jsonl/.parquet file (then ``split`` is not used). Without it, ``dataset`` is loaded from the
     Hugging Face hub (config ``main``); an unreachable/offline hub raises ConfigError.
     """
-    if data_path is not None and str(data_path) != "":
-        builder, files = _local_files(Path(data_path).expanduser(), split)
-        raw = datasets.load_dataset(builder, data_files=files, split="train")
-        return _prepare(raw, f"env.data_path={data_path}")
-    if split not in HUB_SPLITS:
-        raise ConfigError(f"env.split={split!r}: {dataset} has the splits {', '.join(HUB_SPLITS)}")
-    try:
-        raw = datasets.load_dataset(dataset, "main", split=split)
-    except Exception as err:  # offline, unreachable, unknown id: all mean "this source cannot be used here"
-        raise ConfigError(
-            f"env.dataset={dataset}: cannot load it from the Hugging Face hub ({_one_line(err)}); "
-            f"set env.data_path=<folder with {split}.jsonl, or a .jsonl/.parquet file> "
-            f"or use env=gsm_symbolic, which works offline"
-        ) from err
-    return _prepare(raw, f"env.dataset={dataset}")
+    raw, where = load_rows(
+        dataset, data_path, split,
+        folder_patterns=[("json", f"{split}.jsonl"), ("json", f"{split}.json"), ("parquet", f"main/{split}-*.parquet"),
+                         ("parquet", f"{split}-*.parquet"), ("parquet", f"{split}.parquet")],
+        expected=f"a folder holding {split}.jsonl (or the hub layout main/{split}-*.parquet; env.split={split}) "
+                 f"or one .jsonl/.parquet file",
+        hub_splits=HUB_SPLITS, hub_config="main",
+        offline_hint=f"set env.data_path=<folder with {split}.jsonl, or a .jsonl/.parquet file> "
+                     f"or use env=gsm_symbolic, which works offline",
+    )
+    return _prepare(raw, where)
 
 
 def load_gsm_symbolic(size: int = 2000, seed: int = 0) -> datasets.Dataset:
@@ -197,20 +159,15 @@ def load_gsm_symbolic(size: int = 2000, seed: int = 0) -> datasets.Dataset:
 
 
 # ------------------------------------------------------------------------------------------------- task
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    value = cfg.get(key, default) if cfg is not None else default
-    return default if value is None else value
-
-
 def _bool(cfg: Any, key: str) -> bool:
-    value = _get(cfg, key, False)
+    value = env_value(cfg, key, False)
     if isinstance(value, bool) or value in (0, 1):
         return bool(value)
     raise ConfigError(f"env.{key}={value!r}: must be true or false")
 
 
 def _positive_int(cfg: Any, key: str, default: int) -> int:
-    value = _get(cfg, key, default)
+    value = env_value(cfg, key, default)
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"env.{key}={value!r}: must be a positive integer")
     return value
@@ -229,16 +186,16 @@ def gsm8k_rewards(reasoning: bool) -> list[Reward]:
 def build_gsm8k_task(env_cfg: Any) -> Task:
     """The GSM8K task from the env config (keys: dataset, data_path, split, reasoning, system_prompt,
     reward_weights, size, seed); see :func:`torchrl_grpo.tasks.build_task`."""
-    dataset = _get(env_cfg, "dataset", HUB_DATASET)
+    dataset = env_value(env_cfg, "dataset", HUB_DATASET)
     reasoning = _bool(env_cfg, "reasoning")
     if dataset == GSM_SYMBOLIC:
-        seed = _get(env_cfg, "seed", 0)
+        seed = env_value(env_cfg, "seed", 0)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"env.seed={seed!r}: must be an integer")
         rows = load_gsm_symbolic(size=_positive_int(env_cfg, "size", 2000), seed=seed)
         name = GSM_SYMBOLIC
     elif dataset in GSM8K_NAMES:
-        rows = load_gsm8k(HUB_DATASET, _get(env_cfg, "data_path"), str(_get(env_cfg, "split", "train")))
+        rows = load_gsm8k(HUB_DATASET, env_value(env_cfg, "data_path"), str(env_value(env_cfg, "split", "train")))
         name = "gsm8k"
     else:
         raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(GSM8K_NAMES + (GSM_SYMBOLIC,))}")
@@ -251,7 +208,7 @@ def build_gsm8k_task(env_cfg: Any) -> Task:
     task = Task(name=name, rows=rows, system_prompt=system_prompt or None, rewards=gsm8k_rewards(reasoning),
                 success="accuracy")
 
-    overrides = _get(env_cfg, "reward_weights")
+    overrides = env_value(env_cfg, "reward_weights")
     if overrides and not reasoning and "think_format" in overrides:
         raise ConfigError("env.reward_weights.think_format: think_format is only scored with env.reasoning=true")
     return task.set_weights(overrides)

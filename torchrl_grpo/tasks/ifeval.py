@@ -35,6 +35,7 @@ import datasets
 
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
+from torchrl_grpo.tasks.sources import env_value, load_rows
 
 HUB_DATASET = "google/IFEval"
 IFEVAL_NAMES = (HUB_DATASET, "ifeval")
@@ -242,11 +243,6 @@ REWARD_FNS = {
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def _one_line(err: BaseException) -> str:
-    msg = str(err).strip().splitlines()
-    return type(err).__name__ + (f": {msg[0][:200]}" if msg else "")
-
-
 def clean_kwargs(kwargs: Any) -> list[dict[str, Any]]:
     """One kwargs dict per instruction with the None values dropped (the hub's ``google/IFEval`` fills every
     unused key with null; a checker must be built from the keys its instruction uses only). Accepts a list
@@ -266,38 +262,6 @@ def clean_kwargs(kwargs: Any) -> list[dict[str, Any]]:
         else:
             raise TypeError(f"kwargs entry {one!r} is not a dict")
     return out
-
-
-def _local_files(path: Path, split: str) -> tuple[str, list[str]]:
-    """(datasets builder, files) for ``env.data_path``: a .jsonl/.json/.parquet file, or a folder holding one."""
-    shown = f"env.data_path={path}"
-    if not path.exists():
-        raise ConfigError(
-            f"{shown}: no such file or folder ({path.resolve()}); point it at IFEval's input_data.jsonl "
-            f"(or another .jsonl/.parquet file with key, prompt, instruction_id_list, kwargs) or a folder holding it"
-        )
-    if path.is_file():
-        suffix = path.suffix.lower()
-        if suffix in (".jsonl", ".json"):
-            return "json", [str(path)]
-        if suffix == ".parquet":
-            return "parquet", [str(path)]
-        raise ConfigError(f"{shown}: unsupported file type {suffix!r}; use a .jsonl or .parquet file, or a folder")
-    for builder, pattern in (
-        ("json", f"{split}.jsonl"),
-        ("json", "input_data.jsonl"),
-        ("json", "ifeval_input_data.jsonl"),
-        ("parquet", f"data/{split}-*.parquet"),
-        ("parquet", f"{split}-*.parquet"),
-        ("parquet", f"{split}.parquet"),
-    ):
-        files = sorted(str(p) for p in path.glob(pattern))
-        if files:
-            return builder, files
-    raise ConfigError(
-        f"{shown}: no {split}.jsonl, input_data.jsonl nor data/{split}-*.parquet in that folder; "
-        f"point it at the file itself"
-    )
 
 
 def _prepare(raw: datasets.Dataset, where: str) -> datasets.Dataset:
@@ -347,32 +311,21 @@ def load_ifeval(dataset: str = HUB_DATASET, data_path: str | Path | None = None,
     instruction_id_list, kwargs``) or a folder holding it. Without it, ``dataset`` is loaded from the
     Hugging Face hub; an unreachable/offline hub raises ConfigError.
     """
-    if data_path is not None and str(data_path) != "":
-        builder, files = _local_files(Path(data_path).expanduser(), split)
-        try:
-            raw = datasets.load_dataset(builder, data_files=files, split="train")
-        except Exception as err:
-            raise ConfigError(f"env.data_path={data_path}: cannot read it ({_one_line(err)})") from err
-        return _prepare(raw, f"env.data_path={data_path}")
-    if split not in HUB_SPLITS:
-        raise ConfigError(f"env.split={split!r}: {dataset} has the split(s) {', '.join(HUB_SPLITS)}")
-    try:
-        raw = datasets.load_dataset(dataset, split=split)
-    except Exception as err:  # offline, unreachable, unknown id: all mean "this source cannot be used here"
-        raise ConfigError(
-            f"env.dataset={dataset}: cannot load it from the Hugging Face hub ({_one_line(err)}); "
-            f"set env.data_path=<IFEval input_data.jsonl, or a .jsonl/.parquet file with key, prompt, "
-            f"instruction_id_list, kwargs>"
-        ) from err
-    return _prepare(raw, f"env.dataset={dataset}")
+    raw, where = load_rows(
+        dataset, data_path, split,
+        folder_patterns=[("json", f"{split}.jsonl"), ("json", "input_data.jsonl"), ("json", "ifeval_input_data.jsonl"),
+                         ("parquet", f"data/{split}-*.parquet"), ("parquet", f"{split}-*.parquet"),
+                         ("parquet", f"{split}.parquet")],
+        expected="IFEval's input_data.jsonl (or another .jsonl/.parquet file with key, prompt, instruction_id_list, "
+                 "kwargs) or a folder holding it",
+        hub_splits=HUB_SPLITS,
+        offline_hint="set env.data_path=<IFEval input_data.jsonl, or a .jsonl/.parquet file with key, prompt, "
+                     "instruction_id_list, kwargs>",
+    )
+    return _prepare(raw, where)
 
 
 # ------------------------------------------------------------------------------------------------- task
-def _get(cfg: Any, key: str, default: Any = None) -> Any:
-    value = cfg.get(key, default) if cfg is not None else default
-    return default if value is None else value
-
-
 def ifeval_rewards(reward: str = DEFAULT_REWARD) -> list[Reward]:
     """The four components, weight 1 on ``reward`` and 0 on the others (all are logged)."""
     if not isinstance(reward, str) or reward not in REWARD_NAMES:
@@ -383,14 +336,14 @@ def ifeval_rewards(reward: str = DEFAULT_REWARD) -> list[Reward]:
 def build_ifeval_task(env_cfg: Any) -> Task:
     """The IFEval task from the env config (keys: dataset, data_path, split, reward, system_prompt,
     reward_weights); see :func:`torchrl_grpo.tasks.build_task`."""
-    dataset = _get(env_cfg, "dataset", HUB_DATASET)
+    dataset = env_value(env_cfg, "dataset", HUB_DATASET)
     if dataset not in IFEVAL_NAMES:
         raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(IFEVAL_NAMES)}")
-    rewards = ifeval_rewards(_get(env_cfg, "reward", DEFAULT_REWARD))
+    rewards = ifeval_rewards(env_value(env_cfg, "reward", DEFAULT_REWARD))
     system_prompt = env_cfg.get("system_prompt") if env_cfg is not None else None
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for none")
     _checkers()  # fails fast (one line) when the checkers are missing; writes the NLTK data once
-    rows = load_ifeval(HUB_DATASET, _get(env_cfg, "data_path"), str(_get(env_cfg, "split", "train")))
+    rows = load_ifeval(HUB_DATASET, env_value(env_cfg, "data_path"), str(env_value(env_cfg, "split", "train")))
     task = Task(name="ifeval", rows=rows, system_prompt=system_prompt or None, rewards=rewards, success="prompt_strict")
-    return task.set_weights(_get(env_cfg, "reward_weights"))
+    return task.set_weights(env_value(env_cfg, "reward_weights"))
