@@ -42,7 +42,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo.config import batch_plan
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.errors import ConfigError, one_line
 from torchrl_grpo.evaluation import eval_due, evaluate_policy
 from torchrl_grpo.loops import (
     Parts, StopRequest, _checkpoint_due, _print_summary, _resume, _save, collect, optimize, trainer_log_probs,
@@ -188,11 +188,6 @@ def ray_init_kwargs(cfg: DictConfig) -> dict:
     return {"address": address, **kwargs}
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}".strip()
-
-
 def run_async(parts: Parts) -> dict:
     """Train until ``plan.total_steps`` with Ray rollout actors; returns the end-of-run summary."""
     import ray
@@ -215,7 +210,7 @@ def run_async(parts: Parts) -> dict:
         ray.init(**kwargs)
     except Exception as err:  # no cluster at ray.address, a bad ray.init key, ...
         ray.shutdown()
-        raise ConfigError(f"ray.address={cfg.ray.address}: could not start or join Ray ({_first_line(err)})") from None
+        raise ConfigError(f"ray.address={cfg.ray.address}: could not start or join Ray ({one_line(err)})") from None
     actors, step = [], start_step
     telemetry = None
     try:
@@ -252,7 +247,7 @@ def run_async(parts: Parts) -> dict:
                     raise _Fault(f"rollout actor {actor}'s batch could not be fetched within "
                                  f"ray.collect_timeout_s={timeout:g} s") from None
                 except RayError as err:
-                    raise _Fault(f"rollout actor {actor} failed during collect ({_first_line(err)})") from None
+                    raise _Fault(f"rollout actor {actor} failed during collect ({one_line(err)})") from None
                 wait_time = time.perf_counter() - waited
                 state.actor_samplers[actor] = sampler_state
                 pending[actors[actor].collect.remote()] = actor  # keep the actor busy while we train
@@ -342,4 +337,4 @@ def _check_pushes(ray, pushes: list) -> None:
         try:
             ray.get(ref)
         except RayError as err:
-            raise _Fault(f"a weight push to a rollout actor failed ({_first_line(err)})") from None
+            raise _Fault(f"a weight push to a rollout actor failed ({one_line(err)})") from None

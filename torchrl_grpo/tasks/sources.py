@@ -9,19 +9,13 @@ from typing import Any
 
 import datasets
 
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.errors import ConfigError, one_line
 
 
 def env_value(cfg: Any, key: str, default: Any = None) -> Any:
     """``cfg[key]``, with ``default`` where the env config is missing or the key is absent or null."""
     value = cfg.get(key, default) if cfg is not None else default
     return default if value is None else value
-
-
-def one_line(err: BaseException) -> str:
-    """An exception as one short line, for messages that must stay one line."""
-    msg = str(err).strip().splitlines()
-    return type(err).__name__ + (f": {msg[0][:200]}" if msg else "")
 
 
 def _local_files(path: Path, folder_patterns: Sequence[tuple[str, str]], expected: str) -> tuple[str, list[str]]:
