@@ -1,42 +1,18 @@
 """grpo-async.py as users run it (real subprocess, Hydra, Ray, the tiny model, the vLLM CPU engine in a Ray
 actor), its fault path, and the small pure-Python pieces of torchrl_grpo/async_loop.py."""
-import csv
+import functools
 import os
 import signal
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["model=tiny", "env=gsm_symbolic", "env.size=64", "env.num_envs=2", "env.repeats=4",
-         "train.optim_batch_size=4", "train.gradient_accumulation_steps=2", "inference_model.max_tokens=8",
-         "logging.progress_bar=false", "optimizer.lr=1e-3"]
+from test_train_e2e import ROOT, SMALL, importable, rows, run, start, wait_until
 
-
-def _importable(module: str) -> bool:
-    return subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode == 0
-
-
-needs_ray_and_vllm = pytest.mark.skipif(not (_importable("ray") and _importable("vllm")),
+run = functools.partial(run, script="grpo-async.py", timeout=240)
+needs_ray_and_vllm = pytest.mark.skipif(not (importable("ray") and importable("vllm")),
                                         reason="ray or vllm is not importable here")
-
-
-def run(args, cwd, timeout=240, env_extra=None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
-    return subprocess.run([sys.executable, str(ROOT / "grpo-async.py"), *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def rows(run_dir: Path) -> list[dict]:
-    """The run's metrics.csv rows; none before its first step."""
-    path = run_dir / "metrics.csv"
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def ray_processes() -> str:
@@ -105,14 +81,8 @@ def test_a_dying_actor_stops_the_run_with_one_line_and_a_checkpoint(tmp_path):
 def test_ctrl_c_finishes_the_step_checkpoints_and_leaves_no_ray(tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMALL, "train.total_dialog_turns=4000", "logging.checkpoint_frequency=0", f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "grpo-async.py"), *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.time() + 180
-    while time.time() < deadline and proc.poll() is None:
-        if (run_dir / "metrics.csv").exists() and rows(run_dir):
-            break
-        time.sleep(0.2)
+    proc = start(args, cwd=tmp_path, script="grpo-async.py")
+    wait_until(lambda: rows(run_dir), proc, seconds=180)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]

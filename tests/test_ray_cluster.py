@@ -5,9 +5,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
-from test_async import ROOT, SMALL, needs_ray_and_vllm, ray_processes, rows
+from test_async import needs_ray_and_vllm, ray_processes
+from test_train_e2e import ROOT, SMALL, rows, start, wait_until
 
 
 @needs_ray_and_vllm
@@ -26,14 +26,9 @@ def test_async_run_on_a_two_node_cluster_uses_both_nodes(tmp_path):
         # two engines start side by side on this machine's cores and one may take several steps longer
         args = [*SMALL, f"ray.address={cluster.address}", "ray.num_actors=2", "train.max_staleness=2",
                 "train.total_dialog_turns=8000", "logging.checkpoint_frequency=0", f"hydra.run.dir={run_dir}"]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        proc = subprocess.Popen([sys.executable, str(ROOT / "grpo-async.py"), *args], cwd=tmp_path, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        deadline = time.time() + 300
-        while time.time() < deadline and proc.poll() is None:
-            if {r["actor"] for r in rows(run_dir)} >= {"0.0", "1.0"} or len(rows(run_dir)) >= 900:
-                break
-            time.sleep(0.5)
+        proc = start(args, cwd=tmp_path, script="grpo-async.py")
+        wait_until(lambda: {r["actor"] for r in rows(run_dir)} >= {"0.0", "1.0"} or len(rows(run_dir)) >= 900,
+                   proc, seconds=300, poll=0.5)
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-3000:]

@@ -6,7 +6,8 @@ import socket
 import subprocess
 from pathlib import Path
 
-from test_async import ROOT, SMALL, needs_ray_and_vllm, ray_processes, rows
+from test_async import needs_ray_and_vllm, ray_processes
+from test_train_e2e import ROOT, SMALL, rows
 
 SCRIPT = ROOT / "scripts" / "slurm_grpo_async.sh"
 FAKE_SRUN = """#!/bin/bash

@@ -14,19 +14,41 @@ SMALL = ["model=tiny", "env=gsm_symbolic", "env.size=64", "env.num_envs=2", "env
          "train.optim_batch_size=4", "train.gradient_accumulation_steps=2", "inference_model.max_tokens=8",
          "logging.progress_bar=false", "optimizer.lr=1e-3"]
 
-needs_vllm = pytest.mark.skipif(
-    subprocess.run([sys.executable, "-c", "import vllm"], capture_output=True).returncode != 0,
-    reason="vllm is not importable here")
+def importable(module: str) -> bool:
+    """Whether ``module`` imports in a fresh interpreter (a broken install counts as missing)."""
+    return subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode == 0
+
+
+needs_vllm = pytest.mark.skipif(not importable("vllm"), reason="vllm is not importable here")
+SCRIPT_ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def run(args, cwd, script="grpo.py", timeout=300, env_extra=None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **(env_extra or {})}
+    env = {**os.environ, **SCRIPT_ENV, **(env_extra or {})}
     return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
 
 
+def start(args, cwd, script="grpo.py", **popen_kwargs) -> subprocess.Popen:
+    """The script running in the background, in a process group of its own (for ``os.killpg``), output piped."""
+    popen_kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen_kwargs}
+    return subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, env={**os.environ, **SCRIPT_ENV},
+                            start_new_session=True, **popen_kwargs)
+
+
+def wait_until(done, proc: subprocess.Popen, seconds: float, poll: float = 0.2) -> None:
+    """Return once ``done()`` holds, the process has exited, or ``seconds`` have passed."""
+    deadline = time.time() + seconds
+    while time.time() < deadline and proc.poll() is None and not done():
+        time.sleep(poll)
+
+
 def rows(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.csv", newline="") as f:
+    """The run's metrics.csv rows; none before its first step."""
+    path = run_dir / "metrics.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
         return list(csv.DictReader(f))
 
 
@@ -58,12 +80,8 @@ def test_train_then_resume(tmp_path):
 def test_killed_run_resumes_where_it_was(tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMALL, "train.total_dialog_turns=48", "logging.checkpoint_frequency=1", f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 240
-    while not (run_dir / "checkpoints" / "step_000002").exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.2)
+    proc = start(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_until((run_dir / "checkpoints" / "step_000002").exists, proc, seconds=240)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     assert (run_dir / "checkpoints" / "step_000002").exists()
@@ -140,14 +158,8 @@ def _assert_adapter_restores(saved: Path, config_file: Path):
 def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMALL, "train.total_dialog_turns=400", "logging.checkpoint_frequency=0", f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, str(ROOT / "grpo.py"), *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and proc.poll() is None:
-        if (run_dir / "metrics.csv").exists() and rows(run_dir):
-            break
-        time.sleep(0.2)
+    proc = start(args, cwd=tmp_path)
+    wait_until(lambda: rows(run_dir), proc, seconds=240)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]
