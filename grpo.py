@@ -10,7 +10,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from grpo_utils import build, exit_on_config_error
+from grpo_utils import build_sync, exit_on_config_error
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 
@@ -18,13 +18,13 @@ CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 @hydra.main(config_path=CONFIG_DIR, config_name="grpo_gsm8k", version_base="1.3")
 @exit_on_config_error
 def main(cfg: DictConfig) -> None:
-    from torchrl_grpo.loops import run_sync
+    from torchrl_grpo.sync_loop import run_sync
 
-    parts = build(cfg, Path(HydraConfig.get().runtime.output_dir))
+    run = build_sync(cfg, Path(HydraConfig.get().runtime.output_dir))
     try:
-        run_sync(parts)
+        run_sync(run)
     finally:
-        parts.engine.close()
+        run.collector.engine.close()
 
 
 if __name__ == "__main__":

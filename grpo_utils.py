@@ -1,7 +1,7 @@
 """The composition root shared by grpo.py and grpo-async.py: config -> the objects a run needs.
 
-Each ``build_*`` turns one part of the config into one object; :func:`build` wires them into
-:class:`torchrl_grpo.loops.Parts`. Heavy imports (transformers, vLLM) happen here, after the config
+Each ``build_*`` turns one part of the config into one object; :func:`build_sync` wires them into a
+:class:`torchrl_grpo.sync_loop.SyncRun` (``grpo-async.py`` starts from :func:`build_common`). Heavy imports (transformers, vLLM) happen here, after the config
 was validated, so that a bad key fails in a second with one line.
 """
 from __future__ import annotations
@@ -9,19 +9,24 @@ from __future__ import annotations
 import functools
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from torchrl_grpo import checkpoint
-from torchrl_grpo.config import validate
+from torchrl_grpo.collector import Collector
+from torchrl_grpo.config import BatchPlan, CollectSettings, TrainSettings, validate
 from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.loops import Parts
+from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.objective import GRPOLoss
 from torchrl_grpo.placement import Placement, place, resolve_dtype
+from torchrl_grpo.run_state import RunState
+from torchrl_grpo.sync_loop import SyncRun
 from torchrl_grpo.tasks import Task, build_task, eval_env_config
+from torchrl_grpo.trainer import Trainer
+from torchrl_grpo.trajectories import PromptSampler
 
 
 def exit_on_config_error(main):
@@ -136,42 +141,62 @@ def build_eval_engine(cfg: DictConfig):
     return build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed)), tokenizer
 
 
-def build(cfg: DictConfig, run_dir: Path, with_engine: bool = True) -> Parts:
-    """Everything a run needs, from a composed config (async runs: no engine, the actors have theirs)."""
-    plan = validate(cfg)
-    needs_ref = float(cfg.train.kl_to_ref_coeff) > 0
-    placement = place(cfg, needs_ref)
-    seed_everything(int(cfg.train.seed))
-    resume_from = checkpoint.find_resume_point(cfg.train.resume, run_dir / cfg.logging.checkpoint_dir)
-    start_step = checkpoint.load_state(resume_from)["step"] if resume_from else 0
-    print(f"batch plan:\n{plan.table()}\nplacement: {placement.describe()}", flush=True)
+def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume_from: Path | None) -> Trainer:
+    """Policy (from the checkpoint when resuming), reference when a KL to it is on, loss and optimizer."""
+    from torchrl_grpo.models import load_policy
 
+    policy = build_policy(cfg, model_path, placement.train, resume_from)
+    ref_policy = None
+    if float(cfg.train.kl_to_ref_coeff) > 0:
+        ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, placement.ref[0]),
+                                 device=placement.ref, trainable=False)
+    return Trainer(policy, ref_policy, build_loss(cfg, policy), build_optimizer(cfg, policy),
+                   TrainSettings.from_config(cfg), torch.device(placement.train[0]),
+                   torch.device(placement.ref[0]) if ref_policy is not None else None)
+
+
+@dataclass
+class Common:
+    """What both loops start from (the sync one adds an engine and a collector, the async one Ray actors)."""
+
+    plan: BatchPlan
+    state: RunState
+    task: Task
+    tokenizer: object
+    model_path: str
+    placement: Placement
+    trainer: Trainer
+    evaluator: Evaluator | None
+
+
+def build_common(cfg: DictConfig, run_dir: Path) -> Common:
+    """Validate, place, seed the global RNG (before any model is built), find the checkpoint to resume from,
+    then the task, the evaluator (``logging.eval_frequency > 0``), the tokenizer and the trainer."""
+    plan = validate(cfg)
+    placement = place(cfg, needs_ref=float(cfg.train.kl_to_ref_coeff) > 0)
+    seed_everything(int(cfg.train.seed))
+    state = RunState(cfg, run_dir)
+    print(f"batch plan:\n{plan.table()}\nplacement: {placement.describe()}", flush=True)
     task = build_task(cfg.env)
     eval_task = build_eval_task(cfg) if int(cfg.logging.eval_frequency) > 0 else None
-    from torchrl_grpo.models import load_policy, load_tokenizer, merged_state_dict, resolve_model
+    from torchrl_grpo.models import load_tokenizer, resolve_model
 
     model_path = resolve_model(str(cfg.model.name))
     tokenizer = load_tokenizer(model_path)
-    policy = build_policy(cfg, model_path, placement.train, resume_from)
-    ref_policy = None
-    if needs_ref:
-        ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, placement.ref[0]),
-                                 device=placement.ref, trainable=False)
-    engine, push_weights = None, None
-    if with_engine:
-        engine = build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed) + start_step)
+    evaluator = None if eval_task is None else Evaluator(
+        eval_task, tokenizer, cfg.eval, plan.max_tokens, int(cfg.logging.eval_frequency), plan.total_steps)
+    trainer = build_trainer(cfg, placement, model_path, state.resume_from)
+    return Common(plan, state, task, tokenizer, model_path, placement, trainer, evaluator)
 
-        def push_weights():
-            if cfg.inference_model.backend != "transformers":  # the fallback engine shares the policy itself
-                engine.push_weights(merged_state_dict(policy))
 
-        if resume_from is not None:
-            push_weights()
-    return Parts(
-        cfg=cfg, plan=plan, run_dir=run_dir, task=task, eval_task=eval_task, tokenizer=tokenizer, policy=policy,
-        ref_policy=ref_policy,
-        engine=engine, loss=build_loss(cfg, policy), optimizer=build_optimizer(cfg, policy),
-        train_device=torch.device(placement.train[0]),
-        ref_device=torch.device(placement.ref[0]) if needs_ref else None,
-        push_weights=push_weights, resume_from=resume_from,
-    )
+def build_sync(cfg: DictConfig, run_dir: Path) -> SyncRun:
+    """The sync run: the common pieces and a collector over an engine holding the policy's weights (seeded
+    with the step a resume starts after)."""
+    c = build_common(cfg, run_dir)
+    engine = build_engine(cfg, c.model_path, c.placement, c.trainer.policy, c.tokenizer,
+                          seed=int(cfg.train.seed) + c.state.step)
+    if c.state.resume_from is not None:
+        c.trainer.push_weights(engine)
+    collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), int(cfg.env.seed)),
+                          CollectSettings.from_config(cfg))
+    return SyncRun(collector, c.trainer, c.state, c.plan.total_steps, c.evaluator, overlap=not cfg.train.sync_iter)

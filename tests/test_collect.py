@@ -5,8 +5,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from torchrl_grpo.config import validate
-from torchrl_grpo.loops import Parts, collect, sample_groups
+from torchrl_grpo.collector import Collector
+from torchrl_grpo.config import CollectSettings
 from torchrl_grpo.models import load_tokenizer
 from torchrl_grpo.rollout import Completion
 from torchrl_grpo.tasks import Reward, Task
@@ -33,16 +33,15 @@ class ScriptedEngine:
         return out
 
 
-def make_parts(tokenizer, questions, *overrides):
+def make_collector(tokenizer, questions, *overrides):
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose(config_name="grpo_gsm8k", overrides=[
             "model=tiny", "env.num_envs=2", "env.repeats=4", "train.optim_batch_size=4",
             "inference_model.max_tokens=10", *overrides])
     rows = datasets.Dataset.from_dict({"question": questions, "answer": ["0"] * len(questions)})
     task = Task("yes", rows, None, [Reward("yes", lambda c, r: float(c == "yes"))])
-    return Parts(cfg=cfg, plan=validate(cfg), run_dir=None, task=task, tokenizer=tokenizer, policy=None,
-                 ref_policy=None, engine=ScriptedEngine(tokenizer), loss=None, optimizer=None,
-                 train_device=torch.device("cpu"), ref_device=None, push_weights=None, resume_from=None)
+    return Collector(task, tokenizer, ScriptedEngine(tokenizer), PromptSampler(len(questions), seed=0),
+                     CollectSettings.from_config(cfg))
 
 
 @pytest.fixture(scope="module")
@@ -56,30 +55,30 @@ def test_dynamic_sampling_replaces_tied_groups(tokenizer):
     questions = [None] * 6
     for position, index in enumerate(PromptSampler(6, seed=0).take(6)):
         questions[index] = pattern[position]
-    parts = make_parts(tokenizer, questions, "loss=dapo", "loss.overlong=none")
-    groups, stats = sample_groups(parts, PromptSampler(6, seed=0))
+    collector = make_collector(tokenizer, questions, "loss=dapo", "loss.overlong=none")
+    groups, stats = collector.sample_groups()
     assert [g.row["question"] for g in groups] == ["mixed c", "mixed e"]
-    assert parts.engine.calls == [2, 2, 1] and stats["sampling_rounds"] == 3
+    assert collector.engine.calls == [2, 2, 1] and stats["sampling_rounds"] == 3
     assert stats["dropped_group_fraction"] == pytest.approx(3 / 5)
 
 
 def test_dynamic_sampling_fills_with_tied_groups_when_rounds_run_out(tokenizer):
-    parts = make_parts(tokenizer, ["tied a", "tied b", "tied c"], "loss=dapo", "loss.overlong=none",
-                       "loss.max_resample_rounds=1")
-    groups, stats = sample_groups(parts, PromptSampler(3, seed=0))
-    assert len(groups) == 2 and stats["sampling_rounds"] == 2 and parts.engine.calls == [2, 2]
+    collector = make_collector(tokenizer, ["tied a", "tied b", "tied c"], "loss=dapo", "loss.overlong=none",
+                               "loss.max_resample_rounds=1")
+    groups, stats = collector.sample_groups()
+    assert len(groups) == 2 and stats["sampling_rounds"] == 2 and collector.engine.calls == [2, 2]
     assert stats["dropped_group_fraction"] == 1.0
 
 
 def test_without_dynamic_sampling_ties_are_kept_and_one_round_is_made(tokenizer):
-    parts = make_parts(tokenizer, ["tied a", "tied b", "mixed c"])
-    groups, stats = sample_groups(parts, PromptSampler(3, seed=0))
-    assert len(groups) == 2 and parts.engine.calls == [2] and "sampling_rounds" not in stats
+    collector = make_collector(tokenizer, ["tied a", "tied b", "mixed c"])
+    groups, stats = collector.sample_groups()
+    assert len(groups) == 2 and collector.engine.calls == [2] and "sampling_rounds" not in stats
 
 
 def test_soft_overlong_penalty_enters_the_reward(tokenizer):
-    parts = make_parts(tokenizer, ["long mixed a", "mixed b"], "loss=dapo", "loss.overlong_buffer=4")
-    batch, metrics, _ = collect(parts, PromptSampler(2, seed=0), version=0)
+    collector = make_collector(tokenizer, ["long mixed a", "mixed b"], "loss=dapo", "loss.overlong_buffer=4")
+    batch, metrics, _ = collector.collect(version=0)
     long_rows = batch["truncated"]
     # full length (10 tokens) with buffer 4 -> penalty -1; the 2-token ones get 0
     expected = batch["rewards", "yes"].float() - long_rows.float()

@@ -5,9 +5,13 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from grpo_utils import build_loss, build_optimizer, build_policy
-from torchrl_grpo.config import validate
-from torchrl_grpo.loops import Parts, run_sync
+from torchrl_grpo.collector import Collector
+from torchrl_grpo.config import CollectSettings, TrainSettings, validate
 from torchrl_grpo.models import load_tokenizer, merged_state_dict
+from torchrl_grpo.run_state import RunState
+from torchrl_grpo.sync_loop import SyncRun, run_sync
+from torchrl_grpo.trainer import Trainer
+from torchrl_grpo.trajectories import PromptSampler
 from torchrl_grpo.tasks import Reward, Task
 from test_config import CONFIG_DIR
 
@@ -31,14 +35,12 @@ def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path
     tokenizer = load_tokenizer(tiny_model_path)
     policy = build_policy(cfg, tiny_model_path, ["cpu"], None)
     original = {k: v.clone() for k, v in merged_state_dict(policy).items()}
-    parts = Parts(
-        cfg=cfg, plan=validate(cfg), run_dir=tmp_path, task=task, tokenizer=tokenizer, policy=policy,
-        ref_policy=None, engine=vllm_engine, loss=build_loss(cfg, policy), optimizer=build_optimizer(cfg, policy),
-        train_device=torch.device("cpu"), ref_device=None,
-        push_weights=lambda: vllm_engine.push_weights(merged_state_dict(policy)), resume_from=None,
-    )
+    trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), TrainSettings.from_config(cfg),
+                      torch.device("cpu"), None)
+    collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
+    run = SyncRun(collector, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
     try:
-        summary = run_sync(parts)
+        summary = run_sync(run)
     finally:
         vllm_engine.push_weights(original)  # the session engine goes back to the tiny model's weights
     trend = summary["reward/digits"]

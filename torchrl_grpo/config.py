@@ -49,6 +49,62 @@ class BatchPlan:
         return "\n".join(f"  {name:<{width}}  {value:>8}   ({key})" for name, value, key in rows)
 
 
+@dataclass(frozen=True)
+class CollectSettings:
+    """What the collector needs, in its own terms (``env.*``, ``inference_model.*`` and the loss keys that act
+    on collection: DAPO's dynamic sampling and soft overlong penalty)."""
+
+    prompts_per_step: int        # env.num_envs
+    group_size: int              # env.repeats
+    max_tokens: int              # inference_model.max_tokens
+    temperature: float           # inference_model.temperature
+    top_p: float                 # inference_model.top_p
+    dynamic_sampling: bool       # loss.dynamic_sampling
+    max_resample_rounds: int     # loss.max_resample_rounds
+    soft_overlong: bool          # loss.overlong == "soft"
+    overlong_buffer: int | None  # loss.overlong_buffer
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> CollectSettings:
+        plan = batch_plan(cfg)
+        return cls(
+            prompts_per_step=plan.prompts_per_step, group_size=plan.group_size, max_tokens=plan.max_tokens,
+            temperature=float(cfg.inference_model.temperature), top_p=float(cfg.inference_model.top_p),
+            dynamic_sampling=bool(cfg.loss.dynamic_sampling), max_resample_rounds=int(cfg.loss.max_resample_rounds),
+            soft_overlong=cfg.loss.overlong == "soft", overlong_buffer=cfg.loss.overlong_buffer,
+        )
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What the trainer needs besides its model, loss and optimizer, in its own terms."""
+
+    group_size: int                 # env.repeats: advantages are computed per group
+    micro_batch: int                # train.optim_batch_size
+    accumulation: int               # train.gradient_accumulation_steps
+    epochs: int                     # train.epochs
+    temperature: float              # inference_model.temperature: the log-probs' distribution
+    recompute_old_log_probs: bool   # loss.old_log_probs == "trainer"
+    kl_in_reward_coeff: float       # train.kl_to_ref_coeff when train.kl_coef_in_loss is false, else 0
+    reward_scale: str               # loss.reward_scale
+    clip_grad_norm: float | None    # optimizer.clip_grad_norm
+    mixed_precision: bool           # train.mixed_precision (bf16 autocast on CUDA)
+    seed: int                       # train.seed: the micro-batch shuffle
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> TrainSettings:
+        plan = batch_plan(cfg)
+        clip = cfg.optimizer.clip_grad_norm
+        return cls(
+            group_size=plan.group_size, micro_batch=plan.micro_batch, accumulation=plan.accumulation,
+            epochs=plan.epochs, temperature=float(cfg.inference_model.temperature),
+            recompute_old_log_probs=cfg.loss.old_log_probs == "trainer",
+            kl_in_reward_coeff=0.0 if cfg.train.kl_coef_in_loss else float(cfg.train.kl_to_ref_coeff),
+            reward_scale=cfg.loss.reward_scale, clip_grad_norm=None if not clip else float(clip),
+            mixed_precision=bool(cfg.train.mixed_precision), seed=int(cfg.train.seed),
+        )
+
+
 def _positive_int(cfg: DictConfig, key: str) -> int:
     value = _get(cfg, key)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -198,7 +254,24 @@ def validate(cfg: DictConfig) -> BatchPlan:
         if not isinstance(value, int) or value < 0:
             raise ConfigError(f"{key}={value!r}: must be an integer >= 0")
     _validate_eval(cfg)
+    if _get(cfg, "mode") == "async":
+        _validate_async(cfg)
     return plan
+
+
+def _validate_async(cfg: DictConfig) -> None:
+    """The async-only keys (config/mode/async.yaml)."""
+    if _get(cfg, "ray") is None:
+        raise ConfigError("mode=async needs the ray: block of config/mode/async.yaml; run grpo-async.py (it adds mode=async)")
+    for key in ("ray.num_actors", "train.weight_update_frequency"):
+        _positive_int(cfg, key)
+    for key in ("train.max_staleness", "ray.actor_num_cpus", "ray.actor_num_gpus"):
+        value = _get(cfg, key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            raise ConfigError(f"{key}={value!r}: must be a number >= 0")
+    timeout = _get(cfg, "ray.collect_timeout_s")
+    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
+        raise ConfigError(f"ray.collect_timeout_s={timeout!r}: must be a number of seconds > 0")
 
 
 def _validate_eval(cfg: DictConfig) -> None:

@@ -125,18 +125,22 @@ def format_table(metrics: Mapping[str, float]) -> str:
     return "\n".join(f"  {key:<{width}}  {value:10.4f}" for key, value in metrics.items())
 
 
-def eval_due(cfg, step: int, total_steps: int) -> bool:
-    """Evaluation during training: before the first step (step 0), every ``logging.eval_frequency`` steps and
-    after the last one; never when the frequency is 0."""
-    every = int(cfg.logging.eval_frequency)
-    return every > 0 and (step == 0 or step % every == 0 or step == total_steps)
+class Evaluator:
+    """The trainer's evaluation (``logging.eval_frequency=N``): :func:`evaluate_with_engine` on the task's
+    evaluation split before the first step (step 0), every N steps and after the last one; metrics under
+    ``eval/`` and the time it took."""
 
+    def __init__(self, task: Task, tokenizer, eval_cfg, max_tokens: int, every: int, total_steps: int):
+        self.task, self.tokenizer, self.eval_cfg, self.max_tokens = task, tokenizer, eval_cfg, max_tokens
+        self.every, self.total_steps = every, total_steps
 
-def evaluate_policy(parts, engine) -> dict:
-    """The trainer's evaluation (``parts.eval_task`` through ``engine``, which holds the current weights):
-    :func:`evaluate_with_engine`'s metrics under ``eval/``, and the time it took."""
-    import time
+    def due(self, step: int) -> bool:
+        return self.every > 0 and (step == 0 or step % self.every == 0 or step == self.total_steps)
 
-    started = time.perf_counter()
-    metrics, _ = evaluate_with_engine(engine, parts.eval_task, parts.tokenizer, parts.cfg.eval, parts.plan.max_tokens)
-    return {**{f"eval/{k}": v for k, v in metrics.items()}, "eval_time": time.perf_counter() - started}
+    def __call__(self, engine) -> dict:
+        """Evaluate with ``engine``, which must hold the current weights."""
+        import time
+
+        started = time.perf_counter()
+        metrics, _ = evaluate_with_engine(engine, self.task, self.tokenizer, self.eval_cfg, self.max_tokens)
+        return {**{f"eval/{k}": v for k, v in metrics.items()}, "eval_time": time.perf_counter() - started}

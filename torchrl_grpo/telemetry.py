@@ -104,6 +104,28 @@ class Telemetry:
         if self.wandb is not None:
             self.wandb.finish()
 
+    def __enter__(self) -> Telemetry:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def summary(self, reward_names: list[str], total_steps: int) -> dict[str, Trend]:
+        """Print and return the end-of-run summary: the reward and each component over the first step, the
+        first and the last steps; and the first vs the last evaluation, when there were several."""
+        window = max(1, min(5, total_steps // 4))
+        trends = summarize(self.csv.rows, ["reward"] + [f"reward/{n}" for n in reward_names], window)
+        width = max([len(key) for key in trends] + [8])
+        self.print(f"{'summary:':<{width + 2}} {'first step':>12} {f'first {window} mean':>14} {f'last {window} mean':>14}")
+        for key, trend in trends.items():
+            self.print(f"  {key:<{width}} {trend.first_step:>12.3f} {trend.first_mean:>14.3f} {trend.last_mean:>14.3f}")
+        evaluated = [r for r in self.csv.rows if r.get("eval/accuracy") not in (None, "")]
+        if len(evaluated) > 1:  # before vs after training, on the held-out evaluation split
+            first, last = evaluated[0], evaluated[-1]
+            self.print(f"  eval, step {int(first['step'])} -> step {int(last['step'])}: " + " | ".join(
+                f"{key} {float(first[f'eval/{key}']):.3f} -> {float(last[f'eval/{key}']):.3f}" for key in ("accuracy", "reward")))
+        return trends
+
 
 def _plain(value):
     if hasattr(value, "item"):

@@ -1,0 +1,98 @@
+"""The collector: prompts -> engine -> scored groups -> batch.
+
+It is what a rollout actor runs (``grpo-async.py``) and the first half of a sync step, and it holds nothing
+of the trainer: no policy, no log-probs of its own, no advantages (those may need the trainer's log-probs,
+e.g. a KL penalty in the reward: :meth:`torchrl_grpo.trainer.Trainer.prepare` adds them in every mode).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import torch
+
+from torchrl_grpo.config import CollectSettings
+from torchrl_grpo.objective import overlong_penalty
+from torchrl_grpo.rollout import Completion
+from torchrl_grpo.tasks import Task, per_task_means
+from torchrl_grpo.trajectories import PromptSampler, build_batch, prompt_token_ids, reward_tensors
+
+
+@dataclass
+class Group:
+    """One prompt, its G completions and their reward components (task rewards, unweighted)."""
+
+    row: dict
+    prompt: list[int]
+    completions: list[Completion]
+    components: list[dict]
+
+
+class Collector:
+    """Draws prompts from ``sampler``, generates ``group_size`` completions each with ``engine`` and scores
+    them with ``task``. The engine is any :class:`torchrl_grpo.rollout.Engine`."""
+
+    def __init__(self, task: Task, tokenizer, engine, sampler: PromptSampler, settings: CollectSettings):
+        self.task, self.tokenizer, self.engine = task, tokenizer, engine
+        self.sampler, self.settings = sampler, settings
+
+    def sample_groups(self) -> tuple[list[Group], dict]:
+        """The step's ``prompts_per_step`` groups. With dynamic sampling (DAPO), groups whose rewards all tie
+        (no signal) are replaced by fresh prompts for up to ``max_resample_rounds`` more rounds; if still short,
+        tied groups fill the rest so that the step keeps its size. Ties are judged on the task reward plus the
+        soft overlong penalty, before any KL penalty (which would untie everything)."""
+        s, task = self.settings, self.task
+        kept, spare, rounds, sampled, generation_time = [], [], 0, 0, 0.0
+        while len(kept) < s.prompts_per_step and (rounds == 0 or (s.dynamic_sampling and rounds <= s.max_resample_rounds)):
+            rows = [task.rows[i] for i in self.sampler.take(s.prompts_per_step - len(kept))]
+            prompts = prompt_token_ids(task, self.tokenizer, rows)
+            started = time.perf_counter()
+            completions = self.engine.generate(prompts, n=s.group_size, max_tokens=s.max_tokens,
+                                               temperature=s.temperature, top_p=s.top_p)
+            generation_time += time.perf_counter() - started
+            for j, row in enumerate(rows):
+                mine = completions[j * s.group_size: (j + 1) * s.group_size]
+                group = Group(row, prompts[j], mine, [task.score(c.text, row) for c in mine])
+                rewards = torch.tensor([task.total(c) for c in group.components]) + self._overlong(mine)
+                (spare if s.dynamic_sampling and bool((rewards == rewards[0]).all()) else kept).append(group)
+            rounds, sampled = rounds + 1, sampled + len(rows)
+        dropped = len(spare)
+        kept += spare[: s.prompts_per_step - len(kept)]
+        stats = {"generation_time": generation_time}
+        if s.dynamic_sampling:
+            stats.update({"dropped_group_fraction": dropped / sampled, "sampling_rounds": rounds})
+        return kept, stats
+
+    def collect(self, version: int, sampled: tuple[list[Group], dict] | None = None):
+        """One step's scored batch, sampled by policy ``version``: ``(batch, metrics, texts)``, ``texts`` the
+        completions' text in batch order. ``sampled``: the
+        step's :meth:`sample_groups` already generated (by the sync loop's prefetch), else generated here."""
+        groups, metrics = sampled or self.sample_groups()
+        completions = [replace(c, prompt_index=g) for g, group in enumerate(groups) for c in group.completions]
+        batch = build_batch([g.prompt for g in groups], completions, self.settings.group_size,
+                            self.tokenizer.pad_token_id, version)
+        components = [c for g in groups for c in g.components]
+        batch.update(reward_tensors(self.task, components))
+        if self.settings.soft_overlong:
+            penalty = self._overlong(completions)
+            batch["reward"] = batch["reward"] + penalty
+            metrics["overlong_penalty_mean"] = penalty.mean().item()
+        batch["old_log_probs"] = batch["sample_log_probs"]
+        lengths = batch["completion_mask"].sum(-1).float()
+        metrics.update({
+            **{f"reward/{k}": v.float().mean().item() for k, v in batch["rewards"].items()},
+            "completion_length": lengths.mean().item(),
+            "completion_length_max": lengths.max().item(),
+            "truncated_fraction": batch["truncated"].float().mean().item(),
+            "generation_tokens_per_s": lengths.sum().item() / max(metrics["generation_time"], 1e-9),
+            **per_task_means([g.row for g in groups for _ in g.completions], components,
+                             [self.task.total(c) for c in components]),
+        })
+        return batch, metrics, [c.text for c in completions]
+
+    def _overlong(self, completions) -> torch.Tensor:
+        """DAPO's soft overlong penalty per completion (``loss.overlong=soft``), else zeros."""
+        lengths = torch.tensor([len(c.token_ids) for c in completions])
+        if not self.settings.soft_overlong:
+            return torch.zeros(len(completions))
+        return overlong_penalty(lengths, self.settings.max_tokens, self.settings.overlong_buffer)

@@ -1,0 +1,77 @@
+"""Where a run stands, saved and resumed here only: the step, the data position (a prompt sampler, or the
+async loop's :class:`AsyncProgress`), the global RNG states, the trainer's optimizer and shuffle (through
+:meth:`Trainer.state_dict`) and the config. The weights are the checkpoint's HF-format policy, which the
+builder loads before the trainer exists (:attr:`RunState.resume_from`).
+
+``trainer_state.pt`` holds ``step``, ``optimizer``, ``sampler`` (the data position), ``rng``, ``shuffle_rng``
+and ``config``; the files and their atomic write are :mod:`torchrl_grpo.checkpoint`'s.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from torchrl_grpo import checkpoint
+
+
+class RunState:
+    """The checkpoint to resume from (read once, at start) and the saving of new ones."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path):
+        self.run_dir, self.config = run_dir, cfg
+        self.directory = run_dir / cfg.logging.checkpoint_dir
+        self.frequency, self.keep = int(cfg.logging.checkpoint_frequency), int(cfg.logging.keep_checkpoints)
+        self.resume_from = checkpoint.find_resume_point(cfg.train.resume, self.directory)
+        self._saved = checkpoint.load_state(self.resume_from) if self.resume_from is not None else None
+        self.step = int(self._saved["step"]) if self._saved is not None else 0  # the last finished step
+
+    def restore(self, trainer, data) -> None:
+        """Continue where the checkpoint left off: the trainer's state, ``data``'s position (anything with
+        ``load_state_dict``) and the global RNGs. A fresh run has nothing to restore."""
+        if self._saved is None:
+            return
+        trainer.load_state_dict(self._saved)
+        data.load_state_dict(self._saved["sampler"])
+        checkpoint.set_rng_state(self._saved["rng"])
+        print(f"resumed from {self.resume_from} (step {self.step})", flush=True)
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """A checkpoint every ``logging.checkpoint_frequency`` steps (0: never) and after the last step."""
+        return step == total_steps or (self.frequency > 0 and step % self.frequency == 0)
+
+    def save(self, step: int, trainer, tokenizer, data) -> Path:
+        """Checkpoint ``step`` atomically: the policy, the tokenizer and the state above (``data``: anything
+        with ``state_dict``)."""
+        self.step = step
+        state = {"step": step, **trainer.state_dict(), "sampler": data.state_dict(), "rng": checkpoint.rng_state(),
+                 "config": OmegaConf.to_container(self.config, resolve=True)}
+        return checkpoint.save(self.directory, step, trainer.policy, tokenizer, state, keep=self.keep)
+
+    def continue_hint(self) -> str:
+        return f"continue with train.resume=auto hydra.run.dir={self.run_dir}"
+
+
+class AsyncProgress:
+    """The async loop's data position and counters: each actor's prompt-sampler state as of the last batch
+    the trainer received from it (taken or dropped; the prompts of batches in flight are drawn again after a
+    resume), the policy version, and the staleness counters."""
+
+    def __init__(self, num_actors: int):
+        self.actor_samplers: list[dict | None] = [None] * num_actors
+        self.policy_version = 0
+        self.stale_dropped = 0
+        self.staleness_max = 0
+
+    def state_dict(self) -> dict:
+        return {"actor_samplers": list(self.actor_samplers), "policy_version": self.policy_version,
+                "stale_dropped": self.stale_dropped, "staleness_max": self.staleness_max}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "actor_samplers" not in state:  # a sync checkpoint: its prompt position continues as actor 0's
+            state = {"actor_samplers": [state]}
+        saved = list(state["actor_samplers"])[: len(self.actor_samplers)]
+        self.actor_samplers[: len(saved)] = saved
+        self.policy_version = int(state.get("policy_version", 0))
+        self.stale_dropped = int(state.get("stale_dropped", 0))
+        self.staleness_max = int(state.get("staleness_max", 0))

@@ -1,0 +1,135 @@
+"""The trainer: policy, reference, optimizer and loss. It turns a collected batch into an update and gives
+the weights to push; the piece that data-parallel training shards.
+
+A step is :meth:`Trainer.prepare` (the log-probs only the policy's holder can compute, the KL penalty in
+the reward, group advantages) then :meth:`Trainer.optimize` (``epochs`` passes of shuffled micro-batches,
+gradient accumulation weighted so that an optimizer step sees exactly its whole batch's loss, clipping)
+then :meth:`Trainer.push_weights` into the engine(s).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+
+from torchrl_grpo.config import TrainSettings
+from torchrl_grpo.models import merged_state_dict
+from torchrl_grpo.objective import GRPOLoss, first_completion_column, group_advantages, token_log_probs, total_loss
+
+
+class Trainer:
+    def __init__(self, policy: torch.nn.Module, ref_policy: torch.nn.Module | None, loss: GRPOLoss,
+                 optimizer: torch.optim.Optimizer, settings: TrainSettings, device: torch.device,
+                 ref_device: torch.device | None):
+        self.policy, self.ref_policy, self.loss, self.optimizer = policy, ref_policy, loss, optimizer
+        self.settings, self.device, self.ref_device = settings, device, ref_device
+        self.shuffle = torch.Generator().manual_seed(settings.seed)  # micro-batch order, saved for exact resume
+
+    def prepare(self, batch) -> dict:
+        """Make a collected batch trainable, in place: the policy's own log-probs before its update (when the
+        ratio's denominator is the trainer's), the reference's, the KL penalty in the reward (k1 summed over
+        the completion, with ``train.kl_coef_in_loss=false``) and the group advantages; returns metrics."""
+        s, metrics = self.settings, {}
+        if s.recompute_old_log_probs:
+            batch["old_log_probs"] = self.log_probs(self.policy, self.device, batch)
+            gap = (batch["old_log_probs"] - batch["sample_log_probs"]).abs()[batch["completion_mask"]]
+            metrics["engine_trainer_logp_gap_max"] = gap.max().item()
+        if self.ref_policy is not None:
+            batch["ref_log_probs"] = self.log_probs(self.ref_policy, self.ref_device, batch)
+            if s.kl_in_reward_coeff > 0:
+                kl = ((batch["sample_log_probs"] - batch["ref_log_probs"]) * batch["completion_mask"]).sum(-1)
+                batch["reward"] = batch["reward"] - s.kl_in_reward_coeff * kl
+                metrics["kl_penalty_in_reward"] = kl.mean().item()
+        advantage, tied = group_advantages(batch["reward"], s.group_size, s.reward_scale)
+        batch["advantage"] = advantage
+        metrics.update({
+            "reward": batch["reward"].mean().item(),
+            "reward_std": batch["reward"].std().item() if len(batch) > 1 else 0.0,
+            "advantage_abs_mean": advantage.abs().mean().item(),
+            "tied_group_fraction": tied.float().mean().item(),
+        })
+        return metrics
+
+    @torch.no_grad()
+    def log_probs(self, model: torch.nn.Module, device: torch.device, batch) -> torch.Tensor:
+        """Completion-token log-probs of ``batch`` under ``model`` (reference, or the policy before its
+        update), in micro-batches; 0 outside completions."""
+        out = torch.zeros_like(batch["sample_log_probs"])
+        for idx in torch.arange(len(batch)).split(self.settings.micro_batch):
+            mb = trim_padding(batch[idx]).to(device)
+            logp, _ = token_log_probs(model, mb["tokens"], mb["attention_mask"], self.settings.temperature,
+                                      start=first_completion_column(mb["completion_mask"]))
+            out[idx, : logp.shape[1]] = logp.float().cpu() * mb["completion_mask"].cpu()
+        return out
+
+    def optimize(self, batch) -> dict:
+        """``epochs`` passes of shuffled micro-batches; one optimizer step per ``accumulation`` micro-batches.
+        A non-finite gradient norm skips that update (counted in ``skipped_updates``)."""
+        s = self.settings
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        history: dict[str, list[float]] = {}
+        trained_tokens, skipped, started = 0, 0, time.perf_counter()
+        self.policy.train()
+        for _ in range(s.epochs):
+            order = torch.randperm(len(batch), generator=self.shuffle).split(s.micro_batch)
+            for first in range(0, len(order), s.accumulation):
+                micro = [trim_padding(batch[idx]).to(self.device) for idx in order[first: first + s.accumulation]]
+                weights = [self.loss.accumulation_weight(mb) for mb in micro]
+                for mb, weight in zip(micro, weights):
+                    with self._autocast():
+                        losses = self.loss(mb)
+                    (total_loss(losses) * (weight / max(sum(weights), 1e-9))).backward()
+                    for key, value in losses.items():
+                        history.setdefault(key, []).append(value.detach().float().item())
+                    trained_tokens += int(mb["attention_mask"].sum())
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm or math.inf)
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                else:  # a NaN/inf gradient would poison the weights: drop this update, say so in the metrics
+                    skipped += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                history.setdefault("grad_norm", []).append(grad_norm.item())
+        self.policy.eval()
+        elapsed = time.perf_counter() - started
+        metrics = {key: sum(v) / len(v) for key, v in history.items()}
+        metrics["loss"] = sum(metrics[k] for k in metrics if k.startswith("loss_"))
+        metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+        metrics["ratio_max"] = max(history["ratio_max"])
+        metrics.update({"skipped_updates": skipped, "lr": self.optimizer.param_groups[0]["lr"],
+                        "train_time": elapsed, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
+        return metrics
+
+    def _autocast(self):
+        if self.settings.mixed_precision and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """The policy's HF-named weights (LoRA merged in): what an engine loads."""
+        return merged_state_dict(self.policy)
+
+    def cpu_weights(self) -> dict[str, torch.Tensor]:
+        """:meth:`weights` as CPU tensors, for engines in other processes (``ray.put`` ships them)."""
+        return {name: t.detach().to("cpu") for name, t in self.weights().items()}
+
+    def push_weights(self, engine) -> None:
+        """The policy's weights into an in-process ``engine``; nothing to do for an engine that samples with
+        this very policy object (the transformers engine built on the trained model)."""
+        if getattr(engine, "model", None) is not self.policy:
+            engine.push_weights(self.weights())
+
+    def state_dict(self) -> dict:
+        """The optimizer and the micro-batch shuffle: what a checkpoint needs besides the weights."""
+        return {"optimizer": self.optimizer.state_dict(), "shuffle_rng": self.shuffle.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.shuffle.set_state(state["shuffle_rng"])
+
+
+def trim_padding(batch):
+    """Drop the padding columns no row of this micro-batch uses."""
+    used = int(batch["attention_mask"].any(0).nonzero().max()) + 1
+    return batch.apply(lambda t: t[:, :used] if t.dim() == 2 else t)
