@@ -129,7 +129,8 @@ def build_eval_task(cfg: DictConfig) -> Task:
 
 def build_eval_engine(cfg: DictConfig):
     """(engine, tokenizer) for ``evaluate.py``: the configured backend on ``model.name``, no trainer."""
-    from torchrl_grpo.models import load_policy, load_tokenizer, resolve_model
+    from torchrl_grpo.model_sources import resolve_model
+    from torchrl_grpo.models import load_policy, load_tokenizer
 
     placement = place(cfg, needs_ref=False)
     model_path = resolve_model(str(cfg.model.name))
@@ -179,7 +180,8 @@ def build_common(cfg: DictConfig, run_dir: Path) -> Common:
     print(f"batch plan:\n{plan.table()}\nplacement: {placement.describe()}", flush=True)
     task = build_task(cfg.env)
     eval_task = build_eval_task(cfg) if int(cfg.logging.eval_frequency) > 0 else None
-    from torchrl_grpo.models import load_tokenizer, resolve_model
+    from torchrl_grpo.model_sources import resolve_model
+    from torchrl_grpo.models import load_tokenizer
 
     model_path = resolve_model(str(cfg.model.name))
     tokenizer = load_tokenizer(model_path)

@@ -13,8 +13,8 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
-    """The tiny random Qwen2 (models.resolve_model("tiny")), built once into the model cache."""
-    from torchrl_grpo.models import resolve_model
+    """The tiny random Qwen2 (model_sources.resolve_model("tiny")), built once into the model cache."""
+    from torchrl_grpo.model_sources import resolve_model
 
     return resolve_model("tiny")
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.models import load_policy, load_tokenizer, merged_state_dict, resolve_model
+from torchrl_grpo.model_sources import resolve_model
+from torchrl_grpo.models import load_policy, load_tokenizer, merged_state_dict
 from torchrl_grpo.rollout import Completion, TransformersEngine, VLLMEngine, _nucleus_mask, make_engine
 
 TOL = 1e-4  # float32: measured gaps are 1e-5 (tiny) and 3e-5..6e-5 (SmolLM2)

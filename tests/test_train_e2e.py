@@ -143,7 +143,7 @@ def _assert_adapter_restores(saved: Path, config_file: Path):
     from safetensors.torch import load_file
 
     from grpo_utils import build_policy
-    from torchrl_grpo.models import resolve_model
+    from torchrl_grpo.model_sources import resolve_model
 
     policy = build_policy(OmegaConf.load(config_file), resolve_model("tiny"), ["cpu"], saved)
     restored = get_peft_model_state_dict(policy)

@@ -42,7 +42,8 @@ class RolloutActor:
     def __init__(self, cfg: dict, index: int, engine_seed: int, sampler_state: dict | None = None,
                  exit_at: int | None = None):
         from torchrl_grpo.collector import Collector
-        from torchrl_grpo.models import load_tokenizer, resolve_model
+        from torchrl_grpo.model_sources import resolve_model
+        from torchrl_grpo.models import load_tokenizer
         from torchrl_grpo.rollout import make_engine
         from torchrl_grpo.tasks import build_task
         from torchrl_grpo.trajectories import PromptSampler

