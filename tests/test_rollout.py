@@ -13,7 +13,9 @@ import torch
 
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.models import load_policy, load_tokenizer, merged_state_dict, resolve_model
-from torchrl_grpo.rollout import Completion, TransformersEngine, VLLMEngine, _nucleus_mask, make_engine
+from torchrl_grpo.hf_engine import TransformersEngine, nucleus_mask
+from torchrl_grpo.rollout import Completion, make_engine
+from torchrl_grpo.vllm_engine import VLLMEngine
 
 TOL = 1e-4  # float32: measured gaps are 1e-5 (tiny) and 3e-5..6e-5 (SmolLM2)
 QUESTIONS = ["Ana has 5 apples.", "Each box holds 3 eggs. There are 12 boxes. How many eggs are there in total?", "12"]
@@ -40,7 +42,7 @@ def _trainer_logprobs(model, prompt, completion, temperature, top_p=1.0):
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     if top_p < 1.0:
-        logits = _nucleus_mask(logits, top_p)
+        logits = nucleus_mask(logits, top_p)
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 

@@ -309,7 +309,7 @@ def run_async(parts: Parts) -> dict:
 def _eval_engine(parts: Parts):
     """The trainer's evaluation engine in async mode: the transformers engine over the trained policy itself
     (the vLLM engines live in the rollout actors and may hold older weights)."""
-    from torchrl_grpo.rollout import TransformersEngine
+    from torchrl_grpo.hf_engine import TransformersEngine
 
     return TransformersEngine(parts.policy, parts.tokenizer, seed=int(parts.cfg.train.seed))
 
