@@ -5,6 +5,7 @@ plain forward of prompt + completion. vLLM tests use the session engine of conft
 start one more engine, on SmolLM2 (tied embeddings), for the weight-push trap.
 """
 import importlib.util
+import logging
 import math
 import sys
 
@@ -15,6 +16,7 @@ from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.models import load_policy, load_tokenizer, merged_state_dict, resolve_model
 from torchrl_grpo.hf_engine import TransformersEngine, nucleus_mask
 from torchrl_grpo.rollout import Completion, make_engine
+from torchrl_grpo.vllm_cpu_fixes import ExpectedReloadWarnings, eager_rank_count
 from torchrl_grpo.vllm_engine import VLLMEngine
 
 TOL = 1e-4  # float32: measured gaps are 1e-5 (tiny) and 3e-5..6e-5 (SmolLM2)
@@ -174,6 +176,31 @@ def test_vllm_push_weights_tied_embeddings_smollm2():
         assert _max_gap(trainer, prompts, after, 1.0) < TOL
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# vllm_cpu_fixes against the installed vLLM (the session engine has applied them)
+
+
+def test_vllm_rank_count_is_eager_and_equals_vllms(vllm_engine):
+    import vllm.v1.sample.sampler as sampler
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    assert sampler.batched_count_greater_than is eager_rank_count
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    values = x[:, 7:8]
+    assert torch.equal(eager_rank_count(x, values), batched_count_greater_than.__wrapped__(x, values))
+
+
+def test_expected_reload_warnings_filter(vllm_engine):
+    """vLLM's reload logger drops the per-push failures of weightless layers, and only those."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    logger = layerwise.logger
+    assert any(isinstance(f, ExpectedReloadWarnings) for f in logger.filters)
+    record = lambda layer: logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "%s: Failed to load weights", (layer,), None)
+    assert not logger.filter(record("RotaryEmbedding")) and not logger.filter(record("ParallelLMHead"))
+    assert logger.filter(record("QKVParallelLinear"))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -72,6 +72,7 @@ def skip_rank_count_compile() -> None:
     15.9 s with a cold inductor cache and 2.5 s with a warm one (2 cores, tiny model), against 0.3 s
     eagerly. The eager expression materialises a [batch, vocab] bool tensor, which is what the compile
     avoids; that only matters on GPUs with big batches, so GPUs keep vLLM's version.
+    Pinned by ``test_vllm_rank_count_is_eager_and_equals_vllms`` (patched in, same counts as vLLM's).
     """
     try:
         import vllm.v1.sample.sampler as sampler
@@ -85,7 +86,7 @@ class ExpectedReloadWarnings(logging.Filter):
     """Drop vLLM's "<Layer>: Failed to load weights" for layers that own no weights of their own in a
     reload (rotary embeddings; the head when tied to the embedding): vLLM 0.32.0 logs them at every
     push, and the tied head is re-packed by :func:`redispatch_cpu_gemm`. Other layers' failures still
-    show."""
+    show. Pinned by ``test_expected_reload_warnings_filter``."""
 
     EXPECTED = ("RotaryEmbedding", "ParallelLMHead")
 
