@@ -79,13 +79,14 @@ def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_fr
 
 def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy, tokenizer, seed: int):
     """The rollout engine: vLLM on its device(s), or the transformers fallback sharing the trained policy."""
-    from torchrl_grpo import rollout
+    from torchrl_grpo.hf_engine import TransformersEngine
+    from torchrl_grpo.rollout import make_engine
 
     backend = cfg.inference_model.backend
     if backend == "transformers":
-        return rollout.TransformersEngine(policy, tokenizer, seed=seed)
+        return TransformersEngine(policy, tokenizer, seed=seed)
     dtype = resolve_dtype(cfg.inference_model.torch_dtype, placement.inference[0])
-    return rollout.make_engine(
+    return make_engine(
         backend, model_path, dtype=str(dtype).removeprefix("torch."), device=placement.inference,
         gpu_memory_utilization=float(cfg.inference_model.gpu_memory_utilization),
         max_model_len=int(cfg.inference_model.max_model_len), seed=seed,

@@ -29,7 +29,7 @@ def vllm_engine(tiny_model_path):
         import vllm  # noqa: F401
     except Exception as e:  # missing, or a broken install
         pytest.skip(f"vllm is not importable here ({type(e).__name__}: {e})")
-    from torchrl_grpo.rollout import VLLMEngine
+    from torchrl_grpo.vllm_engine import VLLMEngine
 
     engine = VLLMEngine(tiny_model_path, dtype="float32", device="cpu", max_model_len=512, seed=0)
     yield engine

@@ -5,6 +5,7 @@ plain forward of prompt + completion. vLLM tests use the session engine of conft
 start one more engine, on SmolLM2 (tied embeddings), for the weight-push trap.
 """
 import importlib.util
+import logging
 import math
 import sys
 
@@ -12,9 +13,12 @@ import pytest
 import torch
 
 from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.hf_engine import TransformersEngine, nucleus_mask
 from torchrl_grpo.model_sources import resolve_model
 from torchrl_grpo.models import load_policy, load_tokenizer, merged_state_dict
-from torchrl_grpo.rollout import Completion, TransformersEngine, VLLMEngine, _nucleus_mask, make_engine
+from torchrl_grpo.rollout import Completion, make_engine
+from torchrl_grpo.vllm_cpu_fixes import ExpectedReloadWarnings, eager_rank_count
+from torchrl_grpo.vllm_engine import VLLMEngine
 
 TOL = 1e-4  # float32: measured gaps are 1e-5 (tiny) and 3e-5..6e-5 (SmolLM2)
 QUESTIONS = ["Ana has 5 apples.", "Each box holds 3 eggs. There are 12 boxes. How many eggs are there in total?", "12"]
@@ -41,7 +45,7 @@ def _trainer_logprobs(model, prompt, completion, temperature, top_p=1.0):
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
     if top_p < 1.0:
-        logits = _nucleus_mask(logits, top_p)
+        logits = nucleus_mask(logits, top_p)
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
@@ -173,6 +177,31 @@ def test_vllm_push_weights_tied_embeddings_smollm2():
         assert _max_gap(trainer, prompts, after, 1.0) < TOL
     finally:
         engine.close()
+
+
+# ---------------------------------------------------------------------------------------------------
+# vllm_cpu_fixes against the installed vLLM (the session engine has applied them)
+
+
+def test_vllm_rank_count_is_eager_and_equals_vllms(vllm_engine):
+    import vllm.v1.sample.sampler as sampler
+    from vllm.v1.sample.ops.logprobs import batched_count_greater_than
+
+    assert sampler.batched_count_greater_than is eager_rank_count
+    x = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    values = x[:, 7:8]
+    assert torch.equal(eager_rank_count(x, values), batched_count_greater_than.__wrapped__(x, values))
+
+
+def test_expected_reload_warnings_filter(vllm_engine):
+    """vLLM's reload logger drops the per-push failures of weightless layers, and only those."""
+    from vllm.model_executor.model_loader.reload import layerwise
+
+    logger = layerwise.logger
+    assert any(isinstance(f, ExpectedReloadWarnings) for f in logger.filters)
+    record = lambda layer: logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "%s: Failed to load weights", (layer,), None)
+    assert not logger.filter(record("RotaryEmbedding")) and not logger.filter(record("ParallelLMHead"))
+    assert logger.filter(record("QKVParallelLinear"))
 
 
 # ---------------------------------------------------------------------------------------------------

