@@ -1,4 +1,7 @@
-"""Validate the composed config and derive the batch arithmetic, once, with errors that name the keys.
+"""Validate the composed config once, with errors that name the keys, and translate the recipe's key names
+into the trainer's terms: :class:`BatchPlan` (the batch arithmetic), :class:`CollectSettings` and
+:class:`TrainSettings`. Each key's kind and range is :mod:`torchrl_grpo.schema`'s; here are the checks that
+involve several keys.
 
 The batch vocabulary (see README.md):
 
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.objective import AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, OVERLONG, REWARD_SCALES
+from torchrl_grpo.schema import check_schema
 
 
 @dataclass(frozen=True)
@@ -119,13 +122,6 @@ def _get(cfg: DictConfig, key: str):
     return node
 
 
-def _choice(cfg: DictConfig, key: str, choices) -> str:
-    value = _get(cfg, key)
-    if value not in choices:
-        raise ConfigError(f"{key}={value!r}: choose one of {', '.join(choices)}")
-    return value
-
-
 def batch_plan(cfg: DictConfig) -> BatchPlan:
     """The batch arithmetic of ``cfg``; refuses combinations that do not divide, naming the keys."""
     prompts = _positive_int(cfg, "env.num_envs")
@@ -167,126 +163,48 @@ def batch_plan(cfg: DictConfig) -> BatchPlan:
 
 
 def validate(cfg: DictConfig) -> BatchPlan:
-    """Check every key the trainer reads before anything heavy starts; returns the batch plan."""
+    """Check every key the trainer reads before anything heavy starts, once: each key's kind and range
+    (:mod:`torchrl_grpo.schema`), then the batch arithmetic and the combinations that need each other;
+    returns the batch plan."""
+    check_schema(cfg)
     plan = batch_plan(cfg)
     if _get(cfg, "env.max_steps") != 1:
         raise ConfigError(f"env.max_steps={_get(cfg, 'env.max_steps')}: only single-turn tasks exist yet; set env.max_steps=1")
-    _choice(cfg, "loss.aggregation", AGGREGATIONS)
-    _choice(cfg, "loss.reward_scale", REWARD_SCALES)
-    _choice(cfg, "loss.kl_estimator", KL_ESTIMATORS)
-    _choice(cfg, "inference_model.backend", ("vllm", "transformers"))
-    _choice(cfg, "optimizer.name", ("AdamW", "Adam", "SGD"))
-    sync_iter = _get(cfg, "train.sync_iter")
-    if not isinstance(sync_iter, bool):
-        raise ConfigError(f"train.sync_iter={sync_iter!r}: must be true or false")
-    if not sync_iter and _get(cfg, "mode") == "sync" and _get(cfg, "inference_model.backend") == "transformers":
+    if not _get(cfg, "train.sync_iter") and _get(cfg, "mode") == "sync" and _get(cfg, "inference_model.backend") == "transformers":
         raise ConfigError(
             "train.sync_iter=false with inference_model.backend=transformers: that engine samples with the trained "
             "policy itself, which cannot generate while it is optimized; use inference_model.backend=vllm or "
             "train.sync_iter=true"
         )
-    for key in ("loss.clip_epsilon_low", "loss.clip_epsilon_high", "train.kl_to_ref_coeff",
-                "train.kl_to_inference_coeff", "train.entropy_coeff", "optimizer.weight_decay"):
-        value = _get(cfg, key)
-        if not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(f"{key}={value!r}: must be a number >= 0")
-    for key in ("optimizer.lr", "inference_model.temperature"):
-        value = _get(cfg, key)
-        if not isinstance(value, (int, float)) or value <= 0:
-            raise ConfigError(f"{key}={value!r}: must be a number > 0")
     top_p = _get(cfg, "inference_model.top_p")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
-        raise ConfigError(f"inference_model.top_p={top_p!r}: must be in (0, 1]")
-    if _choice(cfg, "loss.old_log_probs", ("engine", "trainer")) == "engine" and top_p < 1:
+    if _get(cfg, "loss.old_log_probs") == "engine" and top_p < 1:
         raise ConfigError(
             f"inference_model.top_p={top_p} with loss.old_log_probs=engine: the engine's log-probs are then "
             "renormalised over the nucleus and the ratio is biased; set loss.old_log_probs=trainer (or top_p=1)"
         )
-    # loss variants (docs/objective.md): types, ranges and the combinations that need each other
+    # loss variants (docs/objective.md): the combinations that need each other
     aggregation = _get(cfg, "loss.aggregation")
-    if _choice(cfg, "loss.importance_level", IMPORTANCE_LEVELS) == "sequence" and aggregation != "sequence_mean":
+    if _get(cfg, "loss.importance_level") == "sequence" and aggregation != "sequence_mean":
         raise ConfigError(
             f"loss.aggregation={aggregation} with loss.importance_level=sequence: the sequence ratio (GSPO) gives one "
             "loss per completion, averaged per completion; set loss.aggregation=sequence_mean"
         )
     tis_cap = _get(cfg, "loss.tis_cap")
-    if tis_cap is not None:
-        if not isinstance(tis_cap, (int, float)) or isinstance(tis_cap, bool) or tis_cap <= 0:
-            raise ConfigError(f"loss.tis_cap={tis_cap!r}: must be a number > 0 (e.g. 2), or null to turn TIS off")
-        if _get(cfg, "loss.old_log_probs") != "trainer":
-            raise ConfigError(
-                f"loss.tis_cap={tis_cap} with loss.old_log_probs={_get(cfg, 'loss.old_log_probs')}: the TIS weight "
-                "exp(old - sample) is 1 unless the old log-probs are the trainer's; set loss.old_log_probs=trainer "
-                "(or loss.tis_cap=null)"
-            )
-    overlong = _choice(cfg, "loss.overlong", OVERLONG)
-    buffer = _get(cfg, "loss.overlong_buffer")
-    if buffer is not None and (not isinstance(buffer, int) or isinstance(buffer, bool) or buffer < 1):
+    if tis_cap is not None and _get(cfg, "loss.old_log_probs") != "trainer":
         raise ConfigError(
-            f"loss.overlong_buffer={buffer!r}: must be a positive number of tokens, or null for "
-            "inference_model.max_tokens // 5"
+            f"loss.tis_cap={tis_cap} with loss.old_log_probs={_get(cfg, 'loss.old_log_probs')}: the TIS weight "
+            "exp(old - sample) is 1 unless the old log-probs are the trainer's; set loss.old_log_probs=trainer "
+            "(or loss.tis_cap=null)"
         )
-    if overlong == "soft" and buffer is not None and buffer >= plan.max_tokens:
+    buffer = _get(cfg, "loss.overlong_buffer")
+    if _get(cfg, "loss.overlong") == "soft" and buffer is not None and buffer >= plan.max_tokens:
         raise ConfigError(
             f"loss.overlong_buffer={buffer} with inference_model.max_tokens={plan.max_tokens}: the penalty ramp must "
             f"fit in the completion budget; set loss.overlong_buffer below {plan.max_tokens} (or null for "
             f"{max(1, plan.max_tokens // 5)})"
         )
-    threshold = _get(cfg, "loss.off_policy_mask_threshold")
-    if threshold is not None and (
-        not isinstance(threshold, (int, float)) or isinstance(threshold, bool) or threshold <= 0
-    ):
-        raise ConfigError(
-            f"loss.off_policy_mask_threshold={threshold!r}: must be a number > 0 (e.g. 0.5), or null to turn "
-            "the off-policy mask off"
-        )
-    dynamic = _get(cfg, "loss.dynamic_sampling")
-    if not isinstance(dynamic, bool):
-        raise ConfigError(f"loss.dynamic_sampling={dynamic!r}: must be true or false")
-    rounds = _get(cfg, "loss.max_resample_rounds")
-    if not isinstance(rounds, int) or isinstance(rounds, bool) or rounds < 0:
-        raise ConfigError(f"loss.max_resample_rounds={rounds!r}: must be an integer >= 0")
-    clip = _get(cfg, "optimizer.clip_grad_norm")
-    if clip is not None and (not isinstance(clip, (int, float)) or clip <= 0):
-        raise ConfigError(f"optimizer.clip_grad_norm={clip!r}: must be > 0, or null for no clipping")
-    for key in ("logging.checkpoint_frequency", "logging.log_frequency", "logging.eval_frequency"):
-        value = _get(cfg, key)
-        if not isinstance(value, int) or value < 0:
-            raise ConfigError(f"{key}={value!r}: must be an integer >= 0")
-    _validate_eval(cfg)
-    if _get(cfg, "mode") == "async":
-        _validate_async(cfg)
-    return plan
-
-
-def _validate_async(cfg: DictConfig) -> None:
-    """The async-only keys (config/mode/async.yaml)."""
-    if _get(cfg, "ray") is None:
-        raise ConfigError("mode=async needs the ray: block of config/mode/async.yaml; run grpo-async.py (it adds mode=async)")
-    for key in ("ray.num_actors", "train.weight_update_frequency"):
-        _positive_int(cfg, key)
-    for key in ("train.max_staleness", "ray.actor_num_cpus", "ray.actor_num_gpus"):
-        value = _get(cfg, key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"{key}={value!r}: must be a number >= 0")
-    timeout = _get(cfg, "ray.collect_timeout_s")
-    if not isinstance(timeout, (int, float)) or isinstance(timeout, bool) or timeout <= 0:
-        raise ConfigError(f"ray.collect_timeout_s={timeout!r}: must be a number of seconds > 0")
-
-
-def _validate_eval(cfg: DictConfig) -> None:
-    """The eval: block (evaluate.py and the trainer's periodic evaluation)."""
-    samples = _positive_int(cfg, "eval.samples")
-    for key in ("eval.num_prompts", "eval.max_tokens"):
-        if _get(cfg, key) is not None:
-            _positive_int(cfg, key)
-    temperature = _get(cfg, "eval.temperature")
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
-        raise ConfigError(f"eval.temperature={temperature!r}: must be a number >= 0 (0 = greedy)")
+    samples, temperature = _get(cfg, "eval.samples"), _get(cfg, "eval.temperature")
     if samples > 1 and temperature == 0:
         raise ConfigError(f"eval.samples={samples} with eval.temperature=0: greedy decoding gives {samples} identical "
                           "responses; set eval.temperature>0 (e.g. 1.0) for pass@k, or eval.samples=1")
-    responses = _get(cfg, "eval.responses")
-    if responses is not None and not isinstance(responses, str):
-        raise ConfigError(f"eval.responses={responses!r}: give the path of a JSONL file, or null to generate")
-
+    return plan
