@@ -21,9 +21,8 @@ import torch
 from torchrl_grpo import checkpoint
 from torchrl_grpo.config import BatchPlan
 from torchrl_grpo.evaluation import eval_due, evaluate_policy
-from torchrl_grpo.objective import (
-    GRPOLoss, first_completion_column, group_advantages, overlong_penalty, token_log_probs, total_loss,
-)
+from torchrl_grpo.objective import GRPOLoss, first_completion_column, token_log_probs, total_loss
+from torchrl_grpo.objective_terms import group_advantages, overlong_penalty
 from torchrl_grpo.tasks import Task, per_task_means
 from torchrl_grpo.telemetry import Telemetry, summarize
 from torchrl_grpo.trajectories import PromptSampler, build_batch, prompt_token_ids, reward_tensors
