@@ -103,22 +103,14 @@ def build_optimizer(cfg: DictConfig, policy) -> torch.optim.Optimizer:
 
 
 def build_loss(cfg: DictConfig, policy) -> GRPOLoss:
-    return GRPOLoss(
+    return GRPOLoss.from_config(
         policy,
-        clip_epsilon_low=float(cfg.loss.clip_epsilon_low),
-        clip_epsilon_high=float(cfg.loss.clip_epsilon_high),
-        aggregation=cfg.loss.aggregation,
-        aggregation_constant=float(cfg.inference_model.max_tokens),
-        kl_to_ref_coeff=float(cfg.train.kl_to_ref_coeff) if cfg.train.kl_coef_in_loss else 0.0,
-        kl_to_inference_coeff=float(cfg.train.kl_to_inference_coeff),
-        kl_estimator=cfg.loss.kl_estimator,
-        entropy_coeff=float(cfg.train.entropy_coeff),
-        temperature=float(cfg.inference_model.temperature),
-        importance_level=cfg.loss.importance_level,
-        tis_cap=None if cfg.loss.tis_cap is None else float(cfg.loss.tis_cap),
-        overlong=cfg.loss.overlong,
-        off_policy_mask_threshold=(None if cfg.loss.off_policy_mask_threshold is None
-                                   else float(cfg.loss.off_policy_mask_threshold)),
+        cfg.loss,
+        max_tokens=cfg.inference_model.max_tokens,
+        temperature=cfg.inference_model.temperature,
+        kl_to_ref_coeff=cfg.train.kl_to_ref_coeff if cfg.train.kl_coef_in_loss else 0.0,
+        kl_to_inference_coeff=cfg.train.kl_to_inference_coeff,
+        entropy_coeff=cfg.train.entropy_coeff,
     )
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from torchrl_grpo.objective import (
-    GRPOLoss,
+from torchrl_grpo.objective import GRPOLoss, token_log_probs, total_loss
+from torchrl_grpo.objective_terms import (
     accumulation_weight,
     aggregate,
     clipped_surrogate,
@@ -19,8 +19,6 @@ from torchrl_grpo.objective import (
     overlong_penalty,
     sequence_clipped_surrogate,
     tis_weights,
-    token_log_probs,
-    total_loss,
 )
 
 

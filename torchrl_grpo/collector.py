@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from torchrl_grpo.config import CollectSettings
-from torchrl_grpo.objective import overlong_penalty
+from torchrl_grpo.objective_terms import overlong_penalty
 from torchrl_grpo.rollout import Completion
 from torchrl_grpo.tasks import Task, per_task_means
 from torchrl_grpo.trajectories import PromptSampler, build_batch, prompt_token_ids, reward_tensors

@@ -16,7 +16,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.objective import AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, OVERLONG, REWARD_SCALES
+from torchrl_grpo.objective_terms import AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, OVERLONG, REWARD_SCALES
 
 # kind -> (accepts(value), the default complaint)
 _KINDS = {

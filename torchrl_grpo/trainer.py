@@ -16,7 +16,8 @@ import torch
 
 from torchrl_grpo.config import TrainSettings
 from torchrl_grpo.models import merged_state_dict
-from torchrl_grpo.objective import GRPOLoss, first_completion_column, group_advantages, token_log_probs, total_loss
+from torchrl_grpo.objective import GRPOLoss, first_completion_column, token_log_probs, total_loss
+from torchrl_grpo.objective_terms import group_advantages
 
 
 class Trainer:
