@@ -75,20 +75,12 @@ def run_async(run: AsyncRun) -> dict:
                     if staleness > run.max_staleness:
                         progress.stale_dropped += 1
                         continue
-                    step += 1
-                    started, trained_with = time.perf_counter(), progress.policy_version
-                    metrics.update(trainer.prepare(batch))
-                    metrics.update(trainer.optimize(batch))
-                    push_time = 0.0
-                    if step % run.weight_update_frequency == 0 and step < run.total_steps:
-                        push_started, progress.policy_version = time.perf_counter(), progress.policy_version + 1
-                        pool.push(trainer.cpu_weights(), progress.policy_version)
-                        push_time = time.perf_counter() - push_started
+                    step, started = step + 1, time.perf_counter()
+                    metrics.update(train_step(run, pool, progress, step, batch))
                     progress.staleness_max = max(progress.staleness_max, staleness)
-                    metrics.update({"policy_version": version, "trainer_version": trained_with, "staleness": staleness,
+                    metrics.update({"policy_version": version, "staleness": staleness,
                                     "staleness_max": progress.staleness_max, "stale_dropped": progress.stale_dropped,
                                     "actor": actor, "batch_wait_time": wait_time,
-                                    "weight_push_time": push_time,
                                     "step_time": time.perf_counter() - started + wait_time})
                     if run.evaluator is not None and run.evaluator.due(step):
                         metrics.update(run.evaluator(eval_engine))
@@ -104,6 +96,18 @@ def run_async(run: AsyncRun) -> dict:
             where = f"checkpoint of step {step} saved in {state.save(step, trainer, run.tokenizer, progress).parent}"
         raise AsyncRunError(f"{fault}; stopped ({where}; {state.continue_hint()})") from None
     return telemetry.summary(run.reward_names, run.total_steps)
+
+
+def train_step(run: AsyncRun, pool: ActorPool, progress: AsyncProgress, step: int, batch) -> dict:
+    """Prepare and optimize ``batch``; every ``weight_update_frequency`` steps (not after the last) push the
+    new weights to the actors as the next policy version."""
+    metrics = {**run.trainer.prepare(batch), **run.trainer.optimize(batch),
+               "trainer_version": progress.policy_version, "weight_push_time": 0.0}
+    if step % run.weight_update_frequency == 0 and step < run.total_steps:
+        started, progress.policy_version = time.perf_counter(), progress.policy_version + 1
+        pool.push(run.trainer.cpu_weights(), progress.policy_version)
+        metrics["weight_push_time"] = time.perf_counter() - started
+    return metrics
 
 
 def trainer_engine(trainer: Trainer, tokenizer, cfg):

@@ -1,0 +1,89 @@
+"""Trainer.prepare, the policy-dependent half of a step that every mode runs (sync, prefetch, async): the
+trainer's and the reference's log-probs, the KL penalty in the reward and the group advantages, each
+recomputed here by hand on a hand-made batch."""
+import dataclasses
+
+import torch
+from tensordict import TensorDict
+
+from torchrl_grpo.config import TrainSettings
+from torchrl_grpo.trainer import Trainer
+
+VOCAB = 7
+
+
+class TableLM(torch.nn.Module):
+    """A bigram "language model": the logits after token a are row a of a fixed table."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed)))
+
+    def forward(self, input_ids, attention_mask, logits_to_keep):
+        return type("Out", (), {"logits": self.table[input_ids][:, -logits_to_keep:]})
+
+
+def by_hand(model: TableLM, tokens, mask, temperature):
+    """log pi(token_t | token_{t-1}) at the masked positions, 0 elsewhere."""
+    out = torch.zeros(tokens.shape)
+    for i in range(tokens.shape[0]):
+        for t in range(1, tokens.shape[1]):
+            if mask[i, t]:
+                out[i, t] = torch.log_softmax(model.table[tokens[i, t - 1]].detach() / temperature, -1)[tokens[i, t]]
+    return out
+
+
+def make_batch():
+    tokens = torch.tensor([[1, 2, 3, 4, 0], [1, 2, 5, 0, 0], [3, 3, 6, 6, 2], [3, 3, 1, 0, 0]])
+    attention = tokens != 0
+    attention[2] = True
+    completion = attention.clone()
+    completion[:, :2] = False  # two prompt tokens each
+    sample = torch.where(completion, -torch.rand(tokens.shape, generator=torch.Generator().manual_seed(3)), 0.0)
+    return TensorDict({"tokens": tokens, "attention_mask": attention, "completion_mask": completion,
+                       "sample_log_probs": sample, "old_log_probs": sample.clone(),
+                       "reward": torch.tensor([1.0, 0.0, 0.5, 0.5])}, batch_size=[4])
+
+
+SETTINGS = TrainSettings(group_size=2, micro_batch=1, accumulation=1, epochs=1, temperature=0.7,
+                         recompute_old_log_probs=True, kl_in_reward_coeff=0.1, reward_scale="group",
+                         clip_grad_norm=None, mixed_precision=False, seed=0)
+
+
+def test_prepare_adds_log_probs_kl_penalty_and_advantages():
+    policy, ref, batch = TableLM(1), TableLM(2), make_batch()
+    trainer = Trainer(policy, ref, loss=None, optimizer=None, settings=SETTINGS, device=torch.device("cpu"),
+                      ref_device=torch.device("cpu"))
+    sample, reward = batch["sample_log_probs"].clone(), batch["reward"].clone()
+    metrics = trainer.prepare(batch)
+
+    mask = batch["completion_mask"]
+    torch.testing.assert_close(batch["old_log_probs"], by_hand(policy, batch["tokens"], mask, 0.7))
+    ref_lp = by_hand(ref, batch["tokens"], mask, 0.7)
+    torch.testing.assert_close(batch["ref_log_probs"], ref_lp)
+    kl = ((sample - ref_lp) * mask).sum(-1)  # k1 summed over each completion
+    expected_reward = reward - 0.1 * kl
+    torch.testing.assert_close(batch["reward"], expected_reward)
+    groups = expected_reward.double().view(2, 2)
+    expected_adv = (groups - groups.mean(1, keepdim=True)) / (groups.std(1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(batch["advantage"], expected_adv.view(-1).float())
+    assert metrics["kl_penalty_in_reward"] == torch.tensor(kl.mean().item()).item()
+    assert metrics["engine_trainer_logp_gap_max"] > 0  # the batch's sample log-probs are not the policy's
+
+
+def test_log_probs_do_not_depend_on_the_micro_batch_size():
+    policy = TableLM(1)
+    whole = Trainer(policy, None, None, None, dataclasses.replace(SETTINGS, micro_batch=4), torch.device("cpu"), None)
+    split = Trainer(policy, None, None, None, SETTINGS, torch.device("cpu"), None)
+    batch = make_batch()
+    torch.testing.assert_close(whole.log_probs(policy, torch.device("cpu"), batch),
+                               split.log_probs(policy, torch.device("cpu"), batch))
+
+
+def test_no_reference_means_no_kl_penalty_and_engine_log_probs_stay():
+    batch = make_batch()
+    settings = dataclasses.replace(SETTINGS, recompute_old_log_probs=False, kl_in_reward_coeff=0.0)
+    metrics = Trainer(TableLM(1), None, None, None, settings, torch.device("cpu"), None).prepare(batch)
+    assert torch.equal(batch["old_log_probs"], batch["sample_log_probs"])
+    assert "ref_log_probs" not in batch.keys() and "kl_penalty_in_reward" not in metrics
+    assert torch.equal(batch["reward"], make_batch()["reward"])
