@@ -15,7 +15,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from grpo_utils import build_common, exit_on_config_error
+from grpo_utils import build_async, exit_on_config_error
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 
@@ -23,11 +23,9 @@ CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 @hydra.main(config_path=CONFIG_DIR, config_name="grpo_gsm8k", version_base="1.3")
 @exit_on_config_error
 def main(cfg: DictConfig) -> None:
-    from torchrl_grpo.async_loop import AsyncRun, AsyncRunError, run_async
+    from torchrl_grpo.async_loop import AsyncRunError, run_async
 
-    c = build_common(cfg, Path(HydraConfig.get().runtime.output_dir))
-    run = AsyncRun(c.trainer, c.state, c.tokenizer, c.task.reward_names, c.plan.total_steps, int(cfg.ray.num_actors),
-                   int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), c.evaluator)
+    run = build_async(cfg, Path(HydraConfig.get().runtime.output_dir))
     try:
         run_async(run)
     except AsyncRunError as err:

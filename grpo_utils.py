@@ -1,8 +1,8 @@
 """The composition root shared by grpo.py and grpo-async.py: config -> the objects a run needs.
 
-Each ``build_*`` turns one part of the config into one object; :func:`build_sync` wires them into a
-:class:`torchrl_grpo.sync_loop.SyncRun` (``grpo-async.py`` starts from :func:`build_common`). Heavy imports (transformers, vLLM) happen here, after the config
-was validated, so that a bad key fails in a second with one line.
+Each ``build_*`` turns one part of the config into one object; :func:`build_sync` and :func:`build_async`
+wire them into what a loop composes (:class:`SyncRun`, :class:`AsyncRun`). Heavy imports (transformers,
+vLLM) happen here, after the config was validated, so that a bad key fails in a second with one line.
 """
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from torchrl_grpo.async_loop import AsyncRun
 from torchrl_grpo.collector import Collector
 from torchrl_grpo.config import BatchPlan, CollectSettings, TrainSettings, validate
 from torchrl_grpo.errors import ConfigError
@@ -195,3 +196,10 @@ def build_sync(cfg: DictConfig, run_dir: Path) -> SyncRun:
     collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), int(cfg.env.seed)),
                           CollectSettings.from_config(cfg))
     return SyncRun(collector, c.trainer, c.state, c.plan.total_steps, c.evaluator, overlap=not cfg.train.sync_iter)
+
+
+def build_async(cfg: DictConfig, run_dir: Path) -> AsyncRun:
+    """The async run: the common pieces; the Ray actors (with their engines and collectors) start in the loop."""
+    c = build_common(cfg, run_dir)
+    return AsyncRun(c.trainer, c.state, c.tokenizer, c.task.reward_names, c.plan.total_steps, int(cfg.ray.num_actors),
+                    int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), c.evaluator)
