@@ -6,14 +6,11 @@ import random
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import datasets
 import pytest
-from hydra import compose, initialize_config_dir
 
-from shared_data import IFEVAL, needs
-from test_train_e2e import needs_vllm
+from helpers import IFEVAL, ROOT, cfg_with, needs_files, needs_vllm, run
 from torchrl_grpo.config import validate
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.tasks import TASK_BUILDERS, build_task
@@ -28,11 +25,9 @@ from torchrl_grpo.tasks.ifeval import (
     load_ifeval,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = str(ROOT / "config")
 INPUT = IFEVAL / "input_data.jsonl"
 GPT4 = IFEVAL / "gpt4_responses.jsonl"
-needs_data = needs(INPUT, GPT4)
+needs_data = needs_files(INPUT, GPT4)
 
 
 def _row(ids, kwargs, question="Write something."):
@@ -253,9 +248,8 @@ def test_build_task_from_env_config():
 
 
 def test_grpo_ifeval_config_composes():
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="grpo_ifeval")
-        small = compose(config_name="grpo_ifeval", overrides=["model=qwen2.5-1.5b-instruct", "env.reward=prompt_strict"])
+    cfg = cfg_with(name="grpo_ifeval")
+    small = cfg_with("model=qwen2.5-1.5b-instruct", "env.reward=prompt_strict", name="grpo_ifeval")
     assert cfg.env.dataset == "google/IFEval" and cfg.env.data_path is None and cfg.env.split == "train"
     assert cfg.env.reward == "instruction_strict" and cfg.env.reward_weights is None
     assert cfg.env.num_envs == 2 and cfg.env.repeats == 8 and "reasoning" not in cfg.env
@@ -264,8 +258,7 @@ def test_grpo_ifeval_config_composes():
     validate(cfg)
     assert small.model.name == "Qwen/Qwen2.5-1.5B-Instruct" and small.env.reward == "prompt_strict"
     if INPUT.exists():
-        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-            local = compose(config_name="grpo_ifeval", overrides=[f"env.data_path={INPUT}"])
+        local = cfg_with(f"env.data_path={INPUT}", name="grpo_ifeval")
         assert build_task(local.env).name == "ifeval"
 
 
@@ -274,12 +267,9 @@ def test_grpo_ifeval_config_composes():
 @needs_vllm
 def test_grpo_py_trains_on_ifeval(tmp_path):
     run_dir = tmp_path / "run"
-    args = ["--config-name", "grpo_ifeval", "model=tiny", f"env.data_path={INPUT}", "env.num_envs=2", "env.repeats=4",
-            "train.optim_batch_size=4", "inference_model.max_tokens=16", "train.total_dialog_turns=16",
-            "logging.progress_bar=false", f"hydra.run.dir={run_dir}"]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-    out = subprocess.run([sys.executable, str(ROOT / "grpo.py"), *args], cwd=tmp_path, env=env, capture_output=True,
-                         text=True, timeout=300)
+    out = run(["--config-name", "grpo_ifeval", "model=tiny", f"env.data_path={INPUT}", "env.num_envs=2",
+               "env.repeats=4", "train.optim_batch_size=4", "inference_model.max_tokens=16",
+               "train.total_dialog_turns=16", "logging.progress_bar=false", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = out.stdout[out.stdout.index("summary:"):]
     for name in REWARD_NAMES:

@@ -20,11 +20,6 @@ QUESTIONS = ["Ana has 5 apples.", "Each box holds 3 eggs. There are 12 boxes. Ho
 
 
 @pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    return load_tokenizer(tiny_model_path)
-
-
-@pytest.fixture(scope="module")
 def prompts(tokenizer):
     """Prompts of different lengths (the transformers engine left-pads them)."""
     return [tokenizer(q)["input_ids"] for q in QUESTIONS]
