@@ -5,6 +5,7 @@ Fixtures live in conftest.py; this module holds plain names, imported as ``from 
 """
 import csv
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -94,6 +95,14 @@ def metric_rows(run_dir: Path) -> list[dict]:
         return []
     with open(path, newline="") as f:
         return list(csv.DictReader(f))
+
+
+def finite(cell: str) -> bool:
+    """Whether a metrics.csv cell holds a finite number (not empty, nan or inf)."""
+    try:
+        return math.isfinite(float(cell))
+    except (TypeError, ValueError):  # None: a column the row lacks
+        return False
 
 
 def ray_processes() -> str:

@@ -81,9 +81,11 @@ def test_prompt_sampler_covers_each_epoch_and_resumes_exactly():
     sampler = PromptSampler(5, seed=3)
     first = sampler.take(5)
     assert sorted(first) == list(range(5))
-    sampler.take(2)
+    second = sampler.take(2)
     state = sampler.state_dict()
     rest = sampler.take(7)
+    assert sorted(second + rest[:3]) == list(range(5)) and len(set(rest[3:])) == 4  # pass 2 whole, 3 begun
+    assert second + rest[:3] != first  # reshuffled at each pass
     again = PromptSampler(5, seed=3)
     again.load_state_dict(state)
     assert again.take(7) == rest

@@ -95,7 +95,9 @@ def test_gradient_checkpointing_turns_cache_off(tiny_dir):
     assert model.is_gradient_checkpointing and model.config.use_cache is False
     ids = torch.randint(0, 500, (2, 12))
     model(input_ids=ids, labels=ids).loss.backward()
-    assert all(p.grad is not None for p in model.parameters())
+    # every parameter gets a finite, non-zero gradient through the recomputed activations
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0
+               for p in model.parameters())
 
 
 def test_plain_merged_state_dict_is_named_parameters(tiny_dir):
