@@ -1,9 +1,28 @@
-"""Shared pytest fixtures. Each block below is owned by the module named in its header."""
+"""Shared pytest fixtures and hooks. Each block below is owned by the module named in its header."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here; set before transformers/huggingface_hub are imported
 
 import pytest
+
+from helpers import importable
+
+
+# ===================================================================================================
+# skip marks for optional stacks (tests/helpers.py: needs_vllm, needs_ray_and_vllm)
+# ===================================================================================================
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "needs(*modules): skip unless every module imports (probed once, lazily)")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    for mark in item.iter_markers("needs"):
+        missing = [module for module in mark.args if not importable(module)]
+        if missing:
+            pytest.skip(f"{' and '.join(missing)} not importable here")
 
 
 # ===================================================================================================
@@ -17,6 +36,14 @@ def tiny_model_path() -> str:
     from torchrl_grpo.model_sources import resolve_model
 
     return resolve_model("tiny")
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model_path):
+    """The tiny model's tokenizer (nothing mutates it: shared by the session)."""
+    from torchrl_grpo.models import load_tokenizer
+
+    return load_tokenizer(tiny_model_path)
 
 
 @pytest.fixture(scope="session")

@@ -1,29 +1,13 @@
 """grpo-async.py as users run it (real subprocess, Hydra, Ray, the tiny model, the vLLM CPU engine in a Ray
-actor), its fault path, and the small pure-Python pieces of torchrl_grpo/async_loop.py."""
-import functools
+actor), its fault path, and the small pure-Python pieces of torchrl_grpo/run_state.py and rollout_actors.py."""
 import os
 import signal
-import subprocess
 import time
 
-import pytest
+from omegaconf import OmegaConf
 
-from test_train_e2e import ROOT, SMALL, importable, rows, run, start, wait_until
-
-run = functools.partial(run, script="grpo-async.py", timeout=240)
-needs_ray_and_vllm = pytest.mark.skipif(not (importable("ray") and importable("vllm")),
-                                        reason="ray or vllm is not importable here")
-
-
-def ray_processes() -> str:
-    """Ray's daemons still alive on this machine (raylet, GCS); Ray reaps them within a moment of shutdown."""
-    out = ""
-    for _ in range(40):
-        out = subprocess.run(["pgrep", "-fa", "raylet|gcs_server"], capture_output=True, text=True).stdout
-        if not out.strip():
-            return ""
-        time.sleep(0.5)
-    return out
+from helpers import (CONFIG_DIR, ROOT, SMALL, finite, metric_rows, needs_ray_and_vllm, ray_processes, run_async,
+                     start, wait_until)
 
 
 @needs_ray_and_vllm
@@ -32,16 +16,16 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
     args = [*SMALL, "logging.checkpoint_frequency=2", "train.kl_to_ref_coeff=0.05", "loss.old_log_probs=trainer",
             f"hydra.run.dir={run_dir}"]
     started = time.time()
-    first = run([*args, "train.total_dialog_turns=32"], cwd=tmp_path)
+    first = run_async([*args, "train.total_dialog_turns=32"], cwd=tmp_path)
     print(f"async e2e run: {time.time() - started:.1f} s")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "rollout actor(s) started" in first.stdout and "summary:" in first.stdout
     assert not ray_processes()
-    logged = rows(run_dir)
+    logged = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in logged] == [1, 2, 3, 4]
     for key in ("staleness", "staleness_max", "policy_version", "trainer_version", "stale_dropped", "batch_wait_time",
                 "reward", "loss_objective", "kl_to_ref", "engine_trainer_logp_gap_max", "grad_norm"):
-        assert all(r[key] not in ("", "nan") for r in logged), key
+        assert all(finite(r[key]) for r in logged), key
     for r in logged:
         assert 0 <= float(r["staleness"]) <= 1  # train.max_staleness=1 (config/mode/async.yaml)
         assert float(r["staleness"]) == float(r["trainer_version"]) - float(r["policy_version"])
@@ -51,14 +35,17 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
     assert (saved / "model.safetensors").is_file() and (saved / "trainer_state.pt").is_file()
 
     # resume with a staleness bound of 0: the batch sampled while a step trained is one version behind and is
-    # dropped (counted), so every trained batch is on-policy
-    resumed = run([*args, "train.total_dialog_turns=48", "train.resume=auto", "train.max_staleness=0"], cwd=tmp_path)
+    # dropped (counted), so every trained batch is on-policy; and with the KL penalty in the reward, which the
+    # trainer adds to the actors' batches as in sync mode
+    resumed = run_async([*args, "train.total_dialog_turns=48", "train.resume=auto", "train.max_staleness=0",
+                         "train.kl_coef_in_loss=false"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_000004" in resumed.stdout
-    logged = rows(run_dir)
+    logged = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in logged] == [1, 2, 3, 4, 5, 6]
     assert all(float(r["staleness"]) == 0 for r in logged[4:])
     assert float(logged[-1]["stale_dropped"]) >= 1
+    assert all(finite(r["kl_penalty_in_reward"]) for r in logged[4:]) and not logged[0]["kl_penalty_in_reward"]
     assert not ray_processes()
 
 
@@ -66,14 +53,15 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
 def test_a_dying_actor_stops_the_run_with_one_line_and_a_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     # the actor os._exit(1)s at its 3rd collect: steps 1 and 2 train (the 3rd collect runs during step 2)
-    crashed = run([*SMALL, "train.total_dialog_turns=80", "logging.checkpoint_frequency=0", f"hydra.run.dir={run_dir}"],
-                  cwd=tmp_path, timeout=180, env_extra={"TORCHRL_GRPO_TEST_ACTOR_EXIT_AT": "3"})
+    crashed = run_async([*SMALL, "train.total_dialog_turns=80", "logging.checkpoint_frequency=0",
+                         f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=180,
+                        env_extra={"TORCHRL_GRPO_TEST_ACTOR_EXIT_AT": "3"})
     assert crashed.returncode == 1, crashed.stderr[-3000:]
     last = [line for line in crashed.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("error: rollout actor 0 failed during collect (") and "\n" not in last
     assert "checkpoint of step 2 saved" in last
     assert (run_dir / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
-    assert len(rows(run_dir)) == 2
+    assert len(metric_rows(run_dir)) == 2
     assert not ray_processes()
 
 
@@ -82,45 +70,35 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_leaves_no_ray(tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMALL, "train.total_dialog_turns=4000", "logging.checkpoint_frequency=0", f"hydra.run.dir={run_dir}"]
     proc = start(args, cwd=tmp_path, script="grpo-async.py")
-    wait_until(lambda: rows(run_dir), proc, seconds=180)
+    wait_until(lambda: metric_rows(run_dir), proc, seconds=180)
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
-    stopped_at = len(rows(run_dir))
+    stopped_at = len(metric_rows(run_dir))
     assert 1 <= stopped_at < 500 and f"stopped after step {stopped_at}" in out
     assert (run_dir / "checkpoints" / f"step_{stopped_at:06d}" / "trainer_state.pt").is_file()
     assert not ray_processes()
 
 
-def test_async_refuses_the_kl_penalty_in_the_reward(tmp_path):
-    bad = run(["model=tiny", "train.kl_to_ref_coeff=0.1", "train.kl_coef_in_loss=false", f"hydra.run.dir={tmp_path}"],
-              cwd=tmp_path, timeout=120)
-    assert bad.returncode == 2
-    lines = [line for line in bad.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: train.kl_coef_in_loss=false with train.kl_to_ref_coeff>0")
-
-
 def test_async_state_resumes_sync_and_async_checkpoints():
-    from torchrl_grpo.async_loop import AsyncState
+    from torchrl_grpo.run_state import AsyncProgress
 
-    state = AsyncState(2)
+    state = AsyncProgress(2)
     state.load_state_dict({"size": 64, "seed": 0, "epoch": 1, "position": 5})  # a sync checkpoint's sampler
     assert state.actor_samplers == [{"size": 64, "seed": 0, "epoch": 1, "position": 5}, None]
     assert state.policy_version == 0
     saved = {"actor_samplers": [{"position": 1}, {"position": 2}, {"position": 3}], "policy_version": 7,
              "stale_dropped": 2, "staleness_max": 1}
-    fewer = AsyncState(2)
+    fewer = AsyncProgress(2)
     fewer.load_state_dict(saved)  # resumed with fewer actors: the extra state is ignored
     assert fewer.actor_samplers == [{"position": 1}, {"position": 2}] and fewer.policy_version == 7
     assert fewer.state_dict()["stale_dropped"] == 2
 
 
 def test_ray_init_arguments():
-    from omegaconf import OmegaConf
+    from torchrl_grpo.rollout_actors import ray_init_kwargs
 
-    from torchrl_grpo.async_loop import ray_init_kwargs
-
-    cfg = OmegaConf.load(ROOT / "config" / "mode" / "async.yaml")
+    cfg = OmegaConf.load(CONFIG_DIR / "mode" / "async.yaml")
     local = ray_init_kwargs(cfg)
     assert local["address"] == "local" and local["num_cpus"] == 2  # 1 actor x 1 CPU + the trainer
     assert str(ROOT) in local["runtime_env"]["env_vars"]["PYTHONPATH"]

@@ -3,15 +3,13 @@ engine whose completions are known in advance (the real engine is exercised by t
 import datasets
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 
+from helpers import cfg_with
 from torchrl_grpo.collector import Collector
 from torchrl_grpo.config import CollectSettings
-from torchrl_grpo.models import load_tokenizer
 from torchrl_grpo.rollout import Completion
 from torchrl_grpo.tasks import Reward, Task
 from torchrl_grpo.trajectories import PromptSampler
-from test_config import CONFIG_DIR
 
 
 class ScriptedEngine:
@@ -34,19 +32,12 @@ class ScriptedEngine:
 
 
 def make_collector(tokenizer, questions, *overrides):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="grpo_gsm8k", overrides=[
-            "model=tiny", "env.num_envs=2", "env.repeats=4", "train.optim_batch_size=4",
-            "inference_model.max_tokens=10", *overrides])
+    cfg = cfg_with("model=tiny", "env.num_envs=2", "env.repeats=4", "train.optim_batch_size=4",
+                   "inference_model.max_tokens=10", *overrides)
     rows = datasets.Dataset.from_dict({"question": questions, "answer": ["0"] * len(questions)})
     task = Task("yes", rows, None, [Reward("yes", lambda c, r: float(c == "yes"))])
     return Collector(task, tokenizer, ScriptedEngine(tokenizer), PromptSampler(len(questions), seed=0),
                      CollectSettings.from_config(cfg))
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    return load_tokenizer(tiny_model_path)
 
 
 def test_dynamic_sampling_replaces_tied_groups(tokenizer):

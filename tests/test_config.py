@@ -1,20 +1,11 @@
 """Hydra composition of the real config tree, the batch arithmetic, placement and the prompt sampler."""
-from pathlib import Path
-
 import pytest
-from hydra import compose, initialize_config_dir
 
+from helpers import cfg_with
 from torchrl_grpo.config import batch_plan, validate
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.placement import place
 from torchrl_grpo.trajectories import PromptSampler
-
-CONFIG_DIR = str(Path(__file__).resolve().parents[1] / "config")
-
-
-def cfg_with(*overrides, name="grpo_gsm8k"):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name=name, overrides=list(overrides))
 
 
 def test_default_config_composes_and_validates():
@@ -90,9 +81,11 @@ def test_prompt_sampler_covers_each_epoch_and_resumes_exactly():
     sampler = PromptSampler(5, seed=3)
     first = sampler.take(5)
     assert sorted(first) == list(range(5))
-    sampler.take(2)
+    second = sampler.take(2)
     state = sampler.state_dict()
     rest = sampler.take(7)
+    assert sorted(second + rest[:3]) == list(range(5)) and len(set(rest[3:])) == 4  # pass 2 whole, 3 begun
+    assert second + rest[:3] != first  # reshuffled at each pass
     again = PromptSampler(5, seed=3)
     again.load_state_dict(state)
     assert again.take(7) == rest

@@ -1,7 +1,7 @@
 """Custom rewards named by import path in the config, combined and logged apart."""
 import pytest
 
-from test_config import cfg_with
+from helpers import cfg_with
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.tasks import build_task
 

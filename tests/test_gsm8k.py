@@ -5,7 +5,7 @@ import time
 import pytest
 from omegaconf import OmegaConf
 
-from shared_data import GSM8K, needs
+from helpers import GSM8K, needs_files
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.tasks import TASK_BUILDERS, Task, build_task, register_task
 from torchrl_grpo.tasks.gsm8k import (
@@ -21,7 +21,7 @@ from torchrl_grpo.tasks.gsm8k import (
     think_format,
 )
 
-needs_data = needs(GSM8K / "train.jsonl", GSM8K / "test.jsonl")
+needs_data = needs_files(GSM8K / "train.jsonl", GSM8K / "test.jsonl")
 
 
 def _read_jsonl(path):

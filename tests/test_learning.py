@@ -2,9 +2,9 @@
 model can learn in seconds: the reward is the share of digit characters in the completion."""
 import datasets
 import torch
-from hydra import compose, initialize_config_dir
 
 from grpo_utils import build_loss, build_optimizer, build_policy
+from helpers import cfg_with
 from torchrl_grpo.collector import Collector
 from torchrl_grpo.config import CollectSettings, TrainSettings, validate
 from torchrl_grpo.models import load_tokenizer, merged_state_dict
@@ -13,7 +13,6 @@ from torchrl_grpo.sync_loop import SyncRun, run_sync
 from torchrl_grpo.trainer import Trainer
 from torchrl_grpo.trajectories import PromptSampler
 from torchrl_grpo.tasks import Reward, Task
-from test_config import CONFIG_DIR
 
 
 def digit_share(completion: str, row) -> float:
@@ -21,13 +20,10 @@ def digit_share(completion: str, row) -> float:
 
 
 def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose(config_name="grpo_gsm8k", overrides=[
-            "model=tiny", "env.num_envs=4", "env.repeats=8", "train.optim_batch_size=16",
-            "train.total_dialog_turns=640", "inference_model.max_tokens=8", "optimizer.lr=3e-3",
-            "loss.aggregation=token_mean", "logging.progress_bar=false", "logging.checkpoint_frequency=0",
-            "logging.keep_checkpoints=1",
-        ])
+    cfg = cfg_with("model=tiny", "env.num_envs=4", "env.repeats=8", "train.optim_batch_size=16",
+                   "train.total_dialog_turns=640", "inference_model.max_tokens=8", "optimizer.lr=3e-3",
+                   "loss.aggregation=token_mean", "logging.progress_bar=false", "logging.checkpoint_frequency=0",
+                   "logging.keep_checkpoints=1")
     torch.manual_seed(0)
     rows = datasets.Dataset.from_dict({"question": [f"Say some numbers, {i}." for i in range(32)],
                                        "answer": ["0"] * 32})

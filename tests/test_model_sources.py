@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from torchrl_grpo import model_sources, models, packaged_smollm2
 from torchrl_grpo.errors import ConfigError
-from test_models import LORA
+from helpers import LORA
 
 
 @pytest.fixture(scope="module")

@@ -3,8 +3,13 @@ import math
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from tensordict import TensorDict
 
+from grpo_utils import build_loss
+from helpers import CONFIG_DIR, cfg_with
+from torchrl_grpo.config import validate
+from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.objective import GRPOLoss, token_log_probs, total_loss
 from torchrl_grpo.objective_terms import (
     accumulation_weight,
@@ -691,17 +696,11 @@ def test_gspo_needs_sequence_mean():
 # presets (config/loss/*.yaml) through Hydra and validate()
 # ---------------------------------------------------------------------------------------------------
 
-from test_config import CONFIG_DIR, cfg_with  # noqa: E402  (the real config tree, composed by Hydra)
-
 PRESETS = ("grpo", "dapo", "dr_grpo", "gspo")
 
 
 def test_every_preset_sets_every_loss_key():
-    from pathlib import Path
-
-    from omegaconf import OmegaConf
-
-    keys = {name: set(OmegaConf.load(Path(CONFIG_DIR) / "loss" / f"{name}.yaml")) for name in PRESETS}
+    keys = {name: set(OmegaConf.load(CONFIG_DIR / "loss" / f"{name}.yaml")) for name in PRESETS}
     assert all(k == keys["grpo"] for k in keys.values()), keys
     assert {"importance_level", "tis_cap", "overlong", "overlong_buffer", "off_policy_mask_threshold",
             "dynamic_sampling", "max_resample_rounds"} <= keys["grpo"]
@@ -709,9 +708,6 @@ def test_every_preset_sets_every_loss_key():
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_presets_compose_validate_and_build(name):
-    from grpo_utils import build_loss
-    from torchrl_grpo.config import validate
-
     cfg = cfg_with(f"loss={name}")
     validate(cfg)
     loss = build_loss(cfg, TableLM())
@@ -746,17 +742,12 @@ def test_preset_values():
     (["loss.max_resample_rounds=1.5"], "loss.max_resample_rounds=1.5"),
 ])
 def test_bad_loss_variant_keys_name_the_key(overrides, key):
-    from torchrl_grpo.config import validate
-    from torchrl_grpo.errors import ConfigError
-
     with pytest.raises(ConfigError) as err:
         validate(cfg_with(*overrides))
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
 
 
 def test_good_loss_variant_combinations_validate():
-    from torchrl_grpo.config import validate
-
     validate(cfg_with("loss.tis_cap=2", "loss.old_log_probs=trainer"))
     validate(cfg_with("loss=gspo", "loss.tis_cap=1.5", "loss.old_log_probs=trainer",
                       "loss.off_policy_mask_threshold=0.5"))

@@ -6,8 +6,7 @@ import signal
 import subprocess
 import sys
 
-from test_async import needs_ray_and_vllm, ray_processes
-from test_train_e2e import ROOT, SMALL, rows, start, wait_until
+from helpers import ROOT, SMALL, metric_rows, needs_ray_and_vllm, ray_processes, start, wait_until
 
 
 @needs_ray_and_vllm
@@ -27,13 +26,13 @@ def test_async_run_on_a_two_node_cluster_uses_both_nodes(tmp_path):
         args = [*SMALL, f"ray.address={cluster.address}", "ray.num_actors=2", "train.max_staleness=2",
                 "train.total_dialog_turns=8000", "logging.checkpoint_frequency=0", f"hydra.run.dir={run_dir}"]
         proc = start(args, cwd=tmp_path, script="grpo-async.py")
-        wait_until(lambda: {r["actor"] for r in rows(run_dir)} >= {"0.0", "1.0"} or len(rows(run_dir)) >= 900,
-                   proc, seconds=300, poll=0.5)
+        wait_until(lambda: {r["actor"] for r in metric_rows(run_dir)} >= {"0.0", "1.0"}
+                   or len(metric_rows(run_dir)) >= 900, proc, seconds=300, poll=0.5)
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-3000:]
         assert "2 rollout actor(s) started" in out and "summary:" in out
-        logged = rows(run_dir)
+        logged = metric_rows(run_dir)
         assert f"stopped after step {len(logged)}" in out
         assert {int(float(r["actor"])) for r in logged} == {0, 1}  # both actors' batches were trained on
         assert all(float(r["staleness"]) <= 2 for r in logged)
@@ -52,7 +51,7 @@ def assert_null_address_starts_a_private_ray(running: str) -> None:
     """``ray.address=null`` with a cluster already running here (and ``RAY_ADDRESS`` naming it, as ``ray start``
     leaves it) starts a Ray of its own with the CPUs it asked for: a bare ``ray.init()`` would join the running
     one and refuse ``num_cpus`` (a leftover ``ray start`` failed every async test that way once)."""
-    probe = ("import ray; from omegaconf import OmegaConf; from torchrl_grpo.async_loop import ray_init_kwargs; "
+    probe = ("import ray; from omegaconf import OmegaConf; from torchrl_grpo.rollout_actors import ray_init_kwargs; "
              "ray.init(**ray_init_kwargs(OmegaConf.load('config/mode/async.yaml'))); "
              "print(ray.get_runtime_context().gcs_address, int(ray.cluster_resources()['CPU'])); ray.shutdown()")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**os.environ, "RAY_ADDRESS": running},

@@ -1,15 +1,12 @@
 """env=reasoning_gym: several reasoning-gym datasets pooled, scored by their own checkers, with a held-out
 evaluation split; and the per-task metrics of mixed-task batches."""
 import pytest
-from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from helpers import SMALL, cfg_with, metric_rows, needs_vllm, run
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.tasks import build_task, eval_env_config, per_task_means
 from torchrl_grpo.tasks.reasoning_gym_tasks import answer_text
-
-from test_config import CONFIG_DIR
-from test_train_e2e import SMALL, needs_vllm, rows, run
 
 
 def env(**overrides):
@@ -51,8 +48,7 @@ def test_a_row_from_other_generation_settings_is_refused():
 
 
 def test_held_out_evaluation_split_from_the_default_config():
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("grpo_gsm8k", ["env=reasoning_gym", "env.size=4", "env.eval.size=2"])
+    cfg = cfg_with("env=reasoning_gym", "env.size=4", "env.eval.size=2")
     train, held = build_task(cfg.env), build_task(eval_env_config(cfg.env))
     train_tasks, eval_tasks = set(train.rows["task"]), set(held.rows["task"])
     assert train_tasks == {"number_filtering", "string_insertion", "family_relationships", "maze"}
@@ -95,7 +91,7 @@ def test_grpo_py_trains_on_reasoning_gym_and_evaluates_held_out_tasks(tmp_path):
         f"hydra.run.dir={tmp_path / 'run'}"]
     out = run(args, tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    table = rows(tmp_path / "run")
+    table = metric_rows(tmp_path / "run")
     assert [r["step"] for r in table] == ["0", "1", "2", "3"]
     evaluated = [r["step"] for r in table if r.get("eval/accuracy") not in (None, "")]
     assert evaluated == ["0", "2", "3"]

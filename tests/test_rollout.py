@@ -4,7 +4,6 @@ The reference everywhere is what the trainer computes: ``log_softmax(logits.floa
 plain forward of prompt + completion. vLLM tests use the session engine of conftest.py (tiny model) and
 start one more engine, on SmolLM2 (tied embeddings), for the weight-push trap.
 """
-import importlib.util
 import logging
 import math
 import sys
@@ -12,6 +11,7 @@ import sys
 import pytest
 import torch
 
+from helpers import needs_vllm
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.hf_engine import TransformersEngine, nucleus_mask
 from torchrl_grpo.model_sources import resolve_model
@@ -22,11 +22,6 @@ from torchrl_grpo.vllm_engine import VLLMEngine
 
 TOL = 1e-4  # float32: measured gaps are 1e-5 (tiny) and 3e-5..6e-5 (SmolLM2)
 QUESTIONS = ["Ana has 5 apples.", "Each box holds 3 eggs. There are 12 boxes. How many eggs are there in total?", "12"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_path):
-    return load_tokenizer(tiny_model_path)
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +45,7 @@ def _trainer_logprobs(model, prompt, completion, temperature, top_p=1.0):
 
 
 def _max_gap(model, prompts, completions, temperature, top_p=1.0):
+    assert completions  # an empty list would have no gap to measure
     gap = 0.0
     for c in completions:
         ref = _trainer_logprobs(model, prompts[c.prompt_index], c.token_ids, temperature, top_p)
@@ -151,10 +147,9 @@ def test_vllm_push_weights_changes_outputs_and_matches_new_trainer(vllm_engine, 
     assert [c.token_ids for c in restored] == [c.token_ids for c in greedy_before]
 
 
+@needs_vllm
 def test_vllm_push_weights_tied_embeddings_smollm2():
     """SmolLM2 ties lm_head to the embedding: after a push the engine must not keep the old head."""
-    if importlib.util.find_spec("vllm") is None:
-        pytest.skip("vllm is not installed")
     try:
         path = resolve_model("smollm2-135m-instruct")
     except ConfigError as e:

@@ -3,17 +3,11 @@ same keys, and a bad value of each kind fails in one line naming the key, with t
 from dataclasses import fields
 
 import pytest
-from hydra import compose, initialize_config_dir
 
 from torchrl_grpo.config import validate
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.schema import ASYNC_SECTIONS, SECTIONS, check_schema
-from test_config import CONFIG_DIR
-
-
-def composed(*overrides):
-    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        return compose(config_name="grpo_gsm8k", overrides=list(overrides))
+from helpers import cfg_with as composed
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

@@ -6,8 +6,7 @@ import socket
 import subprocess
 from pathlib import Path
 
-from test_async import needs_ray_and_vllm, ray_processes
-from test_train_e2e import ROOT, SMALL, rows
+from helpers import ROOT, SMALL, metric_rows, needs_ray_and_vllm, ray_processes
 
 SCRIPT = ROOT / "scripts" / "slurm_grpo_async.sh"
 FAKE_SRUN = """#!/bin/bash
@@ -47,5 +46,5 @@ def test_the_slurm_script_trains_on_the_cluster_it_starts(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 nodes; 1 rollout actor(s), 0 GPU each" in out.stdout and "summary:" in out.stdout
     assert "Connecting to existing Ray cluster" in out.stdout + out.stderr  # ray.address=auto joined it
-    assert [int(float(r["step"])) for r in rows(run_dir)] == [1, 2, 3]
+    assert [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2, 3]
     assert not ray_processes()

@@ -1,55 +1,12 @@
 """grpo.py as users run it: a real subprocess, real Hydra, the tiny model, the real vLLM CPU engine."""
-import csv
 import os
 import signal
 import subprocess
-import sys
-import time
 from pathlib import Path
 
-import pytest
+from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-SMALL = ["model=tiny", "env=gsm_symbolic", "env.size=64", "env.num_envs=2", "env.repeats=4",
-         "train.optim_batch_size=4", "train.gradient_accumulation_steps=2", "inference_model.max_tokens=8",
-         "logging.progress_bar=false", "optimizer.lr=1e-3"]
-
-def importable(module: str) -> bool:
-    """Whether ``module`` imports in a fresh interpreter (a broken install counts as missing)."""
-    return subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode == 0
-
-
-needs_vllm = pytest.mark.skipif(not importable("vllm"), reason="vllm is not importable here")
-SCRIPT_ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-
-
-def run(args, cwd, script="grpo.py", timeout=300, env_extra=None):
-    env = {**os.environ, **SCRIPT_ENV, **(env_extra or {})}
-    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-def start(args, cwd, script="grpo.py", **popen_kwargs) -> subprocess.Popen:
-    """The script running in the background, in a process group of its own (for ``os.killpg``), output piped."""
-    popen_kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen_kwargs}
-    return subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, env={**os.environ, **SCRIPT_ENV},
-                            start_new_session=True, **popen_kwargs)
-
-
-def wait_until(done, proc: subprocess.Popen, seconds: float, poll: float = 0.2) -> None:
-    """Return once ``done()`` holds, the process has exited, or ``seconds`` have passed."""
-    deadline = time.time() + seconds
-    while time.time() < deadline and proc.poll() is None and not done():
-        time.sleep(poll)
-
-
-def rows(run_dir: Path) -> list[dict]:
-    """The run's metrics.csv rows; none before its first step."""
-    path = run_dir / "metrics.csv"
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+from helpers import SMALL, finite, metric_rows, needs_vllm, run, start, wait_until
 
 
 @needs_vllm
@@ -59,11 +16,11 @@ def test_train_then_resume(tmp_path):
                  "loss.old_log_probs=trainer", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "completions per step" in first.stdout and "summary:" in first.stdout
-    logged = rows(run_dir)
+    logged = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in logged] == [1, 2]
     for key in ("reward", "reward/accuracy", "reward/answer_format", "loss_objective", "kl_to_ref", "entropy",
                 "grad_norm", "clip_fraction", "ess", "generation_tokens_per_s", "step_time"):
-        assert all(r[key] not in ("", "nan") for r in logged), key
+        assert all(finite(r[key]) for r in logged), key
     # the trainer's recomputed log-probs agree with the vLLM engine's in the real loop (float32)
     assert all(float(r["engine_trainer_logp_gap_max"]) < 1e-4 for r in logged)
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
@@ -73,7 +30,7 @@ def test_train_then_resume(tmp_path):
                    f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_000002" in resumed.stdout
-    assert [int(float(r["step"])) for r in rows(run_dir)] == [1, 2, 3, 4]
+    assert [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2, 3, 4]
 
 
 @needs_vllm
@@ -84,12 +41,17 @@ def test_killed_run_resumes_where_it_was(tmp_path):
     wait_until((run_dir / "checkpoints" / "step_000002").exists, proc, seconds=240)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert (run_dir / "checkpoints" / "step_000002").exists()
-    assert not any(p.name.startswith(".tmp") and (p / "trainer_state.pt").exists() and p.name.startswith("step")
-                   for p in (run_dir / "checkpoints").iterdir())
+    checkpoints = run_dir / "checkpoints"
+    complete = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_"))
+    assert "step_000002" in complete
+    # the save is atomic: every step_* folder is whole; a kill during a save leaves only a .tmp_step_* folder
+    assert all((checkpoints / name / "trainer_state.pt").is_file()
+               and (checkpoints / name / "model.safetensors").is_file() for name in complete)
+    assert all(p.name.startswith(".tmp_step_") for p in checkpoints.iterdir() if p.name not in complete)
     again = run([*args, "train.resume=auto"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    steps = [int(float(r["step"])) for r in rows(run_dir)]
+    assert "resumed from" in again.stdout and complete[-1] in again.stdout  # the newest whole one
+    steps = [int(float(r["step"])) for r in metric_rows(run_dir)]
     assert steps == list(range(1, 7))
 
 
@@ -116,7 +78,7 @@ def test_multirun_sweep_gives_each_job_its_directory(tmp_path):
                  f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, timeout=400)
     assert sweep.returncode == 0, sweep.stderr[-3000:]
     for job in ("0", "1"):
-        assert len(rows(tmp_path / "sweep" / job)) == 1
+        assert len(metric_rows(tmp_path / "sweep" / job)) == 1
 
 
 def test_lora_with_the_transformers_engine_and_wandb_offline(tmp_path):
@@ -132,13 +94,12 @@ def test_lora_with_the_transformers_engine_and_wandb_offline(tmp_path):
     resumed = run([*args, "train.total_dialog_turns=16", "train.resume=auto"], cwd=tmp_path,
                   env_extra={"WANDB_API_KEY": ""})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [int(float(r["step"])) for r in rows(run_dir)] == [1, 2]
+    assert [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2]
 
 
 def _assert_adapter_restores(saved: Path, config_file: Path):
     """The builder's resume path puts the saved adapter back into a fresh LoRA policy, tensor for tensor."""
     import torch
-    from omegaconf import OmegaConf
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -159,11 +120,11 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMALL, "train.total_dialog_turns=400", "logging.checkpoint_frequency=0", f"hydra.run.dir={run_dir}"]
     proc = start(args, cwd=tmp_path)
-    wait_until(lambda: rows(run_dir), proc, seconds=240)
+    wait_until(lambda: metric_rows(run_dir), proc, seconds=240)
     proc.send_signal(signal.SIGTERM)
     out, err = proc.communicate(timeout=240)
     assert proc.returncode == 0, err[-3000:]
-    stopped_at = len(rows(run_dir))
+    stopped_at = len(metric_rows(run_dir))
     assert 1 <= stopped_at < 50 and f"stopped after step {stopped_at}" in out
     assert (run_dir / "checkpoints" / f"step_{stopped_at:06d}" / "trainer_state.pt").is_file()
 
@@ -174,10 +135,14 @@ def test_every_loss_preset_trains_with_finite_metrics(tmp_path):
     sweep = run(["--multirun", *SMALL, "train.total_dialog_turns=16", "train.epochs=2", "train.kl_to_ref_coeff=0.01",
                  f"loss={','.join(presets)}", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, timeout=600)
     assert sweep.returncode == 0, sweep.stderr[-3000:]
+    prefixes = ("loss", "kl", "ratio", "ess", "clip", "grad_norm", "reward", "entropy")
     for job, preset in enumerate(presets):
-        logged = rows(tmp_path / "sweep" / str(job))
+        job_dir = tmp_path / "sweep" / str(job)
+        assert f"loss={preset}" in OmegaConf.load(job_dir / ".hydra" / "overrides.yaml")  # this job ran this preset
+        logged = metric_rows(job_dir)
         assert len(logged) == 2, preset
+        checked = {key for key in logged[0] if key.startswith(prefixes)}
+        assert all(any(key.startswith(prefix) for key in checked) for prefix in prefixes), (preset, sorted(checked))
         for row in logged:
-            for key, value in row.items():
-                if key.startswith(("loss", "kl", "ratio", "ess", "clip", "grad_norm", "reward", "entropy")):
-                    assert value not in ("", "nan", "inf", "-inf"), (preset, key)
+            for key in checked:
+                assert finite(row[key]), (preset, key, row[key])
