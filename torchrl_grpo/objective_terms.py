@@ -35,14 +35,19 @@ FAMILIES = {
 }
 REGISTRIES: dict[str, dict[str, Callable]] = {family: {} for family in FAMILIES}
 ACCUMULATION_WEIGHTS: dict[str, Callable[[torch.Tensor], float]] = {}
+MODIFIER_HINTS: dict[str, str] = {}  # surrogate modifier key -> the fix its config error suggests
 
 
-def register(family: str, name: str, *, weight: Callable[[torch.Tensor], float] | None = None):
+def register(family: str, name: str, *, weight: Callable[[torch.Tensor], float] | None = None,
+             hint: str | None = None):
     """Decorator: the function becomes choice ``name`` of ``family``. An aggregation also gives its
     accumulation weight, ``weight(loss_mask) -> float``: how much one micro-batch counts in an optimizer step
-    so that the weighted micro-batch losses equal the loss of the whole step."""
+    so that the weighted micro-batch losses equal the loss of the whole step. A surrogate modifier may give
+    the ``hint`` its config key's error suggests (``loss.<name>`` must be a number > 0 or null)."""
     if (family == "aggregation") != (weight is not None):
         raise TypeError(f"{family} {name!r}: an aggregation, and only an aggregation, registers a weight")
+    if hint is not None and family != "surrogate_modifier":
+        raise TypeError(f"{family} {name!r}: only a surrogate modifier registers a hint")
 
     def add(fn: Callable) -> Callable:
         if name in REGISTRIES[family]:
@@ -50,6 +55,8 @@ def register(family: str, name: str, *, weight: Callable[[torch.Tensor], float] 
         REGISTRIES[family][name] = fn
         if weight is not None:
             ACCUMULATION_WEIGHTS[name] = weight
+        if family == "surrogate_modifier":
+            MODIFIER_HINTS[name] = hint or "must be a number > 0, or null to turn it off"
         return fn
 
     return add
@@ -357,7 +364,7 @@ def _token_share(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (flags & mask).sum() / mask.sum().clamp(min=1)
 
 
-@register("surrogate_modifier", "tis_cap")
+@register("surrogate_modifier", "tis_cap", hint="must be a number > 0 (e.g. 2), or null to turn TIS off")
 def truncated_importance_sampling(surrogate: torch.Tensor, cap: float, s: SurrogateInputs):
     """``l <- min(exp(logp_old - logp_sample), C) l`` at the importance level, detached (:func:`tis_weights`).
     Diagnostics: ``tis_truncated_fraction`` (tokens whose weight hit the cap), ``tis_weight_mean``."""
@@ -369,7 +376,8 @@ def truncated_importance_sampling(surrogate: torch.Tensor, cap: float, s: Surrog
     }
 
 
-@register("surrogate_modifier", "off_policy_mask_threshold")
+@register("surrogate_modifier", "off_policy_mask_threshold",
+          hint="must be a number > 0 (e.g. 0.5), or null to turn the off-policy mask off")
 def off_policy_mask(surrogate: torch.Tensor, threshold: float, s: SurrogateInputs):
     """``l_it <- M_i l_it``, ``M_i = 0`` iff ``A_i < 0`` and ``mean_t(logp_sample_it - logp_it) > delta``
     (:func:`off_policy_keep`). Diagnostic: ``off_policy_masked_fraction`` (tokens dropped)."""

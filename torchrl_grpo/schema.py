@@ -16,7 +16,9 @@ from typing import Any
 from omegaconf import DictConfig
 
 from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.objective_terms import AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, OVERLONG, REWARD_SCALES
+from torchrl_grpo.objective_terms import (
+    AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, MODIFIER_HINTS, OVERLONG, REWARD_SCALES,
+)
 
 # kind -> (accepts(value), the default complaint)
 _KINDS = {
@@ -149,7 +151,9 @@ class Eval:
 
 @dataclass
 class Loss:
-    """docs/objective.md gives each variant's equation; config/loss/*.yaml the presets."""
+    """docs/objective.md gives each variant's equation; config/loss/*.yaml the presets. Besides these keys,
+    each registered surrogate modifier (``objective_terms``: ``tis_cap``, ``off_policy_mask_threshold``, ...)
+    is a key of its own, a number > 0 or null (off): see :func:`section_keys`."""
 
     clip_epsilon_low: float = key("num>=0", "ratio clipped below at 1 - eps_low")
     clip_epsilon_high: float = key("num>=0", "ratio clipped above at 1 + eps_high (clip-higher when > low)")
@@ -158,13 +162,9 @@ class Loss:
     kl_estimator: str = key("choice", "estimator of the KL terms", choices=KL_ESTIMATORS)
     old_log_probs: str = key("choice", "the ratio's denominator", choices=("engine", "trainer"))
     importance_level: str = key("choice", "one ratio per token, or per completion (GSPO)", choices=IMPORTANCE_LEVELS)
-    tis_cap: float = key("num>0", "truncated importance sampling cap; null = off", null=True,
-                         hint="must be a number > 0 (e.g. 2), or null to turn TIS off")
     overlong: str = key("choice", "truncated completions: kept, masked, or penalised in the reward", choices=OVERLONG)
     overlong_buffer: int = key("int>0", "soft overlong ramp in tokens; null = max_tokens // 5", null=True,
                                hint="must be a positive number of tokens, or null for inference_model.max_tokens // 5")
-    off_policy_mask_threshold: float = key("num>0", "drop negative-advantage completions this far off-policy", null=True,
-                                           hint="must be a number > 0 (e.g. 0.5), or null to turn the off-policy mask off")
     dynamic_sampling: bool = key("bool", "DAPO: resample groups whose rewards all tie")
     max_resample_rounds: int = key("int>=0", "dynamic sampling: extra collection rounds per step at most")
 
@@ -193,6 +193,15 @@ SECTIONS: tuple[tuple[str, type], ...] = (
 ASYNC_SECTIONS: tuple[tuple[str, type], ...] = (("ray", Ray), ("train", AsyncTrain))  # config/mode/async.yaml
 
 
+def section_keys(section: str, schema: type) -> list[tuple[str, dict]]:
+    """``(key, rule)`` of a section: its dataclass fields, and for ``loss`` the registered surrogate modifiers."""
+    keys = [(f.name, dict(f.metadata)) for f in fields(schema)]
+    if section == "loss":
+        keys += [(name, {"kind": "num>0", "doc": "a surrogate modifier's parameter (docs/objective.md); null = off",
+                         "choices": (), "null": True, "hint": hint}) for name, hint in MODIFIER_HINTS.items()]
+    return keys
+
+
 def check_schema(cfg: DictConfig) -> None:
     """Every schema key of ``cfg``: present, and of its kind and range."""
     sections = SECTIONS
@@ -203,8 +212,8 @@ def check_schema(cfg: DictConfig) -> None:
         sections += ASYNC_SECTIONS
     for section, schema in sections:
         node = cfg.get(section)
-        for f in fields(schema):
-            name = f"{section}.{f.name}"
-            if node is None or f.name not in node:
+        for field_name, rule in section_keys(section, schema):
+            name = f"{section}.{field_name}"
+            if node is None or field_name not in node:
                 raise ConfigError(f"{name} is missing from the config: add it (config/grpo_gsm8k.yaml documents every key)")
-            check_value(name, node[f.name], f.metadata)
+            check_value(name, node[field_name], rule)
