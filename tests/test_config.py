@@ -45,6 +45,7 @@ def test_batch_arithmetic():
     (["optimizer.lr=0"], "optimizer.lr=0"),
     (["inference_model.top_p=0.9"], "inference_model.top_p=0.9 with loss.old_log_probs=engine"),
     (["env.max_steps=2"], "env.max_steps=2"),
+    (["train.total_dialog_turns=8"], "train.total_dialog_turns=8 is fewer than the 16 completions of one step"),
 ])
 def test_bad_combinations_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:

@@ -148,6 +148,11 @@ def batch_plan(cfg: DictConfig) -> BatchPlan:
         )
     epochs = _positive_int(cfg, "train.epochs")
     total = _positive_int(cfg, "train.total_dialog_turns")
+    if total < per_step:
+        raise ConfigError(
+            f"train.total_dialog_turns={total} is fewer than the {per_step} completions of one step "
+            f"(env.num_envs x env.repeats): set it to at least {per_step}"
+        )
     return BatchPlan(
         prompts_per_step=prompts,
         group_size=group,
