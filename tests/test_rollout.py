@@ -282,3 +282,15 @@ def test_make_engine_without_vllm_is_a_config_error(monkeypatch, tiny_model_path
 def test_make_engine_unknown_backend(tiny_model_path):
     with pytest.raises(ConfigError, match="inference_model.backend"):
         make_engine("sglang", tiny_model_path)
+
+
+def test_transformers_engine_sampling_state_continues_exactly(tiny_model_path):
+    """What a checkpoint keeps of an engine: restored into a fresh engine, it samples what the old one would."""
+    prompts = [[1, 2, 3], [4, 5]]
+    first = make_engine("transformers", tiny_model_path, seed=5)
+    first.generate(prompts, n=2, max_tokens=4)
+    saved = first.sampling_state()
+    expected = first.generate(prompts, n=2, max_tokens=4)
+    second = make_engine("transformers", tiny_model_path, seed=123)
+    second.load_sampling_state(saved)
+    assert [c.token_ids for c in second.generate(prompts, n=2, max_tokens=4)] == [c.token_ids for c in expected]

@@ -34,25 +34,40 @@ def test_train_then_resume(tmp_path):
 
 
 @needs_vllm
-def test_killed_run_resumes_where_it_was(tmp_path):
-    run_dir = tmp_path / "run"
-    args = [*SMALL, "train.total_dialog_turns=48", "logging.checkpoint_frequency=1", f"hydra.run.dir={run_dir}"]
-    proc = start(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint(tmp_path):
+    """Killed at a random moment, its newest checkpoint then damaged, a run resumes from the newest one that
+    loads and gives, step for step, the metrics of the same run left alone (the engine's sampling state is in
+    the checkpoint)."""
+    run_dir, whole_dir = tmp_path / "run", tmp_path / "whole"
+    args = [*SMALL, "train.total_dialog_turns=48", "logging.checkpoint_frequency=1"]
+    proc = start([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                 stderr=subprocess.DEVNULL)
     wait_until((run_dir / "checkpoints" / "step_000002").exists, proc, seconds=240)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     checkpoints = run_dir / "checkpoints"
     complete = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_"))
-    assert "step_000002" in complete
+    assert "step_000002" in complete and len(complete) == 2  # logging.keep_checkpoints=2
     # the save is atomic: every step_* folder is whole; a kill during a save leaves only a .tmp_step_* folder
     assert all((checkpoints / name / "trainer_state.pt").is_file()
                and (checkpoints / name / "model.safetensors").is_file() for name in complete)
     assert all(p.name.startswith(".tmp_step_") for p in checkpoints.iterdir() if p.name not in complete)
-    again = run([*args, "train.resume=auto"], cwd=tmp_path)
+    weights = checkpoints / complete[-1] / "model.safetensors"
+    with open(weights, "r+b") as f:  # a disk that filled up: the newest checkpoint's weights cut short
+        f.truncate(weights.stat().st_size // 2)
+
+    again = run([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from" in again.stdout and complete[-1] in again.stdout  # the newest whole one
-    steps = [int(float(r["step"])) for r in metric_rows(run_dir)]
-    assert steps == list(range(1, 7))
+    assert f"warning: skipping checkpoint {checkpoints / complete[-1]}: it does not load" in again.stderr
+    assert f"resumed from {checkpoints / complete[-2]}" in again.stdout
+    whole = run([*args, f"hydra.run.dir={whole_dir}"], cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    resumed, alone = metric_rows(run_dir), metric_rows(whole_dir)
+    assert [int(float(r["step"])) for r in resumed] == list(range(1, 7))
+    timing = [key for key in alone[0] if "time" in key or key.endswith("_per_s")]
+    assert timing and "reward" in alone[0] and "grad_norm" in alone[0]
+    for mine, theirs in zip(resumed, alone, strict=True):
+        assert {k: v for k, v in mine.items() if k not in timing} == {k: v for k, v in theirs.items() if k not in timing}
 
 
 def test_bad_config_is_one_line_and_exit_2(tmp_path):

@@ -8,16 +8,20 @@ complete by construction.
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from torchrl_grpo.errors import ConfigError
+from safetensors import safe_open
+
+from torchrl_grpo.errors import ConfigError, one_line
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.pt"
@@ -62,21 +66,62 @@ def save(directory: Path, step: int, model, tokenizer, state: dict, keep: int = 
 
 
 def find_resume_point(resume, run_checkpoints: Path) -> Path | None:
-    """The checkpoint to resume from: ``auto`` takes the newest in this run's checkpoint directory (none:
-    a fresh start); a path may be a checkpoint or a run/checkpoints directory holding some."""
+    """The checkpoint to resume from. ``auto`` takes the newest of this run's checkpoint directory that loads
+    (none: a fresh start), and so does a run or checkpoints directory given as the path, skipping damaged
+    ones with a warning that names them; a path to one checkpoint that does not load is a one-line error."""
     if resume in (None, False, ""):
         return None
     if resume == "auto":
-        found = list_checkpoints(run_checkpoints)
-        return found[-1] if found else None
+        return _newest_loadable(run_checkpoints)
     path = Path(str(resume)).expanduser()
-    if (path / STATE_FILE).is_file():
+    if (path / STATE_FILE).exists():
+        reason = damage(path)
+        if reason:
+            raise ConfigError(f"train.resume={resume}: that checkpoint does not load ({reason}); give another one, or "
+                              "the run directory to take its newest checkpoint that loads")
         return path
     for candidate in (path, path / "checkpoints"):
-        found = list_checkpoints(candidate)
-        if found:
-            return found[-1]
+        if list_checkpoints(candidate):
+            found = _newest_loadable(candidate)
+            if found is None:
+                raise ConfigError(f"train.resume={resume}: none of its checkpoints loads (see the warnings above)")
+            return found
     raise ConfigError(f"train.resume={resume}: no checkpoint there (expected a step_* directory holding {STATE_FILE}, or a run directory with checkpoints/)")
+
+
+def _newest_loadable(directory: Path) -> Path | None:
+    for candidate in reversed(list_checkpoints(directory)):
+        reason = damage(candidate)
+        if reason is None:
+            return candidate
+        print(f"warning: skipping checkpoint {candidate}: it does not load ({reason})", file=sys.stderr, flush=True)
+    return None
+
+
+def damage(checkpoint: Path) -> str | None:
+    """Why ``checkpoint`` would not load, in a few words; None when its state, weights and configs read back.
+    Cheap: the weights' headers and sizes are checked, not their values."""
+    try:
+        load_state(checkpoint)
+    except Exception as err:
+        return f"{STATE_FILE}: {one_line(err)}"
+    weights = sorted(checkpoint.glob("*.safetensors"))
+    if not weights:
+        return "no *.safetensors weights"
+    for file in weights:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    f.get_slice(name)
+        except Exception as err:
+            return f"{file.name}: {one_line(err)}"
+    for name in ("config.json", "adapter_config.json"):
+        if (checkpoint / name).exists():
+            try:
+                json.loads((checkpoint / name).read_text())
+            except (ValueError, OSError) as err:
+                return f"{name}: {one_line(err)}"
+    return None
 
 
 def load_state(checkpoint: Path) -> dict:

@@ -57,6 +57,14 @@ class TransformersEngine(Engine):
             self._generators[device] = torch.Generator(device=device).manual_seed(self.seed)
         return self._generators[device]
 
+    def sampling_state(self) -> dict | None:
+        """The state of each device's generator."""
+        return {str(device): g.get_state() for device, g in self._generators.items()}
+
+    def load_sampling_state(self, state: dict) -> None:
+        for device, generator_state in state.items():
+            self._generator(torch.device(device)).set_state(generator_state)
+
     @torch.no_grad()
     def generate(
         self,

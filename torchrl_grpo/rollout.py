@@ -75,6 +75,15 @@ class Engine(Protocol):
         """Load HF-named weights (``models.merged_state_dict``): later samples and log-probs use them."""
         ...
 
+    def sampling_state(self) -> dict | None:
+        """The engine's random state, so that a resumed run samples what an uninterrupted one would (part of
+        a checkpoint); None where it cannot be read (an engine in another process)."""
+        ...
+
+    def load_sampling_state(self, state: dict) -> None:
+        """Continue from a :meth:`sampling_state`."""
+        ...
+
     def close(self) -> None:
         """Free what the engine holds."""
         ...

@@ -3,8 +3,15 @@ async loop's :class:`AsyncProgress`), the global RNG states, the trainer's optim
 :meth:`Trainer.state_dict`) and the config. The weights are the checkpoint's HF-format policy, which the
 builder loads before the trainer exists (:attr:`RunState.resume_from`).
 
-``trainer_state.pt`` holds ``step``, ``optimizer``, ``sampler`` (the data position), ``rng``, ``shuffle_rng``
-and ``config``; the files and their atomic write are :mod:`torchrl_grpo.checkpoint`'s.
+``trainer_state.pt`` holds ``step``, ``optimizer``, ``sampler`` (the data position), ``rng``, ``shuffle_rng``,
+``engine_rng`` (the in-process engine's sampling state) and ``config``; the files and their atomic write are
+:mod:`torchrl_grpo.checkpoint`'s.
+
+What resumes exactly: a sync run (``train.sync_iter=true``) with an in-process engine (vLLM on the CPU, the
+transformers engine) gives, step for step, the metrics of the uninterrupted run. Not exactly: with
+``train.sync_iter=false`` the batch prefetched at save time is sampled again with the checkpoint's weights;
+an engine in its own process (vLLM on GPUs) and the async loop's actors are reseeded with the step, and the
+batches in flight in the actors are drawn again.
 """
 from __future__ import annotations
 
@@ -26,25 +33,31 @@ class RunState:
         self._saved = checkpoint.load_state(self.resume_from) if self.resume_from is not None else None
         self.step = int(self._saved["step"]) if self._saved is not None else 0  # the last finished step
 
-    def restore(self, trainer, data) -> None:
+    def restore(self, trainer, data, engine=None) -> None:
         """Continue where the checkpoint left off: the trainer's state, ``data``'s position (anything with
-        ``load_state_dict``) and the global RNGs. A fresh run has nothing to restore."""
+        ``load_state_dict``), the global RNGs and, when both the checkpoint and ``engine`` have one, the
+        engine's sampling state (then the run samples exactly what it would have without the interruption).
+        A fresh run has nothing to restore."""
         if self._saved is None:
             return
         trainer.load_state_dict(self._saved)
         data.load_state_dict(self._saved["sampler"])
         checkpoint.set_rng_state(self._saved["rng"])
+        if engine is not None and self._saved.get("engine_rng") is not None:
+            engine.load_sampling_state(self._saved["engine_rng"])
         print(f"resumed from {self.resume_from} (step {self.step})", flush=True)
 
     def due(self, step: int, total_steps: int) -> bool:
         """A checkpoint every ``logging.checkpoint_frequency`` steps (0: never) and after the last step."""
         return step == total_steps or (self.frequency > 0 and step % self.frequency == 0)
 
-    def save(self, step: int, trainer, tokenizer, data) -> Path:
+    def save(self, step: int, trainer, tokenizer, data, engine=None) -> Path:
         """Checkpoint ``step`` atomically: the policy, the tokenizer and the state above (``data``: anything
-        with ``state_dict``)."""
+        with ``state_dict``; ``engine``: an engine whose sampling state to keep, when nothing samples from it
+        meanwhile)."""
         self.step = step
         state = {"step": step, **trainer.state_dict(), "sampler": data.state_dict(), "rng": checkpoint.rng_state(),
+                 "engine_rng": engine.sampling_state() if engine is not None else None,
                  "config": OmegaConf.to_container(self.config, resolve=True)}
         return checkpoint.save(self.directory, step, trainer.policy, tokenizer, state, keep=self.keep)
 

@@ -28,7 +28,8 @@ class SyncRun:
 def run_sync(run: SyncRun) -> dict:
     """Train until ``total_steps``; returns the end-of-run summary (first vs last steps)."""
     collector, trainer, state, evaluator = run.collector, run.trainer, run.state, run.evaluator
-    state.restore(trainer, collector.sampler)
+    exact_engine = None if run.overlap else collector.engine  # a prefetching engine samples while we save
+    state.restore(trainer, collector.sampler, exact_engine)
     prefetch = Prefetch(collector, version=state.step) if run.overlap else None
     try:
         with Telemetry(state.config, state.run_dir, run.total_steps, state.step, resumed=state.step > 0) as telemetry:
@@ -38,7 +39,8 @@ def run_sync(run: SyncRun) -> dict:
                 for step in range(state.step + 1, run.total_steps + 1):
                     telemetry.log(step, *sync_step(run, step, prefetch))
                     if state.due(step, run.total_steps) or stop.requested:
-                        state.save(step, trainer, collector.tokenizer, prefetch.position if prefetch else collector.sampler)
+                        state.save(step, trainer, collector.tokenizer, prefetch.position if prefetch else collector.sampler,
+                                   exact_engine)
                     if stop.requested:
                         telemetry.print(f"stopped after step {step} (checkpoint saved); {state.continue_hint()}")
                         break

@@ -176,6 +176,14 @@ class VLLMEngine(Engine):
             self._rng_state = torch.get_rng_state()
             torch.set_rng_state(caller)
 
+    def sampling_state(self) -> dict | None:
+        """In one process, the engine's torch generator state (what vLLM samples from); None otherwise."""
+        return {"torch": self._rng_state.clone()} if self._in_process else None
+
+    def load_sampling_state(self, state: dict) -> None:
+        if self._in_process:
+            self._rng_state = state["torch"].clone()
+
     def generate(
         self,
         prompt_token_ids: Sequence[Sequence[int]],

@@ -1,0 +1,59 @@
+"""Finding the checkpoint to resume from when some are damaged: ``auto`` and a run directory skip them with a
+warning naming them; a damaged checkpoint named explicitly is a one-line error. Checkpoints here are their
+files only (state, weights, config), which is all that checking them reads."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from torchrl_grpo.checkpoint import STATE_FILE, damage, find_resume_point
+from torchrl_grpo.errors import ConfigError
+
+
+def make_checkpoint(directory, step):
+    path = directory / f"step_{step:06d}"
+    path.mkdir(parents=True)
+    torch.save({"step": step}, path / STATE_FILE)
+    save_file({"w": torch.arange(1000.0)}, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    return path
+
+
+@pytest.fixture
+def checkpoints(tmp_path):
+    return [make_checkpoint(tmp_path / "run" / "checkpoints", step) for step in (1, 2, 3)]
+
+
+@pytest.mark.parametrize("breaks, reason", [
+    (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:2000]), "model.safetensors:"),
+    (lambda p: (p / "model.safetensors").unlink(), "no *.safetensors weights"),
+    (lambda p: (p / STATE_FILE).write_bytes(b"not a pickle"), f"{STATE_FILE}:"),
+    (lambda p: (p / "config.json").write_text("{broken"), "config.json:"),
+])
+def test_damage_says_what_does_not_load(checkpoints, breaks, reason):
+    assert damage(checkpoints[-1]) is None
+    breaks(checkpoints[-1])
+    assert damage(checkpoints[-1]).startswith(reason)
+
+
+def test_auto_and_a_run_directory_skip_damaged_checkpoints(checkpoints, tmp_path, capsys):
+    (checkpoints[-1] / STATE_FILE).write_bytes(b"")
+    assert find_resume_point("auto", tmp_path / "run" / "checkpoints") == checkpoints[1]
+    assert f"warning: skipping checkpoint {checkpoints[-1]}: it does not load" in capsys.readouterr().err
+    assert find_resume_point(str(tmp_path / "run"), tmp_path / "elsewhere") == checkpoints[1]
+    for path in checkpoints[:2]:
+        (path / "model.safetensors").unlink()
+    assert find_resume_point("auto", tmp_path / "run" / "checkpoints") is None  # nothing loads: a fresh start
+    with pytest.raises(ConfigError, match="none of its checkpoints loads"):
+        find_resume_point(str(tmp_path / "run"), tmp_path / "elsewhere")
+
+
+def test_a_damaged_checkpoint_named_explicitly_is_a_one_line_error(checkpoints):
+    (checkpoints[0] / "config.json").write_text("")
+    with pytest.raises(ConfigError) as err:
+        find_resume_point(str(checkpoints[0]), checkpoints[0].parent)
+    message = str(err.value)
+    assert message.startswith(f"train.resume={checkpoints[0]}: that checkpoint does not load (config.json:")
+    assert "\n" not in message
+    assert find_resume_point(str(checkpoints[1]), checkpoints[0].parent) == checkpoints[1]
