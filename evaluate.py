@@ -7,7 +7,8 @@
 
 It generates with the rollout engine (``inference_model.backend``) on the task's evaluation split
 (``env`` with ``env.eval`` merged over it) or reads ``eval.responses`` (a JSONL of the dataset's fields plus
-``response``), scores with the task's rewards, writes ``eval_responses.jsonl`` (re-scorable) and
+``response``, or of ``prompt`` and ``response`` only, as IFEval publishes them: rows found in that split by
+prompt), scores with the task's rewards, writes ``eval_responses.jsonl`` (re-scorable) and
 ``eval_metrics.json`` to the run directory, prints a table, and prints the metrics as one JSON object on
 the last line of stdout. Metrics: torchrl_grpo/evaluation.py.
 """
@@ -33,7 +34,7 @@ def main(cfg: DictConfig) -> None:
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     task = build_eval_task(cfg)
     if cfg.eval.responses:
-        metrics, records = score_responses(task, *read_responses(cfg.eval.responses))
+        metrics, records = score_responses(task, *read_responses(cfg.eval.responses, task))
         source = str(cfg.eval.responses)
     else:
         from grpo_utils import build_eval_engine

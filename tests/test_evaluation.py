@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 from helpers import (GSM8K, SMALL, metric_rows, needs_files, needs_ray_and_vllm, needs_vllm, ray_processes, run,
                      run_async)
 from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.evaluation import ks_for, pass_at_k, read_responses, score_responses
+from torchrl_grpo.evaluation import ks_for, match_rows, pass_at_k, read_responses, score_responses
 from torchrl_grpo.tasks import build_task, eval_env_config
 
 
@@ -63,15 +63,65 @@ def test_read_responses_groups_by_row_and_ignores_scores(tmp_path):
     lines = [{"question": "a", "answer": "1", "response": "x"}, {"question": "b", "answer": "2", "response": "y"},
              {"question": "a", "answer": "1", "response": "z", "scores": {"reward": 1.0}}]
     path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
-    rows, responses = read_responses(path)
+    rows, responses = read_responses(path, gsm_task())  # records with the task's row fields: taken as they are
     assert rows == [{"question": "a", "answer": "1"}, {"question": "b", "answer": "2"}]
     assert responses == [["x", "z"], ["y"]]
     path.write_text('{"question": "a"}\n')
     with pytest.raises(ConfigError, match='line 1 has no string field "response"'):
-        read_responses(path)
+        read_responses(path, gsm_task())
     path.write_text("not json\n")
     with pytest.raises(ConfigError, match="line 1 is not JSON"):
-        read_responses(path)
+        read_responses(path, gsm_task())
+
+
+def test_match_rows_by_text_or_row_by_row():
+    assert match_rows(["b", "a", "b"], ["a", "b", "c"]) == [1, 0, 1]  # by text, in any order
+    assert match_rows(["a", "B", "c"], ["a", "b", "c"]) == [0, 1, 2]  # lined up: "B" takes its own row
+    assert match_rows(["c", "B", "a"], ["a", "b", "c"]) == [2, None, 0]  # same count, not lined up
+    assert match_rows(["x", "y", "c"], ["a", "b", "c"]) == [None, None, 2]  # too few found to call it lined up
+    assert match_rows(["a", "a"], ["a", "a"]) == [0, 1]  # a repeated prompt, lined up: each its own row
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_read_responses_finds_rows_by_prompt(tmp_path):
+    task = gsm_task()
+    q = task.rows["question"]
+    path = write_jsonl(tmp_path / "r.jsonl", [{"prompt": q[2], "response": "x"}, {"question": q[0], "response": "y"},
+                                              {"prompt": q[2], "response": "z"}])
+    rows, responses = read_responses(path, task)
+    assert rows == [task.rows[2], task.rows[0]] and responses == [["x", "z"], ["y"]]
+
+
+def test_read_responses_lined_up_file_with_one_differing_prompt(tmp_path):
+    task = gsm_task()
+    prompts = list(task.rows["question"])
+    prompts[1] = prompts[1].replace("pebbles", "stones")  # an edited copy: no row has this text
+    path = write_jsonl(tmp_path / "r.jsonl", [{"prompt": p, "response": str(i)} for i, p in enumerate(prompts)])
+    rows, responses = read_responses(path, task)
+    assert rows == [task.rows[i] for i in range(4)] and responses == [["0"], ["1"], ["2"], ["3"]]
+    path = write_jsonl(path, [{"prompt": p, "response": "r"} for p in reversed(prompts)])  # not lined up
+    with pytest.raises(ConfigError, match="line 3's prompt 'Robert has a bag of stones"):
+        read_responses(path, task)
+
+
+def test_read_responses_prompt_matching_nothing_is_one_line(tmp_path):
+    task = gsm_task()
+    path = write_jsonl(tmp_path / "r.jsonl", [{"prompt": task.rows[0]["question"], "response": "x"},
+                                              {"prompt": "Nothing like\nthis prompt", "response": "y"}])
+    with pytest.raises(ConfigError) as err:
+        read_responses(path, task)
+    assert str(err.value) == (
+        f"eval.responses={path}: line 2's prompt 'Nothing like\\nthis prompt'... is none of the 4 prompts of "
+        f"gsm_symbolic's evaluation split; give responses to that split (env.data_path, env.eval), or records "
+        f"with its rows' fields (question, answer)")
+    write_jsonl(path, [{"text": "q", "response": "x"}])
+    with pytest.raises(ConfigError, match="line 1 has neither the fields of gsm_symbolic's rows \\(question, answer\\) "
+                                          'nor a "question" or "prompt" to find its row by'):
+        read_responses(path, task)
 
 
 def test_eval_env_merges_the_eval_block_over_env():
@@ -101,6 +151,14 @@ def test_evaluate_py_scores_a_responses_file_of_gsm8k_test_rows(tmp_path):
     assert metrics["reward/answer_format"] == 1.0
     assert json.loads((tmp_path / "run" / "eval_metrics.json").read_text()) == metrics
     assert len((tmp_path / "run" / "eval_responses.jsonl").read_text().splitlines()) == 8
+
+
+def test_evaluate_py_responses_matching_no_prompt_is_one_line(tmp_path):
+    path = write_jsonl(tmp_path / "r.jsonl", [{"prompt": "What is 2 + 2?", "response": "#### 4"}])
+    out = evaluate(["env=gsm_symbolic", f"eval.responses={path}"], tmp_path)
+    assert out.returncode == 2, out.stderr[-2000:]
+    [line] = out.stderr.strip().splitlines()
+    assert line.startswith(f"error: eval.responses={path}: line 1's prompt 'What is 2 + 2?'... is none of the ")
 
 
 def test_evaluate_py_bad_key_is_one_line(tmp_path):

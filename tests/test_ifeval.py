@@ -148,6 +148,26 @@ def test_golden_gpt4_scores():
 
 
 @needs_data
+def test_evaluate_py_scores_the_published_gpt4_file(tmp_path):
+    # {prompt, response} only: rows found by prompt; line 340's prompt differs from the input data's, and the
+    # file lines up with it row by row, so that one takes row 340
+    out = run(["--config-name", "grpo_ifeval", f"env.data_path={INPUT}", f"eval.responses={GPT4}",
+               f"hydra.run.dir={tmp_path}/run"], tmp_path, script="evaluate.py")
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = json.loads(out.stdout.strip().splitlines()[-1])
+    assert metrics["prompts"] == metrics["responses"] == 541
+    assert metrics["accuracy"] == metrics["reward/prompt_strict"] == pytest.approx(416 / 541)
+    records = [json.loads(line) for line in open(tmp_path / "run" / "eval_responses.jsonl")]
+    inputs = [json.loads(line) for line in open(INPUT)]
+    assert [r["question"] for r in records] == [row["prompt"] for row in inputs]
+    # reward/instruction_strict is the mean over prompts of the share followed; instruction-level: 697 of 834
+    mean = sum(r["scores"]["instruction_strict"] for r in records) / 541
+    assert metrics["reward/instruction_strict"] == pytest.approx(mean)
+    followed = [round(r["scores"]["instruction_strict"] * len(r["instruction_id_list"])) for r in records]
+    assert (sum(followed), sum(len(r["instruction_id_list"]) for r in records)) == (697, 834)
+
+
+@needs_data
 def test_random_letter_rows_score_the_same_every_time():
     rows = load_ifeval(data_path=str(INPUT))
     with open(GPT4) as f:

@@ -93,14 +93,29 @@ def evaluate_with_engine(engine, task: Task, tokenizer, eval_cfg, default_max_to
     return score_responses(task, rows, responses)
 
 
-def read_responses(path: str | Path) -> tuple[list[dict], list[list[str]]]:
+def match_rows(prompts: Sequence[str], questions: Sequence[str]) -> list[int | None]:
+    """For each prompt, the index of the row whose ``question`` is that text (None: no row's). Where the two
+    line up row by row (as many prompts as rows, each one found at its own position, most found) every prompt
+    takes its own row, so a slightly edited copy of a prompt still finds it: one of the GPT-4 responses
+    published with IFEval has a prompt that differs from the input data's."""
+    first: dict[str, int] = {}
+    for i, question in enumerate(questions):
+        first.setdefault(question, i)
+    found = [first.get(prompt) for prompt in prompts]
+    lined_up = (len(prompts) == len(questions) and 2 * sum(i is not None for i in found) > len(prompts)
+                and all(i is None or questions[n] == prompt for n, (prompt, i) in enumerate(zip(prompts, found))))
+    return list(range(len(prompts))) if lined_up else found
+
+
+def read_responses(path: str | Path, task: Task) -> tuple[list[dict], list[list[str]]]:
     """Rows and their responses from a JSONL of ``{<dataset fields>, "response": str}`` (what ``evaluate.py``
-    writes as ``eval_responses.jsonl``; its ``scores`` are ignored); rows with the same fields are the
-    responses to one prompt."""
+    writes as ``eval_responses.jsonl``; its ``scores`` are ignored) or of ``{"question" or "prompt": str,
+    "response": str}`` (IFEval's published responses), whose rows are found in ``task`` by :func:`match_rows`;
+    responses with the same row are the responses to one prompt."""
     path = Path(path).expanduser()
     if not path.is_file():
         raise ConfigError(f"eval.responses={path}: no such file; give a JSONL with one {{..., \"response\": ...}} a line")
-    groups: dict[str, tuple[dict, list[str]]] = {}
+    numbers, records = [], []
     with open(path) as f:
         for number, line in enumerate(f, 1):
             if not line.strip():
@@ -111,12 +126,40 @@ def read_responses(path: str | Path) -> tuple[list[dict], list[list[str]]]:
                 raise ConfigError(f"eval.responses={path}: line {number} is not JSON ({err.msg})") from None
             if not isinstance(record, dict) or not isinstance(record.get("response"), str):
                 raise ConfigError(f"eval.responses={path}: line {number} has no string field \"response\"")
-            row = {k: v for k, v in record.items() if k not in ("response", "scores")}
-            key = json.dumps(row, sort_keys=True, default=str)
-            groups.setdefault(key, (row, []))[1].append(record["response"])
-    if not groups:
+            numbers.append(number)
+            records.append(record)
+    if not records:
         raise ConfigError(f"eval.responses={path}: the file holds no response")
+    if all(set(task.rows.column_names) <= record.keys() for record in records):
+        rows = [{k: v for k, v in record.items() if k not in ("response", "scores")} for record in records]
+    else:
+        rows = [task.rows[i] for i in _find_rows(path, numbers, records, task)]
+    groups: dict[str, tuple[dict, list[str]]] = {}
+    for row, record in zip(rows, records):
+        key = json.dumps(row, sort_keys=True, default=str)
+        groups.setdefault(key, (row, []))[1].append(record["response"])
     return [row for row, _ in groups.values()], [outs for _, outs in groups.values()]
+
+
+def _find_rows(path: Path, numbers: list[int], records: list[dict], task: Task) -> list[int]:
+    """The index of each record's task row, found by its prompt text (the file lacks the rows' fields);
+    ConfigError for the first record with no prompt text or one that finds no row."""
+    prompts = []
+    for number, record in zip(numbers, records):
+        prompt = next((record[k] for k in ("question", "prompt") if isinstance(record.get(k), str)), None)
+        if prompt is None:
+            raise ConfigError(f"eval.responses={path}: line {number} has neither the fields of {task.name}'s "
+                              f"rows ({', '.join(task.rows.column_names)}) nor a \"question\" or \"prompt\" to find "
+                              f"its row by")
+        prompts.append(prompt)
+    found = match_rows(prompts, list(task.rows["question"]))
+    for number, prompt, i in zip(numbers, prompts, found):
+        if i is None:
+            raise ConfigError(
+                f"eval.responses={path}: line {number}'s prompt {prompt[:60]!r}... is none of the {len(task.rows)} "
+                f"prompts of {task.name}'s evaluation split; give responses to that split (env.data_path, "
+                f"env.eval), or records with its rows' fields ({', '.join(task.rows.column_names)})")
+    return found
 
 
 def format_table(metrics: Mapping[str, float]) -> str:
