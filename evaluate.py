@@ -19,13 +19,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from grpo_utils import build_eval_task, exit_on_config_error
+from grpo_utils import build_eval_task, exit_with_one_line
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="grpo_gsm8k", version_base="1.3")
-@exit_on_config_error
+@exit_with_one_line
 def main(cfg: DictConfig) -> None:
     from torchrl_grpo.config import validate
     from torchrl_grpo.evaluation import evaluate_with_engine, format_table, read_responses, score_responses

@@ -15,22 +15,17 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from grpo_utils import build_async, exit_on_config_error
+from grpo_utils import build_async, exit_with_one_line
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="grpo_gsm8k", version_base="1.3")
-@exit_on_config_error
+@exit_with_one_line
 def main(cfg: DictConfig) -> None:
-    from torchrl_grpo.async_loop import AsyncRunError, run_async
+    from torchrl_grpo.async_loop import run_async
 
-    run = build_async(cfg, Path(HydraConfig.get().runtime.output_dir))
-    try:
-        run_async(run)
-    except AsyncRunError as err:
-        print(f"error: {err}", file=sys.stderr, flush=True)
-        sys.exit(1)
+    run_async(build_async(cfg, Path(HydraConfig.get().runtime.output_dir)))
 
 
 if __name__ == "__main__":

@@ -10,13 +10,13 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from grpo_utils import build_sync, exit_on_config_error
+from grpo_utils import build_sync, exit_with_one_line
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 
 
 @hydra.main(config_path=CONFIG_DIR, config_name="grpo_gsm8k", version_base="1.3")
-@exit_on_config_error
+@exit_with_one_line
 def main(cfg: DictConfig) -> None:
     from torchrl_grpo.sync_loop import run_sync
 

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 from torchrl_grpo.async_loop import AsyncRun
 from torchrl_grpo.collector import Collector
 from torchrl_grpo.config import BatchPlan, CollectSettings, TrainSettings, validate
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.errors import ConfigError, RunError
 from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.objective import GRPOLoss
 from torchrl_grpo.placement import Placement, place, resolve_dtype
@@ -30,16 +30,16 @@ from torchrl_grpo.trainer import Trainer
 from torchrl_grpo.trajectories import PromptSampler
 
 
-def exit_on_config_error(main):
-    """Print a ConfigError as one line on stderr and exit with code 2 (no traceback)."""
+def exit_with_one_line(main):
+    """Print a ConfigError (exit code 2) or a RunError (exit code 1) as one line on stderr, no traceback."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
-        except ConfigError as err:
+        except (ConfigError, RunError) as err:
             print(f"error: {err}", file=sys.stderr, flush=True)
-            sys.exit(2)
+            sys.exit(2 if isinstance(err, ConfigError) else 1)
 
     return wrapper
 

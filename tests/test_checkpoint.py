@@ -57,3 +57,47 @@ def test_a_damaged_checkpoint_named_explicitly_is_a_one_line_error(checkpoints):
     assert message.startswith(f"train.resume={checkpoints[0]}: that checkpoint does not load (config.json:")
     assert "\n" not in message
     assert find_resume_point(str(checkpoints[1]), checkpoints[0].parent) == checkpoints[1]
+
+
+class FakeTrainer:
+    """What RunState needs of a trainer: its state, a policy that saves, and whether training diverged."""
+
+    def __init__(self, diverged=None):
+        self.diverged = diverged
+        self.policy = self
+
+    def save_pretrained(self, directory, **kwargs):
+        save_file({"w": torch.zeros(3)}, str(directory / "model.safetensors"))
+
+    def state_dict(self):
+        return {"optimizer": {}, "shuffle_rng": torch.Generator().get_state()}
+
+    def divergence(self):
+        return self.diverged
+
+
+class FakeTokenizer:
+    def save_pretrained(self, directory):
+        (directory / "tokenizer.json").write_text("{}")
+
+
+class Position:
+    def state_dict(self):
+        return {"position": 1}
+
+
+def test_after_step_checkpoints_when_due_asked_or_diverged(tmp_path):
+    from helpers import cfg_with
+    from torchrl_grpo.errors import RunError
+    from torchrl_grpo.run_state import RunState
+
+    state = RunState(cfg_with("logging.checkpoint_frequency=2"), tmp_path)
+    assert state.after_step(1, 10, FakeTrainer(), FakeTokenizer(), Position(), False) is None
+    assert not (tmp_path / "checkpoints" / "step_000001").exists()
+    assert state.after_step(2, 10, FakeTrainer(), FakeTokenizer(), Position(), False) is None
+    assert damage(tmp_path / "checkpoints" / "step_000002") is None
+    stopped = state.after_step(3, 10, FakeTrainer(), FakeTokenizer(), Position(), True)
+    assert stopped.startswith("stopped after step 3 (checkpoint saved); continue with train.resume=auto")
+    with pytest.raises(RunError, match=r"^it diverged; stopped \(checkpoint of step 4 saved in .*checkpoints\)$"):
+        state.after_step(4, 10, FakeTrainer("it diverged"), FakeTokenizer(), Position(), False)
+    assert damage(tmp_path / "checkpoints" / "step_000004") is None

@@ -47,7 +47,7 @@ def make_batch():
 
 SETTINGS = TrainSettings(group_size=2, micro_batch=1, accumulation=1, epochs=1, temperature=0.7,
                          recompute_old_log_probs=True, kl_in_reward_coeff=0.1, reward_scale="group",
-                         clip_grad_norm=None, mixed_precision=False, seed=0)
+                         clip_grad_norm=None, mixed_precision=False, max_nonfinite_updates=3, seed=0)
 
 
 def test_prepare_adds_log_probs_kl_penalty_and_advantages():
@@ -87,3 +87,47 @@ def test_no_reference_means_no_kl_penalty_and_engine_log_probs_stay():
     assert torch.equal(batch["old_log_probs"], batch["sample_log_probs"])
     assert "ref_log_probs" not in batch.keys() and "kl_penalty_in_reward" not in metrics
     assert torch.equal(batch["reward"], make_batch()["reward"])
+
+
+class PoisonedLoss(torch.nn.Module):
+    """A loss whose gradient is NaN while ``poisoned`` is set (what an overflow or a 0/0 does)."""
+
+    def __init__(self, policy):
+        super().__init__()
+        self.policy, self.poisoned = policy, True
+
+    def accumulation_weight(self, batch) -> float:
+        return float(len(batch))
+
+    def forward(self, batch):
+        scale = torch.tensor(float("nan") if self.poisoned else 1.0)
+        loss = (self.policy.table.sum() * scale).reshape(())
+        zero = torch.zeros(())
+        return TensorDict({"loss_objective": loss, "clip_fraction_low": zero, "clip_fraction_high": zero,
+                           "ratio_max": zero + 1}, batch_size=[])
+
+
+def test_a_streak_of_non_finite_updates_is_a_divergence_one_finite_update_resets_it():
+    policy = TableLM(1)
+    before = policy.table.detach().clone()
+    loss = PoisonedLoss(policy)
+    settings = dataclasses.replace(SETTINGS, micro_batch=4)  # one optimizer step per optimize call
+    trainer = Trainer(policy, None, loss, torch.optim.SGD(policy.parameters(), lr=0.1), settings,
+                      torch.device("cpu"), None)
+    for streak in (1, 2):
+        assert trainer.optimize(make_batch())["skipped_updates"] == 1 and trainer.divergence() is None
+        assert trainer.nonfinite_streak == streak and torch.equal(policy.table, before)  # skipped: weights intact
+    loss.poisoned = False
+    trainer.optimize(make_batch())
+    assert trainer.nonfinite_streak == 0 and not torch.equal(policy.table, before)
+    loss.poisoned = True
+    for _ in range(3):
+        trainer.optimize(make_batch())
+    message = trainer.divergence()
+    assert message.startswith("3 updates in a row had a non-finite gradient norm and were skipped "
+                              "(train.max_nonfinite_updates=3); likely causes: a learning rate too high (optimizer.lr=0.1)")
+    never = Trainer(policy, None, loss, torch.optim.SGD(policy.parameters(), lr=0.1),
+                    dataclasses.replace(settings, max_nonfinite_updates=0), torch.device("cpu"), None)
+    for _ in range(4):
+        never.optimize(make_batch())
+    assert never.divergence() is None

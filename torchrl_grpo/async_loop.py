@@ -16,7 +16,7 @@ RNGs, the step, each actor's prompt position, the policy version (the checkpoint
 actors first) and the counters. Engine seeds are ``train.seed + 1000 x actor + start step``, so samples after
 a resume are fresh draws. A sync checkpoint resumes as actor 0's prompt position.
 
-Faults: an :class:`ActorFault` stops the run with one line (:class:`AsyncRunError`) after a checkpoint of the
+Faults: an :class:`ActorFault` stops the run with one line (:class:`RunError`) after a checkpoint of the
 last finished step. SIGINT/SIGTERM finish the step, checkpoint and stop. Actors are killed and Ray is shut
 down on every way out.
 """
@@ -25,16 +25,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from torchrl_grpo.errors import RunError
 from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.rollout_actors import ActorFault, ActorPool
 from torchrl_grpo.run_state import AsyncProgress, RunState
 from torchrl_grpo.stop_request import StopRequest
 from torchrl_grpo.telemetry import Telemetry
 from torchrl_grpo.trainer import Trainer
-
-
-class AsyncRunError(Exception):
-    """The async run cannot go on (an actor died or hung): printed as one line, exit code 1."""
 
 
 @dataclass
@@ -85,16 +82,15 @@ def run_async(run: AsyncRun) -> dict:
                     if run.evaluator is not None and run.evaluator.due(step):
                         metrics.update(run.evaluator(eval_engine))
                     telemetry.log(step, metrics, list(zip(texts, batch["reward"].tolist())))
-                    if state.due(step, run.total_steps) or stop.requested:
-                        state.save(step, trainer, run.tokenizer, progress)
-                    if stop.requested:
-                        telemetry.print(f"stopped after step {step} (checkpoint saved); {state.continue_hint()}")
+                    stopped = state.after_step(step, run.total_steps, trainer, run.tokenizer, progress, stop.requested)
+                    if stopped:
+                        telemetry.print(stopped)
                         break
     except ActorFault as fault:
         where = "no step finished in this run, nothing new to save"
         if step > start:
             where = f"checkpoint of step {step} saved in {state.save(step, trainer, run.tokenizer, progress).parent}"
-        raise AsyncRunError(f"{fault}; stopped ({where}; {state.continue_hint()})") from None
+        raise RunError(f"{fault}; stopped ({where}; {state.continue_hint()})") from None
     return telemetry.summary(run.reward_names, run.total_steps)
 
 

@@ -20,6 +20,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo import checkpoint
+from torchrl_grpo.errors import RunError
 
 
 class RunState:
@@ -60,6 +61,19 @@ class RunState:
                  "engine_rng": engine.sampling_state() if engine is not None else None,
                  "config": OmegaConf.to_container(self.config, resolve=True)}
         return checkpoint.save(self.directory, step, trainer.policy, tokenizer, state, keep=self.keep)
+
+    def after_step(self, step: int, total_steps: int, trainer, tokenizer, data, stop_requested: bool,
+                   engine=None) -> str | None:
+        """Checkpoint when due, when a stop was asked (SIGINT/SIGTERM) or when training diverged, which then
+        raises a :class:`RunError`. Returns the line to print when the run stops here as asked, else None."""
+        diverged = trainer.divergence()
+        if self.due(step, total_steps) or stop_requested or diverged:
+            saved = self.save(step, trainer, tokenizer, data, engine)
+        if diverged:
+            raise RunError(f"{diverged}; stopped (checkpoint of step {step} saved in {saved.parent})")
+        if stop_requested:
+            return f"stopped after step {step} (checkpoint saved); {self.continue_hint()}"
+        return None
 
     def continue_hint(self) -> str:
         return f"continue with train.resume=auto hydra.run.dir={self.run_dir}"

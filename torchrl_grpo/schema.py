@@ -2,7 +2,7 @@
 
 It is the single source of what a key may hold: :func:`check_schema` checks every field of the composed
 config against it, once, before anything heavy starts, and fails in one line naming the key (exit code 2
-through ``grpo_utils.exit_on_config_error``). The values of the defaults live in ``config/*.yaml``, where
+through ``grpo_utils.exit_with_one_line``). The values of the defaults live in ``config/*.yaml``, where
 users read and override them; ``tests/test_config.py`` checks that the YAML and this schema name the same
 keys. Checks that involve several keys (the batch arithmetic, combinations of loss variants) are
 :mod:`torchrl_grpo.config`'s. ``env`` is open: each task reads its own keys (``tasks/``), the schema holds
@@ -84,6 +84,8 @@ class Train:
     gradient_accumulation_steps: int = key("int>0", "micro-batches per optimizer step")
     epochs: int = key("int>0", "passes over each collected batch (mu / num_iterations)")
     mixed_precision: bool = key("bool", "bf16 autocast on CUDA; no effect on CPU")
+    max_nonfinite_updates: int = key("int>=0", "updates in a row skipped for a non-finite gradient that stop the "
+                                     "run (with a checkpoint); 0 = never stop")
     kl_coef_in_loss: bool = key("bool", "KL to the reference in the loss (true) or subtracted from the reward")
     kl_to_ref_coeff: float = key("num>=0", "0 skips the reference model entirely")
     kl_to_inference_coeff: float = key("num>=0", "KL to the sampling policy, in the loss")

@@ -38,11 +38,11 @@ def run_sync(run: SyncRun) -> dict:
             with StopRequest() as stop:
                 for step in range(state.step + 1, run.total_steps + 1):
                     telemetry.log(step, *sync_step(run, step, prefetch))
-                    if state.due(step, run.total_steps) or stop.requested:
-                        state.save(step, trainer, collector.tokenizer, prefetch.position if prefetch else collector.sampler,
-                                   exact_engine)
-                    if stop.requested:
-                        telemetry.print(f"stopped after step {step} (checkpoint saved); {state.continue_hint()}")
+                    stopped = state.after_step(step, run.total_steps, trainer, collector.tokenizer,
+                                               prefetch.position if prefetch else collector.sampler, stop.requested,
+                                               exact_engine)
+                    if stopped:
+                        telemetry.print(stopped)
                         break
     finally:
         if prefetch is not None:

@@ -27,6 +27,7 @@ class Trainer:
         self.policy, self.ref_policy, self.loss, self.optimizer = policy, ref_policy, loss, optimizer
         self.settings, self.device, self.ref_device = settings, device, ref_device
         self.shuffle = torch.Generator().manual_seed(settings.seed)  # micro-batch order, saved for exact resume
+        self.nonfinite_streak = 0  # optimizer steps in a row skipped for a non-finite gradient norm
 
     def prepare(self, batch) -> dict:
         """Make a collected batch trainable, in place: the policy's own log-probs before its update (when the
@@ -88,8 +89,10 @@ class Trainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm or math.inf)
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
+                    self.nonfinite_streak = 0
                 else:  # a NaN/inf gradient would poison the weights: drop this update, say so in the metrics
                     skipped += 1
+                    self.nonfinite_streak += 1
                 self.optimizer.zero_grad(set_to_none=True)
                 history.setdefault("grad_norm", []).append(grad_norm.item())
         self.policy.eval()
@@ -101,6 +104,18 @@ class Trainer:
         metrics.update({"skipped_updates": skipped, "lr": self.optimizer.param_groups[0]["lr"],
                         "train_time": elapsed, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
         return metrics
+
+    def divergence(self) -> str | None:
+        """Why training cannot go on, or None: ``train.max_nonfinite_updates`` updates in a row were skipped for
+        a non-finite gradient norm (one is noise; a streak means every step would be thrown away)."""
+        limit = self.settings.max_nonfinite_updates
+        if not limit or self.nonfinite_streak < limit:
+            return None
+        return (f"{self.nonfinite_streak} updates in a row had a non-finite gradient norm and were skipped "
+                f"(train.max_nonfinite_updates={limit}); likely causes: a learning rate too high "
+                f"(optimizer.lr={self.optimizer.param_groups[0]['lr']:g}), bf16 overflow (try "
+                "train_model.torch_dtype=float32), or an empty loss mask (e.g. loss.overlong=mask with every "
+                "completion truncated: raise inference_model.max_tokens)")
 
     def _autocast(self):
         if self.settings.mixed_precision and self.device.type == "cuda":
