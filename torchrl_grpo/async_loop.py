@@ -16,7 +16,7 @@ RNGs, the step, each actor's prompt position, the policy version (the checkpoint
 actors first) and the counters. Engine seeds are ``train.seed + 1000 x actor + start step``, so samples after
 a resume are fresh draws. A sync checkpoint resumes as actor 0's prompt position.
 
-Faults: an :class:`ActorFault` stops the run with one line (:class:`RunError`) after a checkpoint of the
+Faults: an :class:`ActorFault` stops the run with one line (``errors.RunError``) after a checkpoint of the
 last finished step. SIGINT/SIGTERM finish the step, checkpoint and stop. Actors are killed and Ray is shut
 down on every way out.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from torchrl_grpo.errors import RunError
 from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.rollout_actors import ActorFault, ActorPool
 from torchrl_grpo.run_state import AsyncProgress, RunState
@@ -87,10 +86,7 @@ def run_async(run: AsyncRun) -> dict:
                         telemetry.print(stopped)
                         break
     except ActorFault as fault:
-        where = "no step finished in this run, nothing new to save"
-        if step > start:
-            where = f"checkpoint of step {step} saved in {state.save(step, trainer, run.tokenizer, progress).parent}"
-        raise RunError(f"{fault}; stopped ({where}; {state.continue_hint()})") from None
+        raise state.stopped_by(fault, step, start, trainer, run.tokenizer, progress) from None
     return telemetry.summary(run.reward_names, run.total_steps)
 
 

@@ -78,6 +78,8 @@ class Collector:
             batch["reward"] = batch["reward"] + penalty
             metrics["overlong_penalty_mean"] = penalty.mean().item()
         batch["old_log_probs"] = batch["sample_log_probs"]
+        if self.task.reward_errors == "zero":
+            metrics["reward_errors"] = self.task.reward_error_count  # so far in this process
         lengths = batch["completion_mask"].sum(-1).float()
         metrics.update({
             **{f"reward/{k}": v.float().mean().item() for k, v in batch["rewards"].items()},

@@ -16,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from torchrl_grpo.collector import Collector, Group
+from torchrl_grpo.errors import RunError
 
 
 class Prefetch:
@@ -24,11 +25,13 @@ class Prefetch:
         self.version = version  # the policy version of the weights in the engine
         self.position = copy.deepcopy(collector.sampler)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-prefetch")
-        self._running, self._ready = None, None
+        self._running, self._ready, self._failed = None, None, None
 
     def next(self, more: bool) -> tuple[int, tuple[list[Group], dict]]:
         """This step's (policy version, groups): prefetched during the last step, or generated now (a run's
         first step); then, if ``more`` steps follow, starts generating the next step's at the engine's weights."""
+        if self._failed is not None:  # the generation for this step raised while the last one trained
+            raise self._failed
         ready = self._ready or (self.version, self.collector.sample_groups())
         self._ready, self.position = None, copy.deepcopy(self.collector.sampler)
         if more:
@@ -41,7 +44,11 @@ class Prefetch:
             return 0.0
         started = time.perf_counter()
         version, future = self._running
-        self._ready, self._running = (version, future.result()), None
+        self._running = None
+        try:
+            self._ready = (version, future.result())
+        except RunError as err:  # a reward function raised: the step that is training finishes first
+            self._failed = err
         return time.perf_counter() - started
 
     def close(self) -> None:

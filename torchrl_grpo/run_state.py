@@ -75,6 +75,14 @@ class RunState:
             return f"stopped after step {step} (checkpoint saved); {self.continue_hint()}"
         return None
 
+    def stopped_by(self, cause, last_step: int, start_step: int, trainer, tokenizer, data) -> RunError:
+        """The one-line error for a run that cannot go on after ``last_step`` (a failed actor, a reward function
+        that raised): a checkpoint of that step first, when this run finished any; ``data`` is its position."""
+        where = "no step finished in this run, nothing new to save"
+        if last_step > start_step:
+            where = f"checkpoint of step {last_step} saved in {self.save(last_step, trainer, tokenizer, data).parent}"
+        return RunError(f"{cause}; stopped ({where}; {self.continue_hint()})")
+
     def continue_hint(self) -> str:
         return f"continue with train.resume=auto hydra.run.dir={self.run_dir}"
 

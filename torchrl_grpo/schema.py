@@ -66,6 +66,8 @@ class Env:
     repeats: int = key("int>0", "completions per prompt: the group size G")
     max_steps: int = key("int>0", "dialog turns per episode (single-turn tasks: 1)")
     seed: int = key("int", "prompt order (shuffled each epoch of the dataset)")
+    reward_errors: str = key("choice", "a reward function that raises: raise (stop the run, naming it and the "
+                             "row) | zero (score 0, counted)", choices=("raise", "zero"))
 
 
 @dataclass

@@ -3,10 +3,12 @@ checkpoint when due. The pieces arrive built (``grpo_utils.build_sync``): a :cla
 :class:`Trainer`, a :class:`RunState`."""
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass
 
 from torchrl_grpo.collector import Collector
+from torchrl_grpo.errors import RunError
 from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.prefetch import Prefetch
 from torchrl_grpo.run_state import RunState
@@ -30,6 +32,7 @@ def run_sync(run: SyncRun) -> dict:
     collector, trainer, state, evaluator = run.collector, run.trainer, run.state, run.evaluator
     exact_engine = None if run.overlap else collector.engine  # a prefetching engine samples while we save
     state.restore(trainer, collector.sampler, exact_engine)
+    start = state.step
     prefetch = Prefetch(collector, version=state.step) if run.overlap else None
     try:
         with Telemetry(state.config, state.run_dir, run.total_steps, state.step, resumed=state.step > 0) as telemetry:
@@ -37,7 +40,11 @@ def run_sync(run: SyncRun) -> dict:
                 telemetry.record(0, evaluator(collector.engine))
             with StopRequest() as stop:
                 for step in range(state.step + 1, run.total_steps + 1):
-                    telemetry.log(step, *sync_step(run, step, prefetch))
+                    position = copy.deepcopy(prefetch.position if prefetch else collector.sampler)
+                    try:
+                        telemetry.log(step, *sync_step(run, step, prefetch))
+                    except RunError as cause:  # a reward function raised: the last finished step is kept
+                        raise state.stopped_by(cause, step - 1, start, trainer, collector.tokenizer, position) from None
                     stopped = state.after_step(step, run.total_steps, trainer, collector.tokenizer,
                                                prefetch.position if prefetch else collector.sampler, stop.requested,
                                                exact_engine)

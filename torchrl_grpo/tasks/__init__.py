@@ -34,7 +34,9 @@ def build_task(env_cfg: Any) -> Task:
     builder = TASK_BUILDERS.get(dataset) if isinstance(dataset, str) else None
     if builder is None:
         raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(TASK_BUILDERS)}")
-    return add_custom_rewards(builder(env_cfg), env_cfg.get("rewards") or [])
+    task = add_custom_rewards(builder(env_cfg), env_cfg.get("rewards") or [])
+    task.reward_errors = env_cfg.get("reward_errors") or "raise"
+    return task
 
 
 def eval_env_config(env_cfg: Any) -> Any:

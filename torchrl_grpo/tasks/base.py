@@ -14,7 +14,11 @@ from typing import Any
 
 import datasets
 
-from torchrl_grpo.errors import ConfigError
+import logging
+
+from torchrl_grpo.errors import ConfigError, RunError, one_line
+
+log = logging.getLogger(__name__)
 
 RewardFn = Callable[[str, Mapping[str, Any]], float]
 
@@ -35,6 +39,8 @@ class Task:
     system_prompt: str | None
     rewards: list[Reward] = field(default_factory=list)
     success: str | None = None  # the component that says "solved" (value >= 1) for pass@k; None: the first
+    reward_errors: str = "raise"  # env.reward_errors: a reward function that raises stops the run, or scores 0
+    reward_error_count: int = 0  # completions scored 0 because a reward function raised (reward_errors=zero)
 
     def __post_init__(self):
         names = [r.name for r in self.rewards]
@@ -90,8 +96,25 @@ class Task:
         return msgs
 
     def score(self, completion: str, row: Mapping[str, Any]) -> dict[str, float]:
-        """Every reward component of ``completion`` for ``row``, unweighted, in reward order."""
-        return {r.name: float(r.fn(completion, row)) for r in self.rewards}
+        """Every reward component of ``completion`` for ``row``, unweighted, in reward order. A reward function
+        that raises is a :class:`RunError` naming it and the row, or (``reward_errors="zero"``) scores 0,
+        counted in ``reward_error_count``, the first traceback logged once."""
+        return {r.name: self._call(r, completion, row) for r in self.rewards}
+
+    def _call(self, reward: Reward, completion: str, row: Mapping[str, Any]) -> float:
+        try:
+            return float(reward.fn(completion, row))
+        except Exception as err:
+            where = (f"reward {reward.name!r} ({getattr(reward.fn, '__module__', '?')}."
+                     f"{getattr(reward.fn, '__qualname__', reward.fn)}) raised {one_line(err)} on the row whose "
+                     f"question starts {str(row.get('question', ''))[:60]!r}")
+            if self.reward_errors != "zero":
+                raise RunError(f"{where}; fix the function, or set env.reward_errors=zero to score such "
+                               "completions 0 (counted in reward_errors)") from None
+            if self.reward_error_count == 0:
+                log.warning("%s; scored 0 (env.reward_errors=zero), further errors only counted", where, exc_info=True)
+            self.reward_error_count += 1
+            return 0.0
 
     def total(self, components: Mapping[str, float]) -> float:
         """``sum(weight * component)`` over this task's rewards (components not in the task are ignored)."""
