@@ -104,6 +104,8 @@ class Task:
     def _call(self, reward: Reward, completion: str, row: Mapping[str, Any]) -> float:
         try:
             return float(reward.fn(completion, row))
+        except ConfigError:  # the reward's own one-line verdict on the input (e.g. a row it cannot score)
+            raise
         except Exception as err:
             where = (f"reward {reward.name!r} ({getattr(reward.fn, '__module__', '?')}."
                      f"{getattr(reward.fn, '__qualname__', reward.fn)}) raised {one_line(err)} on the row whose "
