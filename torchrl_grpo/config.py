@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.schema import check_schema
+from torchrl_grpo.schema import check_schema, require
 
 
 @dataclass(frozen=True)
@@ -112,8 +112,7 @@ class TrainSettings:
 
 def _positive_int(cfg: DictConfig, key: str) -> int:
     value = _get(cfg, key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"{key}={value!r}: must be a positive integer")
+    require(key, value, "int>0")
     return value
 
 

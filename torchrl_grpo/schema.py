@@ -55,9 +55,15 @@ def check_value(name: str, value: Any, meta: dict) -> None:
         if value not in meta["choices"]:
             raise ConfigError(f"{name}={value!r}: {meta['hint'] or 'choose one of ' + ', '.join(meta['choices'])}")
         return
-    accepts, complaint = _KINDS[meta["kind"]]
+    require(name, value, meta["kind"], meta["hint"])
+
+
+def require(name: str, value: Any, kind: str, hint: str | None = None) -> None:
+    """``value`` of key ``name`` is of ``kind`` (see ``_KINDS``), else a one-line ConfigError with ``hint`` or
+    the kind's complaint."""
+    accepts, complaint = _KINDS[kind]
     if not accepts(value):
-        raise ConfigError(f"{name}={value!r}: {meta['hint'] or complaint}")
+        raise ConfigError(f"{name}={value!r}: {hint or complaint}")
 
 
 @dataclass
