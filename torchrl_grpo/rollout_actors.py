@@ -44,6 +44,7 @@ class RolloutActor:
         from torchrl_grpo.collector import Collector
         from torchrl_grpo.model_sources import resolve_model
         from torchrl_grpo.models import load_tokenizer
+        from torchrl_grpo.placement import resolve_dtype
         from torchrl_grpo.rollout import make_engine
         from torchrl_grpo.tasks import build_task
         from torchrl_grpo.trajectories import PromptSampler
@@ -54,13 +55,10 @@ class RolloutActor:
         model_path = resolve_model(str(cfg.model.name))
         inference = cfg.inference_model
         device = "cuda:0" if torch.cuda.is_available() and float(cfg.ray.actor_num_gpus) > 0 else "cpu"
-        dtype = inference.torch_dtype
-        if dtype in (None, "auto"):
-            dtype = "bfloat16" if device.startswith("cuda") else "float32"
-        kwargs = {"dtype": dtype, "device": device, "seed": engine_seed}
-        if inference.backend == "vllm":
-            kwargs.update(gpu_memory_utilization=float(inference.gpu_memory_utilization),
-                          max_model_len=int(inference.max_model_len))
+        dtype = str(resolve_dtype(inference.torch_dtype, device)).removeprefix("torch.")
+        kwargs = {"dtype": dtype, "device": device, "seed": engine_seed,  # vLLM-only ones: make_engine drops them
+                  "gpu_memory_utilization": float(inference.gpu_memory_utilization),
+                  "max_model_len": int(inference.max_model_len)}
         sampler = PromptSampler(len(task.rows), int(cfg.env.seed) + index)
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
