@@ -50,18 +50,27 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
 
 
 @needs_ray_and_vllm
-def test_a_dying_actor_stops_the_run_with_one_line_and_a_checkpoint(tmp_path):
+def test_a_dying_actor_is_replaced_with_the_current_weights_until_restarts_run_out(tmp_path):
     run_dir = tmp_path / "run"
-    # the actor os._exit(1)s at its 3rd collect: steps 1 and 2 train (the 3rd collect runs during step 2)
+    # every incarnation of the actor os._exit(1)s at its 3rd collect. The first delivers steps 1 and 2 and dies
+    # while step 2 trains; its replacement must start from the weights pushed after step 2 (version 2: step 3
+    # is on-policy, where the base weights would be 2 versions stale and dropped), delivers steps 3 and 4 and
+    # dies too; with ray.max_actor_restarts=1 that stops the run with one line and a checkpoint of step 4.
     crashed = run_async([*SMALL, "train.total_dialog_turns=80", "logging.checkpoint_frequency=0",
-                         f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=180,
+                         "ray.max_actor_restarts=1", f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=300,
                         env_extra={"TORCHRL_GRPO_TEST_ACTOR_EXIT_AT": "3"})
     assert crashed.returncode == 1, crashed.stderr[-3000:]
+    warnings = [line for line in crashed.stderr.splitlines() if line.startswith("warning: rollout actor 0 died")]
+    assert len(warnings) == 1 and "restarted with policy version 2 (restart 1 of ray.max_actor_restarts=1)" in warnings[0]
     last = [line for line in crashed.stderr.splitlines() if line.strip()][-1]
-    assert last.startswith("error: rollout actor 0 failed during collect (") and "\n" not in last
-    assert "checkpoint of step 2 saved" in last
-    assert (run_dir / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
-    assert len(metric_rows(run_dir)) == 2
+    assert last.startswith("error: rollout actor 0 died during collect (") and "\n" not in last
+    assert "ray.max_actor_restarts=1 restart(s) used up" in last and "checkpoint of step 4 saved" in last
+    assert (run_dir / "checkpoints" / "step_000004" / "trainer_state.pt").is_file()
+    logged = metric_rows(run_dir)
+    assert [int(float(r["step"])) for r in logged] == [1, 2, 3, 4]
+    assert [int(float(r["actor_restarts"])) for r in logged] == [0, 0, 1, 1]
+    assert float(logged[2]["policy_version"]) == float(logged[2]["trainer_version"]) == 2
+    assert all(float(r["stale_dropped"]) == 0 for r in logged)
     assert not ray_processes()
 
 

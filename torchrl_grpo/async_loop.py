@@ -16,8 +16,9 @@ RNGs, the step, each actor's prompt position, the policy version (the checkpoint
 actors first) and the counters. Engine seeds are ``train.seed + 1000 x actor + start step``, so samples after
 a resume are fresh draws. A sync checkpoint resumes as actor 0's prompt position.
 
-Faults: an :class:`ActorFault` stops the run with one line (``errors.RunError``) after a checkpoint of the
-last finished step. SIGINT/SIGTERM finish the step, checkpoint and stop. Actors are killed and Ray is shut
+Faults: an actor that dies is replaced by the pool (``ray.max_actor_restarts``, logged as ``actor_restarts``);
+an :class:`ActorFault` stops the run with one line (``errors.RunError``) after a checkpoint of the last
+finished step. SIGINT/SIGTERM finish the step, checkpoint and stop. Actors are killed and Ray is shut
 down on every way out.
 """
 from __future__ import annotations
@@ -76,7 +77,7 @@ def run_async(run: AsyncRun) -> dict:
                     progress.staleness_max = max(progress.staleness_max, staleness)
                     metrics.update({"policy_version": version, "staleness": staleness,
                                     "staleness_max": progress.staleness_max, "stale_dropped": progress.stale_dropped,
-                                    "actor": actor, "batch_wait_time": wait_time,
+                                    "actor": actor, "actor_restarts": pool.total_restarts, "batch_wait_time": wait_time,
                                     "step_time": time.perf_counter() - started + wait_time})
                     if run.evaluator is not None and run.evaluator.due(step):
                         metrics.update(run.evaluator(eval_engine))

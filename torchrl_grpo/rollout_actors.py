@@ -8,12 +8,17 @@ actor index``; every batch carries ``policy_version``, the version of the weight
 starting weights; each push bumps it by one). A push is one ``ray.put``; each actor runs its calls in
 order, so the push lands after the collect it is running and the next collect samples with the new weights.
 
-Faults (a dead actor, an exception in an actor, no batch within ``ray.collect_timeout_s``, a failed push)
-raise :class:`ActorFault`, which the loop turns into one line after a checkpoint.
+An actor that dies (its process is gone: a crash, the OOM killer, a lost node) is replaced by a new one that
+continues from the dead one's last returned prompt position (the prompts of the batch it lost are drawn
+again) with the current weights and policy version, up to ``ray.max_actor_restarts`` times per actor; each
+restart is counted (``actor_restarts``) and printed. Other faults (an exception in an actor, no batch within
+``ray.collect_timeout_s``, a failed push, a death with no restart left) raise :class:`ActorFault`, which
+the loop turns into one line after a checkpoint.
 """
 from __future__ import annotations
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -106,15 +111,17 @@ def ray_init_kwargs(cfg: DictConfig) -> dict:
 
 class ActorPool:
     """Starts Ray and ``ray.num_actors`` actors (each continuing from its saved prompt position and seeded
-    ``train.seed + 1000 x actor + start step``), keeps one collect in flight per actor, and shuts all down on
-    exit. ``weights``: the checkpoint's weights to push before the first collect (resume), else None."""
+    ``train.seed + 1000 x actor + start step``), keeps one collect in flight per actor, restarts actors that
+    die, and shuts all down on exit. ``weights``: the checkpoint's weights to push before the first collect
+    (resume), else None."""
 
     def __init__(self, cfg: DictConfig, actor_samplers: list[dict | None], start_step: int, version: int,
                  weights: dict | None = None):
         import ray
 
         self.ray, self.timeout = ray, float(cfg.ray.collect_timeout_s)
-        started, self.actors, self.pushes = time.perf_counter(), [], []
+        self.max_restarts = int(cfg.ray.max_actor_restarts)
+        started, self.actors, self.pushes = time.perf_counter(), [], {}
         try:
             ray.init(**ray_init_kwargs(cfg))
         except Exception as err:  # no cluster at ray.address, a bad ray.init key, ...
@@ -128,55 +135,98 @@ class ActorPool:
         self.startup_time = time.perf_counter() - started
 
     def _start(self, cfg: DictConfig, actor_samplers, start_step: int, version: int, weights: dict | None) -> None:
-        ray = self.ray
-        exit_at = int(os.environ[EXIT_AT_ENV]) if os.environ.get(EXIT_AT_ENV) else None
-        remote_cls, plain = ray.remote(RolloutActor), OmegaConf.to_container(cfg, resolve=True)
-        for i, sampler_state in enumerate(actor_samplers):
-            self.actors.append(remote_cls.options(
-                num_cpus=float(cfg.ray.actor_num_cpus), num_gpus=float(cfg.ray.actor_num_gpus), max_restarts=0,
-            ).remote(plain, i, int(cfg.train.seed) + 1000 * i + start_step, sampler_state, exit_at))
+        self.samplers, self.restarts = list(actor_samplers), [0] * len(actor_samplers)
+        self.delivered = [False] * len(actor_samplers)
+        self.version, self.weights_ref = version, None
+        self.seed, self.start_step = int(cfg.train.seed), start_step
+        self.exit_at = int(os.environ[EXIT_AT_ENV]) if os.environ.get(EXIT_AT_ENV) else None
+        self.remote_cls, self.plain_cfg = self.ray.remote(RolloutActor), OmegaConf.to_container(cfg, resolve=True)
+        self.actor_options = {"num_cpus": float(cfg.ray.actor_num_cpus), "num_gpus": float(cfg.ray.actor_num_gpus),
+                              "max_restarts": 0}  # restarts are ours: a new actor gets the current weights
+        self.actors = [self._new_actor(i) for i in range(len(actor_samplers))]
         if weights is not None:  # the actors start from the base weights: give them the checkpoint's
             self.push(weights, version)
         self.pending = {actor.collect.remote(): i for i, actor in enumerate(self.actors)}
 
+    def _new_actor(self, i: int):
+        """Actor ``i`` from its last known prompt position; a restarted one gets a seed of its own."""
+        seed = self.seed + 1000 * i + self.start_step + 1_000_000 * self.restarts[i]
+        return self.remote_cls.options(**self.actor_options).remote(
+            self.plain_cfg, i, seed, self.samplers[i], self.exit_at)
+
+    @property
+    def total_restarts(self) -> int:
+        return sum(self.restarts)
+
     def next_batch(self):
         """The next finished collect: ``(actor index, (batch, metrics, texts, sampler state), seconds waited)``;
-        that actor's next collect starts at once, so generation overlaps the trainer's step."""
-        from ray.exceptions import GetTimeoutError, RayError
+        that actor's next collect starts at once, so generation overlaps the trainer's step. An actor found
+        dead is restarted (see the module docstring) and the wait goes on."""
+        from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
         waited = time.perf_counter()
-        ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=self.timeout)
-        if not ready:
-            busy = ", ".join(str(i) for i in sorted(self.pending.values()))
-            raise ActorFault(f"no batch from rollout actor(s) {busy} within ray.collect_timeout_s={self.timeout:g} s")
-        actor = self.pending.pop(ready[0])
-        try:
-            result = self.ray.get(ready[0], timeout=self.timeout)
-        except GetTimeoutError:
-            raise ActorFault(f"rollout actor {actor}'s batch could not be fetched within "
-                             f"ray.collect_timeout_s={self.timeout:g} s") from None
-        except RayError as err:
-            raise ActorFault(f"rollout actor {actor} failed during collect ({one_line(err)})") from None
+        while True:
+            ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=self.timeout)
+            if not ready:
+                busy = ", ".join(str(i) for i in sorted(self.pending.values()))
+                raise ActorFault(f"no batch from rollout actor(s) {busy} within ray.collect_timeout_s={self.timeout:g} s")
+            actor = self.pending.pop(ready[0])
+            try:
+                result = self.ray.get(ready[0], timeout=self.timeout)
+                break
+            except GetTimeoutError:
+                raise ActorFault(f"rollout actor {actor}'s batch could not be fetched within "
+                                 f"ray.collect_timeout_s={self.timeout:g} s") from None
+            except RayActorError as err:
+                self._restart(actor, err)
+            except RayError as err:
+                raise ActorFault(f"rollout actor {actor} failed during collect ({one_line(err)})") from None
+        self.samplers[actor], self.delivered[actor] = result[3], True
         wait_time = time.perf_counter() - waited
         self.pending[self.actors[actor].collect.remote()] = actor
         self._check_pushes()
         return actor, result, wait_time
 
+    def _restart(self, i: int, err: Exception) -> None:
+        """Replace dead actor ``i`` (its restarts left permitting) and start its next collect."""
+        why = one_line(err)
+        if not self.delivered[i]:  # it never delivered a batch: a start-up failure, not a crash
+            raise ActorFault(f"rollout actor {i} failed before its first batch ({why})") from None
+        if self.restarts[i] >= self.max_restarts:
+            raise ActorFault(f"rollout actor {i} died during collect ({why}); ray.max_actor_restarts="
+                             f"{self.max_restarts} restart(s) used up") from None
+        self.restarts[i] += 1
+        self.pushes = {ref: a for ref, a in self.pushes.items() if a != i}  # pushes to the dead one are moot
+        try:
+            self.ray.kill(self.actors[i], no_restart=True)
+        except Exception:  # already gone
+            pass
+        self.actors[i] = self._new_actor(i)
+        if self.weights_ref is not None:
+            self.pushes[self.actors[i].push_weights.remote(self.weights_ref, self.version)] = i
+        print(f"warning: rollout actor {i} died ({why[:200]}); restarted with policy version {self.version} "
+              f"(restart {self.restarts[i]} of ray.max_actor_restarts={self.max_restarts})", file=sys.stderr, flush=True)
+        self.pending[self.actors[i].collect.remote()] = i
+
     def push(self, weights: dict, version: int) -> None:
-        """``weights`` (CPU tensors) to every actor, as policy ``version``."""
-        ref = self.ray.put(weights)
-        self.pushes += [a.push_weights.remote(ref, version) for a in self.actors]
+        """``weights`` (CPU tensors) to every actor, as policy ``version``; kept for actors started later."""
+        self.weights_ref, self.version = self.ray.put(weights), version
+        self.pushes.update({a.push_weights.remote(self.weights_ref, version): i for i, a in enumerate(self.actors)})
 
     def _check_pushes(self) -> None:
-        """Raise a finished weight push's error (a failed push leaves that actor's version unchanged)."""
-        from ray.exceptions import RayError
+        """Raise a finished weight push's error (a failed push leaves that actor's version unchanged); a push
+        that failed because its actor died is left to that actor's collect, which restarts it."""
+        from ray.exceptions import RayActorError, RayError
 
         if not self.pushes:
             return
-        done, self.pushes = self.ray.wait(list(self.pushes), num_returns=len(self.pushes), timeout=0)
+        done, _ = self.ray.wait(list(self.pushes), num_returns=len(self.pushes), timeout=0)
         for ref in done:
+            self.pushes.pop(ref)
             try:
                 self.ray.get(ref)
+            except RayActorError:
+                pass
             except RayError as err:
                 raise ActorFault(f"a weight push to a rollout actor failed ({one_line(err)})") from None
 

@@ -186,6 +186,8 @@ class Ray:
     actor_num_cpus: float = key("num>=0", "Ray CPUs per actor")
     actor_num_gpus: float = key("num>=0", "Ray GPUs per actor")
     collect_timeout_s: float = key("num>0", "no batch within this long: stop", hint="must be a number of seconds > 0")
+    max_actor_restarts: int = key("int>=0", "times each actor that dies is replaced (with the current weights) "
+                                  "before the run stops; 0 = stop at the first death")
     init: dict = key("any", "extra ray.init keyword arguments for a local Ray")
 
 
