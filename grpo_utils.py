@@ -23,11 +23,13 @@ from torchrl_grpo.errors import ConfigError, RunError
 from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.objective import GRPOLoss
 from torchrl_grpo.placement import Placement, place, resolve_dtype
+from torchrl_grpo.rollout_actors import actor_dtype
 from torchrl_grpo.run_state import RunState
 from torchrl_grpo.sync_loop import SyncRun
 from torchrl_grpo.tasks import Task, build_task, eval_env_config
 from torchrl_grpo.trainer import Trainer
 from torchrl_grpo.trajectories import PromptSampler
+from torchrl_grpo.weight_check import WeightCheck
 
 
 def exit_with_one_line(main):
@@ -86,12 +88,22 @@ def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy,
     backend = cfg.inference_model.backend
     if backend == "transformers":
         return TransformersEngine(policy, tokenizer, seed=seed)
-    dtype = resolve_dtype(cfg.inference_model.torch_dtype, placement.inference[0])
     return make_engine(
-        backend, model_path, dtype=str(dtype).removeprefix("torch."), device=placement.inference,
+        backend, model_path, dtype=str(engine_dtype(cfg, placement)).removeprefix("torch."), device=placement.inference,
         gpu_memory_utilization=float(cfg.inference_model.gpu_memory_utilization),
         max_model_len=int(cfg.inference_model.max_model_len), seed=seed,
     )
+
+
+def engine_dtype(cfg: DictConfig, placement: Placement) -> torch.dtype:
+    return resolve_dtype(cfg.inference_model.torch_dtype, placement.inference[0])
+
+
+def build_weight_check(cfg: DictConfig, policy, tokenizer, dtype: torch.dtype) -> WeightCheck | None:
+    """The weight sync check (``train.weight_sync_check``) between the trainer and engines of ``dtype``."""
+    if not cfg.train.weight_sync_check:
+        return None
+    return WeightCheck(policy, tokenizer, dtype, cfg.train.weight_sync_tolerance)
 
 
 def build_optimizer(cfg: DictConfig, policy) -> torch.optim.Optimizer:
@@ -193,13 +205,20 @@ def build_sync(cfg: DictConfig, run_dir: Path) -> SyncRun:
                           seed=int(cfg.train.seed) + c.state.step)
     if c.state.resume_from is not None:
         c.trainer.push_weights(engine)
+    weight_check = None
+    if getattr(engine, "model", None) is not c.trainer.policy:  # else the engine samples from the policy itself
+        weight_check = build_weight_check(cfg, c.trainer.policy, c.tokenizer, engine_dtype(cfg, c.placement))
+    if weight_check is not None:
+        print(weight_check.startup(engine), flush=True)
     collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), int(cfg.env.seed)),
                           CollectSettings.from_config(cfg))
-    return SyncRun(collector, c.trainer, c.state, c.plan.total_steps, c.evaluator, overlap=not cfg.train.sync_iter)
+    return SyncRun(collector, c.trainer, c.state, c.plan.total_steps, c.evaluator, overlap=not cfg.train.sync_iter,
+                   weight_check=weight_check)
 
 
 def build_async(cfg: DictConfig, run_dir: Path) -> AsyncRun:
     """The async run: the common pieces; the Ray actors (with their engines and collectors) start in the loop."""
     c = build_common(cfg, run_dir)
+    weight_check = build_weight_check(cfg, c.trainer.policy, c.tokenizer, actor_dtype(cfg))
     return AsyncRun(c.trainer, c.state, c.tokenizer, c.task.reward_names, c.plan.total_steps, int(cfg.ray.num_actors),
-                    int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), c.evaluator)
+                    int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), c.evaluator, weight_check)

@@ -20,6 +20,7 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
     print(f"async e2e run: {time.time() - started:.1f} s")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "rollout actor(s) started" in first.stdout and "summary:" in first.stdout
+    assert "weight sync check: engine and trainer log-probs" in first.stdout
     assert not ray_processes()
     logged = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in logged] == [1, 2, 3, 4]
@@ -31,6 +32,8 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
         assert float(r["staleness"]) == float(r["trainer_version"]) - float(r["policy_version"])
     assert float(logged[0]["staleness"]) == 0  # the first batch comes from the starting weights
     assert max(float(r["policy_version"]) for r in logged) >= 1  # pushed weights reached the actor
+    gaps = [float(r["weight_sync_gap"]) for r in logged if r["weight_sync_gap"]]
+    assert gaps and all(g < 1e-4 for g in gaps)  # and the actor checked them against the trainer's probe
     saved = run_dir / "checkpoints" / "step_000004"
     assert (saved / "model.safetensors").is_file() and (saved / "trainer_state.pt").is_file()
 

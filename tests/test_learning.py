@@ -4,7 +4,7 @@ import datasets
 import torch
 
 from grpo_utils import build_loss, build_optimizer, build_policy
-from helpers import cfg_with
+from helpers import cfg_with, metric_rows
 from torchrl_grpo.collector import Collector
 from torchrl_grpo.config import CollectSettings, TrainSettings, validate
 from torchrl_grpo.models import load_tokenizer, merged_state_dict
@@ -13,6 +13,7 @@ from torchrl_grpo.sync_loop import SyncRun, run_sync
 from torchrl_grpo.trainer import Trainer
 from torchrl_grpo.trajectories import PromptSampler
 from torchrl_grpo.tasks import Reward, Task
+from torchrl_grpo.weight_check import WeightCheck
 
 
 def digit_share(completion: str, row) -> float:
@@ -34,10 +35,13 @@ def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path
     trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), TrainSettings.from_config(cfg),
                       torch.device("cpu"), None)
     collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
-    run = SyncRun(collector, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
+    check = WeightCheck(policy, tokenizer, torch.float32, None)  # every real push must pass it
+    check.startup(vllm_engine)
+    run = SyncRun(collector, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps, weight_check=check)
     try:
         summary = run_sync(run)
     finally:
         vllm_engine.push_weights(original)  # the session engine goes back to the tiny model's weights
+    assert all(float(r["weight_sync_gap"]) < 1e-4 for r in metric_rows(tmp_path))
     trend = summary["reward/digits"]
     assert trend.last_mean > trend.first_mean + 0.2, summary

@@ -32,6 +32,7 @@ from torchrl_grpo.run_state import AsyncProgress, RunState
 from torchrl_grpo.stop_request import StopRequest
 from torchrl_grpo.telemetry import Telemetry
 from torchrl_grpo.trainer import Trainer
+from torchrl_grpo.weight_check import WeightCheck
 
 
 @dataclass
@@ -45,6 +46,7 @@ class AsyncRun:
     weight_update_frequency: int
     max_staleness: int
     evaluator: Evaluator | None = None  # evaluates the trainer's own policy (the actors may hold older weights)
+    weight_check: WeightCheck | None = None  # train.weight_sync_check: each actor checks itself after a push
 
 
 def run_async(run: AsyncRun) -> dict:
@@ -53,9 +55,11 @@ def run_async(run: AsyncRun) -> dict:
     progress = AsyncProgress(run.num_actors)
     state.restore(trainer, progress)
     weights = trainer.cpu_weights() if state.resume_from is not None else None
+    probe = run.weight_check.probe() if run.weight_check is not None and weights is not None else None
     step = start = state.step
     try:
-        with ActorPool(state.config, progress.actor_samplers, state.step, progress.policy_version, weights) as pool:
+        with ActorPool(state.config, progress.actor_samplers, state.step, progress.policy_version, weights,
+                       probe) as pool:
             print(f"async: {run.num_actors} rollout actor(s) started in Ray ({pool.startup_time:.1f} s); weights pushed "
                   f"every {run.weight_update_frequency} step(s), batches older than {run.max_staleness} version(s) "
                   "dropped", flush=True)
@@ -64,6 +68,8 @@ def run_async(run: AsyncRun) -> dict:
                 eval_engine = trainer_engine(trainer, run.tokenizer, state.config) if run.evaluator else None
                 if step == 0 and run.evaluator is not None and run.evaluator.due(0):
                     telemetry.record(0, run.evaluator(eval_engine))
+                if run.weight_check is not None:  # waits for actor 0's engine (its first collect comes first)
+                    print(run.weight_check.startup(pool), flush=True)
                 while step < run.total_steps:
                     actor, (batch, metrics, texts, sampler_state), wait_time = pool.next_batch()
                     progress.actor_samplers[actor] = sampler_state
@@ -74,6 +80,8 @@ def run_async(run: AsyncRun) -> dict:
                         continue
                     step, started = step + 1, time.perf_counter()
                     metrics.update(train_step(run, pool, progress, step, batch))
+                    if (gap := pool.pop_weight_sync_gap()) is not None:
+                        metrics["weight_sync_gap"] = gap
                     progress.staleness_max = max(progress.staleness_max, staleness)
                     metrics.update({"policy_version": version, "staleness": staleness,
                                     "staleness_max": progress.staleness_max, "stale_dropped": progress.stale_dropped,
@@ -98,7 +106,8 @@ def train_step(run: AsyncRun, pool: ActorPool, progress: AsyncProgress, step: in
                "trainer_version": progress.policy_version, "weight_push_time": 0.0}
     if step % run.weight_update_frequency == 0 and step < run.total_steps:
         started, progress.policy_version = time.perf_counter(), progress.policy_version + 1
-        pool.push(run.trainer.cpu_weights(), progress.policy_version)
+        pool.push(run.trainer.cpu_weights(), progress.policy_version,
+                  run.weight_check.probe() if run.weight_check is not None else None)
         metrics["weight_push_time"] = time.perf_counter() - started
     return metrics
 

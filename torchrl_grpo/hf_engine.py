@@ -141,6 +141,12 @@ class TransformersEngine(Engine):
             completions.append(Completion(i // n, ids, logps[i, :k].tolist(), "stop" if done[i] else "length", text))
         return completions
 
+    def score(self, token_ids: Sequence[int]) -> list[float]:
+        from torchrl_grpo.weight_check import probe_log_probs
+
+        self.model.eval()
+        return probe_log_probs(self.model, token_ids).tolist()
+
     def push_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy HF-named weights into the engine's model (skipping tensors that already are its own).
 

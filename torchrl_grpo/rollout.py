@@ -71,6 +71,11 @@ class Engine(Protocol):
         """``len(prompts) * n`` completions, prompt-major (all n of prompt 0, then prompt 1, ...)."""
         ...
 
+    def score(self, token_ids: Sequence[int]) -> list[float]:
+        """Log-probs of ``token_ids[1:]``, each given the tokens before it, at temperature 1, without using the
+        sampling state (the weight-sync probe of :mod:`torchrl_grpo.weight_check`)."""
+        ...
+
     def push_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Load HF-named weights (``models.merged_state_dict``): later samples and log-probs use them."""
         ...

@@ -27,6 +27,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo.config import CollectSettings
 from torchrl_grpo.errors import ConfigError, one_line
+from torchrl_grpo.placement import resolve_dtype
+from torchrl_grpo.weight_check import Probe
 
 # Test-only fault injection: an actor calls os._exit(1) at the start of its N-th collect (1-based). Read by
 # the trainer (not the actor) and handed to every actor's constructor; tests/test_async.py uses it.
@@ -49,7 +51,6 @@ class RolloutActor:
         from torchrl_grpo.collector import Collector
         from torchrl_grpo.model_sources import resolve_model
         from torchrl_grpo.models import load_tokenizer
-        from torchrl_grpo.placement import resolve_dtype
         from torchrl_grpo.rollout import make_engine
         from torchrl_grpo.tasks import build_task
         from torchrl_grpo.trajectories import PromptSampler
@@ -59,8 +60,8 @@ class RolloutActor:
         task = build_task(cfg.env)
         model_path = resolve_model(str(cfg.model.name))
         inference = cfg.inference_model
-        device = "cuda:0" if torch.cuda.is_available() and float(cfg.ray.actor_num_gpus) > 0 else "cpu"
-        dtype = str(resolve_dtype(inference.torch_dtype, device)).removeprefix("torch.")
+        dtype = str(actor_dtype(cfg)).removeprefix("torch.")
+        device = actor_device(cfg)
         kwargs = {"dtype": dtype, "device": device, "seed": engine_seed,  # vLLM-only ones: make_engine drops them
                   "gpu_memory_utilization": float(inference.gpu_memory_utilization),
                   "max_model_len": int(inference.max_model_len)}
@@ -78,13 +79,34 @@ class RolloutActor:
         batch, metrics, texts = self.collector.collect(version=self.version)
         return batch, metrics, texts[:4], self.collector.sampler.state_dict()
 
-    def push_weights(self, state_dict, version: int) -> None:
-        """New weights into the engine; the version changes only once they are in."""
+    def push_weights(self, state_dict, version: int, probe: Probe | None = None) -> float | None:
+        """New weights into the engine; the version changes only once they are in. With ``probe`` (the weight
+        sync check), the engine's gap to the trainer's probe log-probs, or a RunError when it is too large."""
         self.collector.engine.push_weights(state_dict)
+        gap = probe.verify(self.collector.engine) if probe is not None else None
         self.version = version
+        return gap
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return self.collector.engine.score(token_ids)
 
     def close(self) -> None:
         self.collector.engine.close()
+
+
+def actor_device(cfg: DictConfig) -> str:
+    """Where an actor's engine runs: the GPU Ray gives it, if it asks for one and one is there."""
+    return "cuda:0" if torch.cuda.is_available() and float(cfg.ray.actor_num_gpus) > 0 else "cpu"
+
+
+def actor_dtype(cfg: DictConfig) -> torch.dtype:
+    """The actors' engine dtype (``inference_model.torch_dtype`` on :func:`actor_device`)."""
+    return resolve_dtype(cfg.inference_model.torch_dtype, actor_device(cfg))
+
+
+def actor_error(err: Exception) -> str:
+    """One line for an error raised inside an actor: the actor's own exception, not Ray's wrapper."""
+    return one_line(getattr(err, "cause", None) or err)
 
 
 def ray_init_kwargs(cfg: DictConfig) -> dict:
@@ -113,10 +135,10 @@ class ActorPool:
     """Starts Ray and ``ray.num_actors`` actors (each continuing from its saved prompt position and seeded
     ``train.seed + 1000 x actor + start step``), keeps one collect in flight per actor, restarts actors that
     die, and shuts all down on exit. ``weights``: the checkpoint's weights to push before the first collect
-    (resume), else None."""
+    (resume), else None; ``probe``: their weight sync probe, if the check is on."""
 
     def __init__(self, cfg: DictConfig, actor_samplers: list[dict | None], start_step: int, version: int,
-                 weights: dict | None = None):
+                 weights: dict | None = None, probe: Probe | None = None):
         import ray
 
         self.ray, self.timeout = ray, float(cfg.ray.collect_timeout_s)
@@ -128,16 +150,17 @@ class ActorPool:
             ray.shutdown()
             raise ConfigError(f"ray.address={cfg.ray.address}: could not start or join Ray ({one_line(err)})") from None
         try:
-            self._start(cfg, actor_samplers, start_step, version, weights)
+            self._start(cfg, actor_samplers, start_step, version, weights, probe)
         except BaseException:
             self.__exit__()
             raise
         self.startup_time = time.perf_counter() - started
 
-    def _start(self, cfg: DictConfig, actor_samplers, start_step: int, version: int, weights: dict | None) -> None:
+    def _start(self, cfg: DictConfig, actor_samplers, start_step: int, version: int, weights: dict | None,
+               probe: Probe | None) -> None:
         self.samplers, self.restarts = list(actor_samplers), [0] * len(actor_samplers)
         self.delivered = [False] * len(actor_samplers)
-        self.version, self.weights_ref = version, None
+        self.version, self.weights_ref, self.probe, self.weight_sync_gap = version, None, None, None
         self.seed, self.start_step = int(cfg.train.seed), start_step
         self.exit_at = int(os.environ[EXIT_AT_ENV]) if os.environ.get(EXIT_AT_ENV) else None
         self.remote_cls, self.plain_cfg = self.ray.remote(RolloutActor), OmegaConf.to_container(cfg, resolve=True)
@@ -145,7 +168,7 @@ class ActorPool:
                               "max_restarts": 0}  # restarts are ours: a new actor gets the current weights
         self.actors = [self._new_actor(i) for i in range(len(actor_samplers))]
         if weights is not None:  # the actors start from the base weights: give them the checkpoint's
-            self.push(weights, version)
+            self.push(weights, version, probe)
         self.pending = {actor.collect.remote(): i for i, actor in enumerate(self.actors)}
 
     def _new_actor(self, i: int):
@@ -180,7 +203,7 @@ class ActorPool:
             except RayActorError as err:
                 self._restart(actor, err)
             except RayError as err:
-                raise ActorFault(f"rollout actor {actor} failed during collect ({one_line(err)})") from None
+                raise ActorFault(f"rollout actor {actor} failed during collect ({actor_error(err)})") from None
         self.samplers[actor], self.delivered[actor] = result[3], True
         wait_time = time.perf_counter() - waited
         self.pending[self.actors[actor].collect.remote()] = actor
@@ -203,32 +226,51 @@ class ActorPool:
             pass
         self.actors[i] = self._new_actor(i)
         if self.weights_ref is not None:
-            self.pushes[self.actors[i].push_weights.remote(self.weights_ref, self.version)] = i
+            self.pushes[self.actors[i].push_weights.remote(self.weights_ref, self.version, self.probe)] = i
         print(f"warning: rollout actor {i} died ({why[:200]}); restarted with policy version {self.version} "
               f"(restart {self.restarts[i]} of ray.max_actor_restarts={self.max_restarts})", file=sys.stderr, flush=True)
         self.pending[self.actors[i].collect.remote()] = i
 
-    def push(self, weights: dict, version: int) -> None:
-        """``weights`` (CPU tensors) to every actor, as policy ``version``; kept for actors started later."""
-        self.weights_ref, self.version = self.ray.put(weights), version
-        self.pushes.update({a.push_weights.remote(self.weights_ref, version): i for i, a in enumerate(self.actors)})
+    def push(self, weights: dict, version: int, probe: Probe | None = None) -> None:
+        """``weights`` (CPU tensors) to every actor, as policy ``version``, each checking itself against
+        ``probe`` afterwards; kept for actors started later."""
+        self.weights_ref, self.version, self.probe = self.ray.put(weights), version, probe
+        self.pushes.update({a.push_weights.remote(self.weights_ref, version, probe): i
+                            for i, a in enumerate(self.actors)})
+
+    def pop_weight_sync_gap(self) -> float | None:
+        """The largest weight sync gap of the pushes that finished since the last call (None: none did)."""
+        gap, self.weight_sync_gap = self.weight_sync_gap, None
+        return gap
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Actor 0's engine's probe log-probs (the weight sync check's start-up gap), after its first collect."""
+        from ray.exceptions import RayError
+
+        try:
+            return self.ray.get(self.actors[0].score.remote(token_ids), timeout=self.timeout)
+        except RayError as err:  # it died or hung at start-up
+            raise ActorFault(f"rollout actor 0 could not score the weight sync probe ({actor_error(err)})") from None
 
     def _check_pushes(self) -> None:
-        """Raise a finished weight push's error (a failed push leaves that actor's version unchanged); a push
-        that failed because its actor died is left to that actor's collect, which restarts it."""
+        """Raise a finished weight push's error (a failed push leaves that actor's version unchanged; a push
+        that failed because its actor died is left to that actor's collect, which restarts it) and keep the
+        largest weight sync gap of the pushes that finished."""
         from ray.exceptions import RayActorError, RayError
 
         if not self.pushes:
             return
         done, _ = self.ray.wait(list(self.pushes), num_returns=len(self.pushes), timeout=0)
         for ref in done:
-            self.pushes.pop(ref)
+            actor = self.pushes.pop(ref)
             try:
-                self.ray.get(ref)
+                gap = self.ray.get(ref)
             except RayActorError:
-                pass
+                continue
             except RayError as err:
-                raise ActorFault(f"a weight push to a rollout actor failed ({one_line(err)})") from None
+                raise ActorFault(f"a weight push to rollout actor {actor} failed ({actor_error(err)})") from None
+            if gap is not None:
+                self.weight_sync_gap = gap if self.weight_sync_gap is None else max(self.weight_sync_gap, gap)
 
     def __enter__(self) -> ActorPool:
         return self

@@ -63,10 +63,11 @@ class RunState:
         return checkpoint.save(self.directory, step, trainer.policy, tokenizer, state, keep=self.keep)
 
     def after_step(self, step: int, total_steps: int, trainer, tokenizer, data, stop_requested: bool,
-                   engine=None) -> str | None:
-        """Checkpoint when due, when a stop was asked (SIGINT/SIGTERM) or when training diverged, which then
-        raises a :class:`RunError`. Returns the line to print when the run stops here as asked, else None."""
-        diverged = trainer.divergence()
+                   engine=None, fault: str | None = None) -> str | None:
+        """Checkpoint when due, when a stop was asked (SIGINT/SIGTERM), when training diverged or when ``fault``
+        says why the run cannot go on (both then raise a :class:`RunError`). Returns the line to print when the
+        run stops here as asked, else None."""
+        diverged = fault or trainer.divergence()
         if self.due(step, total_steps) or stop_requested or diverged:
             saved = self.save(step, trainer, tokenizer, data, engine)
         if diverged:

@@ -94,6 +94,10 @@ class Train:
     mixed_precision: bool = key("bool", "bf16 autocast on CUDA; no effect on CPU")
     max_nonfinite_updates: int = key("int>=0", "updates in a row skipped for a non-finite gradient that stop the "
                                      "run (with a checkpoint); 0 = never stop")
+    weight_sync_check: bool = key("bool", "after every weight push, compare the engine's and the trainer's "
+                                  "log-probs of a probe text (torchrl_grpo/weight_check.py)")
+    weight_sync_tolerance: float = key("num>0", "mean |log-prob gap| the weight sync check allows (null: by dtype)",
+                                       null=True)
     kl_coef_in_loss: bool = key("bool", "KL to the reference in the loss (true) or subtracted from the reward")
     kl_to_ref_coeff: float = key("num>=0", "0 skips the reference model entirely")
     kl_to_inference_coeff: float = key("num>=0", "KL to the sampling policy, in the loss")

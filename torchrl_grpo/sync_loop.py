@@ -15,6 +15,7 @@ from torchrl_grpo.run_state import RunState
 from torchrl_grpo.stop_request import StopRequest
 from torchrl_grpo.telemetry import Telemetry
 from torchrl_grpo.trainer import Trainer
+from torchrl_grpo.weight_check import WeightCheck
 
 
 @dataclass
@@ -25,6 +26,7 @@ class SyncRun:
     total_steps: int
     evaluator: Evaluator | None = None  # logging.eval_frequency > 0
     overlap: bool = False  # train.sync_iter=false: generate the next batch while this one trains
+    weight_check: WeightCheck | None = None  # train.weight_sync_check, unless the engine samples from the policy
 
 
 def run_sync(run: SyncRun) -> dict:
@@ -42,12 +44,14 @@ def run_sync(run: SyncRun) -> dict:
                 for step in range(state.step + 1, run.total_steps + 1):
                     position = copy.deepcopy(prefetch.position if prefetch else collector.sampler)
                     try:
-                        telemetry.log(step, *sync_step(run, step, prefetch))
+                        metrics, samples = sync_step(run, step, prefetch)
                     except RunError as cause:  # a reward function raised: the last finished step is kept
                         raise state.stopped_by(cause, step - 1, start, trainer, collector.tokenizer, position) from None
+                    telemetry.log(step, metrics, samples)
+                    fault = run.weight_check.problem(metrics["weight_sync_gap"]) if run.weight_check else None
                     stopped = state.after_step(step, run.total_steps, trainer, collector.tokenizer,
                                                prefetch.position if prefetch else collector.sampler, stop.requested,
-                                               exact_engine)
+                                               exact_engine, fault)
                     if stopped:
                         telemetry.print(stopped)
                         break
@@ -69,6 +73,8 @@ def sync_step(run: SyncRun, step: int, prefetch: Prefetch | None) -> tuple[dict,
         metrics["batch_wait_time"] = prefetch.finish()
     push_started = time.perf_counter()
     run.trainer.push_weights(run.collector.engine)
+    if run.weight_check is not None:  # before the next generation (a prefetch starts it in the next step)
+        metrics["weight_sync_gap"] = run.weight_check.probe().gap(run.collector.engine)
     if prefetch:
         prefetch.version = step
     metrics.update({"policy_version": version, "staleness": step - 1 - version,

@@ -214,6 +214,15 @@ class VLLMEngine(Engine):
                 completions.append(Completion(index, ids, lps, str(c.finish_reason), text))
         return completions
 
+    def score(self, token_ids: Sequence[int]) -> list[float]:
+        """Prompt log-probs of ``token_ids[1:]`` (one greedy token is generated: no sampling state is used)."""
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.score after close()")
+        ids = [int(t) for t in token_ids]
+        params = self._sampling_params_cls(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        return [float(step[tok].logprob) for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+
     # -- weights -------------------------------------------------------------------------------------
 
     def push_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:

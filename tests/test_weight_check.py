@@ -1,0 +1,122 @@
+"""The weight sync check (torchrl_grpo/weight_check.py): its arithmetic on hand-made numbers, the probe's
+log-probs against a softmax computed here, the real vLLM engine's score before and after a push, and a sync
+run whose engine ignores pushes stopping with one line and a checkpoint."""
+import copy
+
+import datasets
+import pytest
+import torch
+
+from grpo_utils import build_loss, build_optimizer, build_policy
+from helpers import cfg_with, metric_rows
+from torchrl_grpo.collector import Collector
+from torchrl_grpo.config import CollectSettings, TrainSettings, validate
+from torchrl_grpo.errors import RunError
+from torchrl_grpo.hf_engine import TransformersEngine
+from torchrl_grpo.models import load_policy, merged_state_dict
+from torchrl_grpo.run_state import RunState
+from torchrl_grpo.sync_loop import SyncRun, run_sync
+from torchrl_grpo.tasks import Reward, Task
+from torchrl_grpo.trainer import Trainer
+from torchrl_grpo.trajectories import PromptSampler
+from torchrl_grpo.weight_check import Probe, WeightCheck, probe_ids, probe_log_probs, sync_problem, tolerance
+
+
+class FixedScores:
+    def __init__(self, scores):
+        self.scores = scores
+
+    def score(self, token_ids):
+        return self.scores
+
+
+def test_gap_is_the_mean_absolute_difference_and_the_limit_stops_nan_too():
+    probe = Probe([7, 8, 9, 10], torch.tensor([-1.0, -2.0, -0.5]), limit=0.3)
+    assert probe.gap(FixedScores([-1.5, -1.75, -0.5])) == pytest.approx((0.5 + 0.25 + 0.0) / 3)
+    assert probe.verify(FixedScores([-1.5, -1.75, -0.5])) == pytest.approx(0.25)
+    with pytest.raises(RunError, match=r"differ from the trainer's by 0\.333 on average \(limit 0\.3\)"):
+        probe.verify(FixedScores([-2.0, -2.0, -0.5]))
+    assert sync_problem(float("nan"), 0.3) and sync_problem(0.3, 0.3) is None
+
+
+def test_tolerance_is_the_less_precise_dtypes_unless_configured():
+    assert tolerance(torch.float32, torch.float32, None) == 5e-3
+    assert tolerance(torch.bfloat16, torch.float32, None) == tolerance(torch.float32, torch.bfloat16, None) == 0.1
+    assert tolerance(torch.float16, torch.float32, None) == 0.02
+    assert tolerance(torch.bfloat16, torch.float32, 0.5) == 0.5
+
+
+def test_probe_log_probs_are_each_tokens_softmax_given_its_prefix(tiny_model_path, tokenizer):
+    model = load_policy(tiny_model_path, dtype=torch.float32, device="cpu", trainable=False)
+    ids = probe_ids(tokenizer)
+    assert len(ids) > 20
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0].double()
+    expected = [torch.log_softmax(logits[t - 1], -1)[ids[t]].item() for t in range(1, len(ids))]
+    assert torch.allclose(probe_log_probs(model, ids).double(), torch.tensor(expected, dtype=torch.double), atol=1e-5)
+
+
+def _noisy(model, scale=0.05, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.float().std().clamp(min=1e-3))
+    return model
+
+
+def test_vllm_engine_score_matches_the_trainer_before_and_after_a_push(vllm_engine, tiny_model_path, tokenizer):
+    original = load_policy(tiny_model_path, dtype=torch.float32, device="cpu", trainable=False)
+    check = WeightCheck(original, tokenizer, torch.float32, None)
+    line = check.startup(vllm_engine)
+    assert line.startswith("weight sync check: engine and trainer log-probs of a ") and "tolerance 0.005" in line
+    assert check.probe().gap(vllm_engine) < 1e-4 and check.limit == 5e-3
+    sampling = vllm_engine.sampling_state()["torch"].clone()
+    caller = torch.get_rng_state()
+    vllm_engine.score(check.token_ids)
+    assert torch.equal(vllm_engine.sampling_state()["torch"], sampling) and torch.equal(torch.get_rng_state(), caller)
+
+    trained = _noisy(copy.deepcopy(original))
+    moved = WeightCheck(trained, tokenizer, torch.float32, None).probe()
+    assert check.problem(moved.gap(vllm_engine))  # the engine still holds the old weights: caught
+    try:
+        vllm_engine.push_weights(merged_state_dict(trained))
+        assert moved.verify(vllm_engine) < 1e-4
+    finally:  # the session engine goes back to the original weights for the other tests
+        vllm_engine.push_weights(merged_state_dict(original))
+
+
+def digit_share(completion: str, row) -> float:
+    return sum(ch.isdigit() for ch in completion) / max(1, len(completion))
+
+
+class IgnoresPushes(TransformersEngine):
+    """An engine whose weight push silently does nothing: the failure the check exists for."""
+
+    def push_weights(self, state_dict):
+        pass
+
+
+def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(tiny_model_path, tokenizer, tmp_path):
+    cfg = cfg_with("model=tiny", "env.num_envs=4", "env.repeats=4", "train.optim_batch_size=16",
+                   "train.total_dialog_turns=320", "inference_model.max_tokens=8", "optimizer.lr=3e-3",
+                   "logging.progress_bar=false", "logging.checkpoint_frequency=0")
+    torch.manual_seed(0)
+    rows = datasets.Dataset.from_dict({"question": [f"Say some numbers, {i}." for i in range(16)], "answer": ["0"] * 16})
+    task = Task("digits", rows, system_prompt=None, rewards=[Reward("digits", digit_share)])
+    policy = build_policy(cfg, tiny_model_path, ["cpu"], None)
+    trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), TrainSettings.from_config(cfg),
+                      torch.device("cpu"), None)
+    engine = IgnoresPushes(copy.deepcopy(policy), tokenizer, seed=0)
+    check = WeightCheck(policy, tokenizer, torch.float32, None)
+    assert "warning" not in check.startup(engine)
+    collector = Collector(task, tokenizer, engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
+    run = SyncRun(collector, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps, weight_check=check)
+    with pytest.raises(RunError) as stopped:
+        run_sync(run)
+    message = str(stopped.value)
+    assert message.startswith("weight sync check failed: after the push") and "\n" not in message
+    logged = metric_rows(tmp_path)
+    assert 1 <= len(logged) < 20 and f"checkpoint of step {len(logged)} saved" in message
+    gaps = [float(r["weight_sync_gap"]) for r in logged]
+    assert gaps[-1] > 5e-3 and all(g <= 5e-3 for g in gaps[:-1])  # stopped at the first push that missed
+    assert (tmp_path / "checkpoints" / f"step_{len(logged):06d}" / "trainer_state.pt").is_file()

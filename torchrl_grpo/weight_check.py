@@ -1,0 +1,112 @@
+"""Is the engine sampling from the trainer's weights? A fixed probe text is scored by both (log-prob of each
+token given the ones before it, temperature 1) and the mean absolute difference is compared with a
+tolerance for the lower of the two precisions.
+
+At start-up the gap is measured and printed in one line (a warning above the tolerance: an engine that does
+not reproduce the trainer's model, e.g. another dtype or a kernel that differs, makes every importance ratio
+off). After every weight push it is measured again and a gap above ``max(tolerance, 2 x the start-up gap)``
+stops the run: the push did not (fully) land. A push that changes nothing is caught as soon as the policy has
+moved further than that from the weights the engine still holds.
+
+Tolerances of the mean |difference| (measured on SmolLM2-135M, CPU, this probe, against float32:
+bfloat16 0.035, float16 0.0043; vLLM float32 against transformers float32 ~1e-5): ``DEFAULT_TOLERANCE``.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from torchrl_grpo.errors import RunError
+from torchrl_grpo.objective import token_log_probs
+
+PROBE_TEXT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+              "How many clips did Natalia sell altogether in April and May? In May she sold 48 / 2 = 24 clips, "
+              "so 48 + 24 = 72 clips in all.")
+DEFAULT_TOLERANCE = {torch.float32: 5e-3, torch.float16: 0.02, torch.bfloat16: 0.1}
+
+
+def probe_ids(tokenizer) -> list[int]:
+    return [int(t) for t in tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]]
+
+
+@torch.no_grad()
+def probe_log_probs(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.Tensor:
+    """Float32 log-probs of ``token_ids[1:]`` under ``model``, each given the tokens before it."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(token_ids)], device=device)
+    log_probs, _ = token_log_probs(model, ids, torch.ones_like(ids), start=1)
+    return log_probs[0, 1:].float().cpu()
+
+
+def tolerance(engine_dtype: torch.dtype, trainer_dtype: torch.dtype, configured: float | None) -> float:
+    """``configured``, else the default of the less precise of the two dtypes."""
+    if configured is not None:
+        return float(configured)
+    return max(DEFAULT_TOLERANCE.get(engine_dtype, 0.1), DEFAULT_TOLERANCE.get(trainer_dtype, 0.1))
+
+
+@dataclass
+class Probe:
+    """What an engine needs to check itself after a push: the probe, the trainer's log-probs of it, the
+    limit. Plain data, so that it travels to a Ray actor with the weights."""
+
+    token_ids: list[int]
+    trainer_log_probs: torch.Tensor
+    limit: float
+
+    def gap(self, engine) -> float:
+        """Mean |engine - trainer| log-prob over the probe's tokens."""
+        engine_log_probs = torch.tensor(engine.score(self.token_ids), dtype=torch.float32)
+        return (engine_log_probs - self.trainer_log_probs).abs().mean().item()
+
+    def verify(self, engine) -> float:
+        """The gap after a push, or a RunError when the engine does not hold the trainer's weights."""
+        gap = self.gap(engine)
+        problem = sync_problem(gap, self.limit)
+        if problem:
+            raise RunError(problem)
+        return gap
+
+
+def sync_problem(gap: float, limit: float) -> str | None:
+    """Why a push's ``gap`` means the engine does not hold the trainer's weights, or None."""
+    if gap <= limit:
+        return None  # NaN is not
+    return (f"weight sync check failed: after the push the engine's log-probs of the probe text differ from the "
+            f"trainer's by {gap:.3g} on average (limit {limit:.3g}): the engine did not take the new weights "
+            "(check the weight names its loader takes; set train.weight_sync_tolerance if this engine is known to "
+            "differ more)")
+
+
+class WeightCheck:
+    """The trainer's side (``policy``: the trained model): measures the start-up gap and makes the
+    :class:`Probe` of each push."""
+
+    def __init__(self, policy: torch.nn.Module, tokenizer, engine_dtype: torch.dtype, configured: float | None):
+        self.policy, self.token_ids = policy, probe_ids(tokenizer)
+        self.trainer_dtype = next(policy.parameters()).dtype
+        self.engine_dtype = engine_dtype
+        self.tolerance = tolerance(engine_dtype, self.trainer_dtype, configured)
+        self.limit = self.tolerance
+
+    def problem(self, gap: float) -> str | None:
+        return sync_problem(gap, self.limit)
+
+    def probe(self) -> Probe:
+        """The probe for the trainer's current weights."""
+        return Probe(self.token_ids, probe_log_probs(self.policy, self.token_ids), self.limit)
+
+    def startup(self, engine) -> str:
+        """Measure the gap of the engine as started; set the limit of later checks; the line to print."""
+        gap = self.probe().gap(engine)
+        self.limit = max(self.tolerance, 2 * gap)
+        dtypes = f"engine {str(self.engine_dtype).removeprefix('torch.')}, trainer " \
+                 f"{str(self.trainer_dtype).removeprefix('torch.')}"
+        line = (f"weight sync check: engine and trainer log-probs of a {len(self.token_ids)}-token probe differ by "
+                f"{gap:.2g} on average ({dtypes}; tolerance {self.tolerance:.2g}), checked after every push")
+        if not gap <= self.tolerance:
+            line = (f"warning: {line}; the engine does not reproduce the trainer's model: importance ratios will be "
+                    "off (compare inference_model.torch_dtype with train_model.torch_dtype)")
+        return line
