@@ -64,6 +64,7 @@ def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_fr
         gradient_checkpointing=bool(cfg.train_model.gradient_checkpointing),
         lora=lora,
         attn_implementation=cfg.train_model.attn_implementation,
+        trust_remote_code=bool(cfg.model.trust_remote_code),
     )
     if resume_from is not None and lora is not None:
         from peft import set_peft_model_state_dict
@@ -91,6 +92,7 @@ def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy,
         backend, model_path, dtype=str(dtype).removeprefix("torch."), device=placement.inference,
         gpu_memory_utilization=float(cfg.inference_model.gpu_memory_utilization),
         max_model_len=int(cfg.inference_model.max_model_len), seed=seed,
+        trust_remote_code=bool(cfg.model.trust_remote_code),
     )
 
 
@@ -127,12 +129,13 @@ def build_eval_engine(cfg: DictConfig):
     from torchrl_grpo.models import load_policy, load_tokenizer
 
     placement = place(cfg, needs_ref=False)
-    model_path = resolve_model(str(cfg.model.name))
-    tokenizer = load_tokenizer(model_path)
+    trust = bool(cfg.model.trust_remote_code)
+    model_path = resolve_model(str(cfg.model.name), trust)
+    tokenizer = load_tokenizer(model_path, trust)
     policy = None
     if cfg.inference_model.backend == "transformers":
         policy = load_policy(model_path, dtype=resolve_dtype(cfg.inference_model.torch_dtype, placement.inference[0]),
-                             device=placement.inference, trainable=False)
+                             device=placement.inference, trainable=False, trust_remote_code=trust)
     return build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed)), tokenizer
 
 
@@ -144,7 +147,8 @@ def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume
     ref_policy = None
     if float(cfg.train.kl_to_ref_coeff) > 0:
         ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, placement.ref[0]),
-                                 device=placement.ref, trainable=False)
+                                 device=placement.ref, trainable=False,
+                                 trust_remote_code=bool(cfg.model.trust_remote_code))
     return Trainer(policy, ref_policy, build_loss(cfg, policy), build_optimizer(cfg, policy),
                    TrainSettings.from_config(cfg), torch.device(placement.train[0]),
                    torch.device(placement.ref[0]) if ref_policy is not None else None)
@@ -177,8 +181,8 @@ def build_common(cfg: DictConfig, run_dir: Path) -> Common:
     from torchrl_grpo.model_sources import resolve_model
     from torchrl_grpo.models import load_tokenizer
 
-    model_path = resolve_model(str(cfg.model.name))
-    tokenizer = load_tokenizer(model_path)
+    model_path = resolve_model(str(cfg.model.name), bool(cfg.model.trust_remote_code))
+    tokenizer = load_tokenizer(model_path, bool(cfg.model.trust_remote_code))
     evaluator = None if eval_task is None else Evaluator(
         eval_task, tokenizer, cfg.eval, plan.max_tokens, int(cfg.logging.eval_frequency), plan.total_steps)
     trainer = build_trainer(cfg, placement, model_path, state.resume_from)

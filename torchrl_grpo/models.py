@@ -14,11 +14,12 @@ from torchrl_grpo.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str):
-    """The tokenizer with a pad token (eos when it has none) and right padding, as the trainer batches."""
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The tokenizer with a pad token (eos when it has none) and right padding, as the trainer batches.
+    ``trust_remote_code`` (``model.trust_remote_code``) is passed explicitly, as to every loader here."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
@@ -34,6 +35,7 @@ def load_policy(
     lora: Mapping[str, Any] | None = None,
     trainable: bool = True,
     attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ):
     """A causal LM from `path` in `dtype` on `device`, optionally LoRA-wrapped.
 
@@ -47,7 +49,9 @@ def load_policy(
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    kwargs = {"trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
     devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
     if len(devices) > 1:
         memory = {d.index: torch.cuda.get_device_properties(d.index).total_memory for d in devices}

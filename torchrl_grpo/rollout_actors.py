@@ -52,17 +52,18 @@ class RolloutActor:
         cfg = OmegaConf.create(cfg)
         self.exit_at, self.calls, self.version = exit_at, 0, 0
         task = build_task(cfg.env)
-        model_path = resolve_model(str(cfg.model.name))
+        trust = bool(cfg.model.trust_remote_code)
+        model_path = resolve_model(str(cfg.model.name), trust)
         inference = cfg.inference_model
         device = "cuda:0" if torch.cuda.is_available() and float(cfg.ray.actor_num_gpus) > 0 else "cpu"
         dtype = str(resolve_dtype(inference.torch_dtype, device)).removeprefix("torch.")
         kwargs = {"dtype": dtype, "device": device, "seed": engine_seed,  # vLLM-only ones: make_engine drops them
                   "gpu_memory_utilization": float(inference.gpu_memory_utilization),
-                  "max_model_len": int(inference.max_model_len)}
+                  "max_model_len": int(inference.max_model_len), "trust_remote_code": trust}
         sampler = PromptSampler(len(task.rows), int(cfg.env.seed) + index)
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
-        self.collector = Collector(task, load_tokenizer(model_path), make_engine(inference.backend, model_path, **kwargs),
+        self.collector = Collector(task, load_tokenizer(model_path, trust), make_engine(inference.backend, model_path, **kwargs),
                                    sampler, CollectSettings.from_config(cfg))
 
     def collect(self):

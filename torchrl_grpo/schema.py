@@ -80,6 +80,9 @@ class Env:
 class Model:
     name: str = key("str", "tiny | smollm2-135m-instruct | a local HF-format dir or checkpoint | a hub id")
     compile: bool = key("bool", "torch.compile the training model")
+    trust_remote_code: bool = key("bool", "let transformers and vLLM run the Python code a model folder ships "
+                                  "(its config.json's auto_map); only for a model whose code you trust",
+                                  hint="must be true or false (true runs the model folder's own code)")
 
 
 @dataclass
