@@ -161,3 +161,22 @@ def test_every_loss_preset_trains_with_finite_metrics(tmp_path):
         for row in logged:
             for key in checked:
                 assert finite(row[key]), (preset, key, row[key])
+
+
+def test_api_keys_stay_out_of_the_run_directory_and_the_output(tmp_path):
+    """Keys live in the environment only (no config key carries one: wandb reads WANDB_API_KEY itself): a run
+    with wandb on and a checkpoint writes none of them to its configs, checkpoint, logs or console."""
+    keys = {"WANDB_API_KEY": "fake-key-1234567890", "OPENAI_API_KEY": "sk-fake-0987654321",
+            "HF_TOKEN": "hf_fake1234567890abcdef"}
+    run_dir = tmp_path / "run"
+    done = run([*SMALL, "inference_model.backend=transformers", "train.total_dialog_turns=8",
+                "logging.wandb.enabled=true", "logging.wandb.mode=offline", f"hydra.run.dir={run_dir}"],
+               cwd=tmp_path, env_extra=keys)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {".hydra/config.yaml", ".hydra/overrides.yaml", "metrics.csv", "grpo.log",
+            "checkpoints/step_000001/trainer_state.pt"} <= {str(p.relative_to(run_dir)) for p in files}
+    assert list((run_dir / "wandb").rglob("*.wandb"))
+    for secret in keys.values():
+        assert secret not in done.stdout + done.stderr
+        assert not [p for p in files if secret.encode() in p.read_bytes()]
