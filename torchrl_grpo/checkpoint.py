@@ -114,7 +114,22 @@ def damage(checkpoint: Path) -> str | None:
         torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
         return f"{STATE_FILE}: {one_line(err)}"
-    weights = sorted(checkpoint.glob("*.safetensors"))
+    broken = weights_damage(checkpoint)
+    if broken:
+        return broken
+    for name in ("config.json", "adapter_config.json"):
+        if (checkpoint / name).exists():
+            try:
+                json.loads((checkpoint / name).read_text())
+            except (ValueError, OSError) as err:
+                return f"{name}: {one_line(err)}"
+    return None
+
+
+def weights_damage(directory: Path) -> str | None:
+    """Why the ``*.safetensors`` weights of ``directory`` would not load (none, a header or size that does not
+    read back), in a few words; None when they do. Reads headers and sizes, not the tensors."""
+    weights = sorted(directory.glob("*.safetensors"))
     if not weights:
         return "no *.safetensors weights"
     for file in weights:
@@ -124,12 +139,6 @@ def damage(checkpoint: Path) -> str | None:
                     f.get_slice(name)
         except Exception as err:
             return f"{file.name}: {one_line(err)}"
-    for name in ("config.json", "adapter_config.json"):
-        if (checkpoint / name).exists():
-            try:
-                json.loads((checkpoint / name).read_text())
-            except (ValueError, OSError) as err:
-                return f"{name}: {one_line(err)}"
     return None
 
 

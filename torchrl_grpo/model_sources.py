@@ -31,6 +31,7 @@ from collections.abc import Callable
 import torch
 
 from torchrl_grpo import packaged_smollm2, tiny_model
+from torchrl_grpo.checkpoint import weights_damage
 from torchrl_grpo.errors import ConfigError, one_line
 
 log = logging.getLogger(__name__)
@@ -85,8 +86,8 @@ def resolve_model(name: str, trust_remote_code: bool = False) -> str:
 
 def check_model_dir(directory: pathlib.Path, name: str, trust_remote_code: bool = False) -> None:
     """A one-line ConfigError naming the file, before any loader reads it, unless ``directory`` holds a
-    ``config.json`` that is a model config (JSON with a ``model_type``) and weights (``*.safetensors`` or
-    ``*.bin``). A config whose ``auto_map`` points at the folder's own Python code needs
+    ``config.json`` that is a model config (JSON with a ``model_type``) and safetensors weights whose headers
+    read back (:func:`checkpoint.weights_damage`). A config whose ``auto_map`` points at the folder's own Python code needs
     ``trust_remote_code`` (``model.trust_remote_code=true``): loading it would run that code."""
     file = directory / "config.json"
     where = f"model.name={name}: {file}"
@@ -103,9 +104,10 @@ def check_model_dir(directory: pathlib.Path, name: str, trust_remote_code: bool 
     if config.get("auto_map") and not trust_remote_code:
         raise ConfigError(f"{where} asks to run the model folder's own Python code (auto_map); set "
                           "model.trust_remote_code=true only if you trust that code, or use another model")
-    if not any(directory.glob("*.safetensors")) and not any(directory.glob("*.bin")):
-        raise ConfigError(f"model.name={name}: {directory} has no weights (*.safetensors); give an HF-format model "
-                          "directory with its weights")
+    broken = weights_damage(directory)
+    if broken:
+        raise ConfigError(f"model.name={name}: {directory}: its weights do not load ({broken}); give an HF-format "
+                          "model directory with its safetensors weights")
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -109,10 +109,9 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
 # LoRA
 
 
-def _wrap_lora(model, lora: Mapping[str, Any]):
-    """PEFT LoRA with the config's knobs; bad values raise ConfigError naming train_model.lora.<key>."""
-    from peft import LoraConfig, get_peft_model
-
+def check_lora(lora: Mapping[str, Any]) -> dict[str, Any]:
+    """``train_model.lora``'s knobs, checked (a one-line ConfigError naming ``train_model.lora.<key>``) and with
+    their defaults: r, alpha, dropout, target_modules. :func:`torchrl_grpo.config.validate` calls it first."""
     known = {"enabled", "r", "alpha", "dropout", "target_modules"}
     unknown = sorted(set(lora) - known)
     if unknown:
@@ -127,8 +126,18 @@ def _wrap_lora(model, lora: Mapping[str, Any]):
     targets = lora.get("target_modules", "all-linear") or "all-linear"
     if not isinstance(targets, str):
         targets = [str(t) for t in targets]  # OmegaConf ListConfig -> list
+    return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": targets}
+
+
+def _wrap_lora(model, lora: Mapping[str, Any]):
+    """PEFT LoRA with the config's knobs (:func:`check_lora`)."""
+    from peft import LoraConfig, get_peft_model
+
+    knobs = check_lora(lora)
+    targets = knobs["target_modules"]
     cfg = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=float(dropout), target_modules=targets, task_type="CAUSAL_LM"
+        r=knobs["r"], lora_alpha=knobs["alpha"], lora_dropout=knobs["dropout"], target_modules=targets,
+        task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(model, cfg)

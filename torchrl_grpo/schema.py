@@ -223,6 +223,7 @@ def check_schema(cfg: DictConfig) -> None:
             raise ConfigError("mode=async needs the ray: block of config/mode/async.yaml; run grpo-async.py "
                               "(it adds mode=async)")
         sections += ASYNC_SECTIONS
+    _no_unknown_keys(cfg, sections)
     for section, schema in sections:
         node = cfg.get(section)
         for field_name, rule in section_keys(section, schema):
@@ -230,3 +231,21 @@ def check_schema(cfg: DictConfig) -> None:
             if node is None or field_name not in node:
                 raise ConfigError(f"{name} is missing from the config: add it (config/grpo_gsm8k.yaml documents every key)")
             check_value(name, node[field_name], rule)
+
+
+def _no_unknown_keys(cfg: DictConfig, sections: tuple[tuple[str, type], ...]) -> None:
+    """A key the schema does not know (added with ``+key=...``) would be silently ignored: refuse it. ``env``
+    is open (each task reads its own keys)."""
+    known: dict[str, set[str]] = {"mode": set()}
+    for section, schema in sections:
+        known.setdefault(section, set()).update(name for name, _ in section_keys(section, schema))
+    for section in cfg:
+        if section not in known:
+            raise ConfigError(f"{section}: unknown config section; known: {', '.join(known)}")
+        node = cfg.get(section)
+        if section in ("env", "mode") or not isinstance(node, DictConfig):
+            continue
+        for name in node:
+            if name not in known[section]:
+                raise ConfigError(f"{section}.{name}: unknown key; drop it (config/grpo_gsm8k.yaml documents every "
+                                  "key)")
