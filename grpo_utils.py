@@ -66,6 +66,7 @@ def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_fr
         gradient_checkpointing=bool(cfg.train_model.gradient_checkpointing),
         lora=lora,
         attn_implementation=cfg.train_model.attn_implementation,
+        trust_remote_code=bool(cfg.model.trust_remote_code),
     )
     if resume_from is not None and lora is not None:
         from peft import set_peft_model_state_dict
@@ -92,6 +93,7 @@ def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy,
         backend, model_path, dtype=str(engine_dtype(cfg, placement)).removeprefix("torch."), device=placement.inference,
         gpu_memory_utilization=float(cfg.inference_model.gpu_memory_utilization),
         max_model_len=int(cfg.inference_model.max_model_len), seed=seed,
+        trust_remote_code=bool(cfg.model.trust_remote_code),
     )
 
 
@@ -139,12 +141,13 @@ def build_eval_engine(cfg: DictConfig):
     from torchrl_grpo.models import load_policy, load_tokenizer
 
     placement = place(cfg, needs_ref=False)
-    model_path = resolve_model(str(cfg.model.name))
-    tokenizer = load_tokenizer(model_path)
+    trust = bool(cfg.model.trust_remote_code)
+    model_path = resolve_model(str(cfg.model.name), trust)
+    tokenizer = load_tokenizer(model_path, trust)
     policy = None
     if cfg.inference_model.backend == "transformers":
         policy = load_policy(model_path, dtype=resolve_dtype(cfg.inference_model.torch_dtype, placement.inference[0]),
-                             device=placement.inference, trainable=False)
+                             device=placement.inference, trainable=False, trust_remote_code=trust)
     return build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed)), tokenizer
 
 
@@ -156,10 +159,44 @@ def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume
     ref_policy = None
     if float(cfg.train.kl_to_ref_coeff) > 0:
         ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, placement.ref[0]),
-                                 device=placement.ref, trainable=False)
+                                 device=placement.ref, trainable=False,
+                                 trust_remote_code=bool(cfg.model.trust_remote_code))
     return Trainer(policy, ref_policy, build_loss(cfg, policy), build_optimizer(cfg, policy),
                    TrainSettings.from_config(cfg), torch.device(placement.train[0]),
                    torch.device(placement.ref[0]) if ref_policy is not None else None)
+
+
+@dataclass
+class Inputs:
+    """Everything a run reads from the user, checked: the config, the checkpoint to resume from, the task's
+    data and reward functions, the model folder and its tokenizer."""
+
+    plan: BatchPlan
+    placement: Placement
+    state: RunState
+    task: Task
+    eval_task: Task | None
+    model_path: str
+    tokenizer: object
+
+
+def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
+    """Validate, place, seed the global RNG (before any model is built), find the checkpoint to resume from,
+    then build the task and the evaluation task (``logging.eval_frequency > 0``) and resolve the model and
+    its tokenizer: every input is read here, so that a bad one fails in one line before the batch plan is
+    printed and before any model or engine is built."""
+    plan = validate(cfg)
+    placement = place(cfg, needs_ref=float(cfg.train.kl_to_ref_coeff) > 0)
+    seed_everything(int(cfg.train.seed))
+    state = RunState(cfg, run_dir)
+    task = build_task(cfg.env)
+    eval_task = build_eval_task(cfg) if int(cfg.logging.eval_frequency) > 0 else None
+    from torchrl_grpo.model_sources import resolve_model
+    from torchrl_grpo.models import load_tokenizer
+
+    model_path = resolve_model(str(cfg.model.name), bool(cfg.model.trust_remote_code))
+    tokenizer = load_tokenizer(model_path, bool(cfg.model.trust_remote_code))
+    return Inputs(plan, placement, state, task, eval_task, model_path, tokenizer)
 
 
 @dataclass
@@ -177,24 +214,13 @@ class Common:
 
 
 def build_common(cfg: DictConfig, run_dir: Path) -> Common:
-    """Validate, place, seed the global RNG (before any model is built), find the checkpoint to resume from,
-    then the task, the evaluator (``logging.eval_frequency > 0``), the tokenizer and the trainer."""
-    plan = validate(cfg)
-    placement = place(cfg, needs_ref=float(cfg.train.kl_to_ref_coeff) > 0)
-    seed_everything(int(cfg.train.seed))
-    state = RunState(cfg, run_dir)
-    print(f"batch plan:\n{plan.table()}\nplacement: {placement.describe()}", flush=True)
-    task = build_task(cfg.env)
-    eval_task = build_eval_task(cfg) if int(cfg.logging.eval_frequency) > 0 else None
-    from torchrl_grpo.model_sources import resolve_model
-    from torchrl_grpo.models import load_tokenizer
-
-    model_path = resolve_model(str(cfg.model.name))
-    tokenizer = load_tokenizer(model_path)
-    evaluator = None if eval_task is None else Evaluator(
-        eval_task, tokenizer, cfg.eval, plan.max_tokens, int(cfg.logging.eval_frequency), plan.total_steps)
-    trainer = build_trainer(cfg, placement, model_path, state.resume_from)
-    return Common(plan, state, task, tokenizer, model_path, placement, trainer, evaluator)
+    """The checked inputs (:func:`read_inputs`), the batch plan printed, the evaluator and the trainer."""
+    i = read_inputs(cfg, run_dir)
+    print(f"batch plan:\n{i.plan.table()}\nplacement: {i.placement.describe()}", flush=True)
+    evaluator = None if i.eval_task is None else Evaluator(
+        i.eval_task, i.tokenizer, cfg.eval, i.plan.max_tokens, int(cfg.logging.eval_frequency), i.plan.total_steps)
+    trainer = build_trainer(cfg, i.placement, i.model_path, i.state.resume_from)
+    return Common(i.plan, i.state, i.task, i.tokenizer, i.model_path, i.placement, trainer, evaluator)
 
 
 def build_sync(cfg: DictConfig, run_dir: Path) -> SyncRun:

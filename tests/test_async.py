@@ -117,4 +117,17 @@ def test_ray_init_arguments():
     cfg.ray.address = "auto"
     cfg.ray.init.num_cpus = 8
     joined = ray_init_kwargs(cfg)
-    assert joined["address"] == "auto" and "num_cpus" not in joined
+    assert joined["address"] == "auto" and "num_cpus" not in joined and "dashboard_host" not in joined
+
+
+def test_a_local_ray_has_no_dashboard_and_binds_an_asked_for_one_to_localhost():
+    from torchrl_grpo.rollout_actors import ray_init_kwargs
+
+    cfg = OmegaConf.load(CONFIG_DIR / "mode" / "async.yaml")
+    local = ray_init_kwargs(cfg)
+    assert local["include_dashboard"] is False and local["dashboard_host"] == "127.0.0.1"
+    cfg.ray.init.include_dashboard = True
+    asked = ray_init_kwargs(cfg)
+    assert asked["include_dashboard"] is True and asked["dashboard_host"] == "127.0.0.1"
+    cfg.ray.init.dashboard_host = "0.0.0.0"  # the user's own choice wins
+    assert ray_init_kwargs(cfg)["dashboard_host"] == "0.0.0.0"

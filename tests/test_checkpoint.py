@@ -2,12 +2,14 @@
 warning naming them; a damaged checkpoint named explicitly is a one-line error. Checkpoints here are their
 files only (state, weights, config), which is all that checking them reads."""
 import json
+import random
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from torchrl_grpo.checkpoint import STATE_FILE, damage, find_resume_point
+from torchrl_grpo.checkpoint import STATE_FILE, damage, find_resume_point, load_state, rng_state, set_rng_state
 from torchrl_grpo.errors import ConfigError
 
 
@@ -29,6 +31,9 @@ def checkpoints(tmp_path):
     (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:2000]), "model.safetensors:"),
     (lambda p: (p / "model.safetensors").unlink(), "no *.safetensors weights"),
     (lambda p: (p / STATE_FILE).write_bytes(b"not a pickle"), f"{STATE_FILE}:"),
+    # any pickled object beyond tensors and plain containers (here numpy's RNG state, as the state files
+    # written before weights_only held it): torch.load(weights_only=True) refuses it, so it is damaged
+    (lambda p: torch.save({"step": 3, "numpy": np.random.get_state()}, p / STATE_FILE), f"{STATE_FILE}: Unpickling"),
     (lambda p: (p / "config.json").write_text("{broken"), "config.json:"),
 ])
 def test_damage_says_what_does_not_load(checkpoints, breaks, reason):
@@ -101,3 +106,13 @@ def test_after_step_checkpoints_when_due_asked_or_diverged(tmp_path):
     with pytest.raises(RunError, match=r"^it diverged; stopped \(checkpoint of step 4 saved in .*checkpoints\)$"):
         state.after_step(4, 10, FakeTrainer("it diverged"), FakeTokenizer(), Position(), False)
     assert damage(tmp_path / "checkpoints" / "step_000004") is None
+
+
+def test_rng_states_come_back_exactly_through_a_weights_only_load(tmp_path):
+    random.seed(3), np.random.seed(4), torch.manual_seed(5)
+    np.random.randn()  # numpy now holds a cached Gaussian: part of its state
+    torch.save({"rng": rng_state()}, tmp_path / STATE_FILE)
+    draws = (random.random(), np.random.randn(3).tolist(), torch.rand(2).tolist())
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    set_rng_state(load_state(tmp_path)["rng"])
+    assert (random.random(), np.random.randn(3).tolist(), torch.rand(2).tolist()) == draws

@@ -35,24 +35,6 @@ def test_batch_arithmetic():
     assert "train.gradient_accumulation_steps" in table and "24" in table
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["train.optim_batch_size=5"], "train.optim_batch_size=5"),
-    (["train.optim_batch_size=4", "train.gradient_accumulation_steps=3"], "train.gradient_accumulation_steps=3"),
-    (["train.dialog_turns_per_batch=10"], "train.dialog_turns_per_batch=10"),
-    (["env.repeats=0"], "env.repeats=0"),
-    (["loss.aggregation=mean"], "loss.aggregation='mean'"),
-    (["inference_model.top_p=1.5"], "inference_model.top_p=1.5"),
-    (["optimizer.lr=0"], "optimizer.lr=0"),
-    (["inference_model.top_p=0.9"], "inference_model.top_p=0.9 with loss.old_log_probs=engine"),
-    (["env.max_steps=2"], "env.max_steps=2"),
-    (["train.total_dialog_turns=8"], "train.total_dialog_turns=8 is fewer than the 16 completions of one step"),
-])
-def test_bad_combinations_name_the_key(overrides, key):
-    with pytest.raises(ConfigError) as err:
-        validate(cfg_with(*overrides))
-    assert str(err.value).startswith(key) and "\n" not in str(err.value)
-
-
 def test_nucleus_sampling_is_accepted_with_recomputed_old_log_probs():
     validate(cfg_with("inference_model.top_p=0.9", "loss.old_log_probs=trainer"))
 

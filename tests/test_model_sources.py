@@ -1,7 +1,10 @@
 """Model sources: the cache, the tiny builder, SmolLM2 conversion, LoRA-checkpoint merge, errors."""
 import importlib.util
+import json
 import os
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here; set before transformers is imported
 
@@ -82,12 +85,8 @@ def test_tiny_tokenizer_chat_template_and_forward(tiny_dir):
     assert out.logits.dtype == torch.float32 and torch.isfinite(out.logits).all()
 
 
-def test_local_directory_is_returned_as_is(tiny_dir, tmp_path):
-    assert model_sources.resolve_model(tiny_dir) == tiny_dir
-    with pytest.raises(ConfigError, match="model.name"):
-        model_sources.resolve_model(str(tmp_path))  # a directory, but no config.json
-    with pytest.raises(ConfigError, match="model.name"):
-        model_sources.resolve_model(str(tmp_path / "missing"))
+def test_local_directory_is_returned_as_is(tiny_dir):
+    assert model_sources.resolve_model(tiny_dir) == tiny_dir  # bad folders: tests/test_bad_inputs.py
 
 
 def test_a_lora_checkpoint_resolves_to_its_merged_model_once(tiny_dir, tmp_path, monkeypatch):
@@ -152,3 +151,55 @@ def test_smollm2_converts_once_and_loads():
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     assert logits.shape == (1, ids.shape[1], 49152) and torch.isfinite(logits).all()
+
+
+def test_a_folder_asking_to_run_its_own_code_needs_trust_remote_code(tiny_dir, tmp_path):
+    """config.json's auto_map points at Python in the folder: without model.trust_remote_code it is a one-line
+    error before any loader runs (the folder's code never executes); with it, the folder resolves."""
+    folder = tmp_path / "custom"
+    shutil.copytree(tiny_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "auto_map": {"AutoConfig": "evil.EvilConfig"}}))
+    ran = tmp_path / "code_ran"
+    (folder / "evil.py").write_text(f"open({str(ran)!r}, 'w').close()\n")
+    with pytest.raises(ConfigError) as err:
+        model_sources.resolve_model(str(folder))
+    assert "model.trust_remote_code=true" in str(err.value) and "\n" not in str(err.value)
+    assert not ran.exists()
+    assert model_sources.resolve_model(str(folder), trust_remote_code=True) == str(folder)
+
+
+def test_every_loader_is_told_trust_remote_code_explicitly(tiny_dir, monkeypatch):
+    import transformers
+
+    from torchrl_grpo import vllm_cpu_fixes, vllm_engine
+
+    seen = []
+
+    def spy(real):
+        def load(*args, **kwargs):
+            seen.append(kwargs.get("trust_remote_code", "absent"))
+            return real(*args, **kwargs)
+        return load
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy(transformers.AutoTokenizer.from_pretrained))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        spy(transformers.AutoModelForCausalLM.from_pretrained))
+    models.load_tokenizer(tiny_dir)
+    models.load_policy(tiny_dir, dtype=torch.float32, device="cpu")
+    models.load_tokenizer(tiny_dir, trust_remote_code=True)
+    assert seen == [False, False, True]
+
+    class Started(Exception):
+        pass
+
+    def llm(**kwargs):  # vllm.LLM stand-in: what the engine would start vLLM with
+        raise Started(kwargs["trust_remote_code"])
+
+    for name, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1",
+                        "VLLM_LOGGING_LEVEL": "WARNING"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(vllm_cpu_fixes, "skip_rank_count_compile", lambda: None)
+    monkeypatch.setattr(vllm_engine, "import_vllm", lambda: SimpleNamespace(LLM=llm))
+    with pytest.raises(Started, match="^False$"):
+        vllm_engine.VLLMEngine(tiny_dir)

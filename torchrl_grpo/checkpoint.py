@@ -2,7 +2,9 @@
 
 A checkpoint is a directory ``step_<N>/`` holding the policy in HF format (``save_pretrained``: full
 weights, or only the adapter for LoRA), the tokenizer, and ``trainer_state.pt`` (optimizer, step, RNG
-states, data position, config). It is written under a temporary name and renamed into place, so a
+states, data position, config), which holds tensors and plain containers only: it is read with
+``torch.load(weights_only=True)``, and a state file that needs more (any other pickled object, as those of
+checkpoints written before this rule held numpy's RNG key array) counts as damaged. It is written under a temporary name and renamed into place, so a
 run killed at any moment leaves either the complete checkpoint or none: every ``step_*`` directory is
 complete by construction.
 """
@@ -28,13 +30,19 @@ STATE_FILE = "trainer_state.pt"
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """The global RNGs' states in types ``torch.load(weights_only=True)`` reads back: numpy's key array as a
+    list of ints (an ndarray would need the pickle of arbitrary objects)."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {"torch": torch.get_rng_state(), "python": random.getstate(),
+            "numpy": (name, keys.tolist(), pos, has_gauss, gauss)}
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    version, internal, gauss_next = state["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    name, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
@@ -103,19 +111,12 @@ def damage(checkpoint: Path) -> str | None:
     Cheap: the state file's archive and the weights' headers and sizes are read, not their tensors (the
     optimizer state alone is twice the model: the resume reads it once, later)."""
     try:
-        torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False, mmap=True)
+        torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
         return f"{STATE_FILE}: {one_line(err)}"
-    weights = sorted(checkpoint.glob("*.safetensors"))
-    if not weights:
-        return "no *.safetensors weights"
-    for file in weights:
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    f.get_slice(name)
-        except Exception as err:
-            return f"{file.name}: {one_line(err)}"
+    broken = weights_damage(checkpoint)
+    if broken:
+        return broken
     for name in ("config.json", "adapter_config.json"):
         if (checkpoint / name).exists():
             try:
@@ -125,8 +126,25 @@ def damage(checkpoint: Path) -> str | None:
     return None
 
 
+def weights_damage(directory: Path) -> str | None:
+    """Why the ``*.safetensors`` weights of ``directory`` would not load (none, a header or size that does not
+    read back), in a few words; None when they do. Reads headers and sizes, not the tensors."""
+    weights = sorted(directory.glob("*.safetensors"))
+    if not weights:
+        return "no *.safetensors weights"
+    for file in weights:
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    f.get_slice(name)
+        except Exception as err:
+            return f"{file.name}: {one_line(err)}"
+    return None
+
+
 def load_state(checkpoint: Path) -> dict:
-    return torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=False)
+    """The state file, read as tensors and plain containers only (``weights_only``: a file cannot run code)."""
+    return torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True)
 
 
 def _fsync_tree(root: Path) -> None:

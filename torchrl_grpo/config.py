@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 
 from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.models import check_lora
 from torchrl_grpo.schema import check_schema, require
 
 
@@ -174,6 +175,9 @@ def validate(cfg: DictConfig) -> BatchPlan:
     returns the batch plan."""
     check_schema(cfg)
     plan = batch_plan(cfg)
+    lora = _get(cfg, "train_model.lora")
+    if hasattr(lora, "get") and lora.get("enabled"):
+        check_lora(lora)
     if _get(cfg, "env.max_steps") != 1:
         raise ConfigError(f"env.max_steps={_get(cfg, 'env.max_steps')}: only single-turn tasks exist yet; set env.max_steps=1")
     if not _get(cfg, "train.sync_iter") and _get(cfg, "mode") == "sync" and _get(cfg, "inference_model.backend") == "transformers":

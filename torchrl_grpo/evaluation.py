@@ -3,10 +3,12 @@
 One code path serves ``evaluate.py`` and the trainer's evaluation every ``logging.eval_frequency`` steps:
 :func:`generate_responses` (the rollout engine, on the task's evaluation split) then :func:`score_responses`.
 
-Metrics: the mean of each reward component and of the weighted total over all responses; ``accuracy``, the
-share of responses whose success component (``Task.success_reward``: ``accuracy`` for GSM8K and
+Metrics: the mean of each reward component and of the weighted total over all responses (``reward/<name>``);
+``solved`` and ``accuracy``, the count and the share of responses whose success component (``Task.success_reward``: ``accuracy`` for GSM8K and
 reasoning-gym, ``prompt_strict`` for IFEval) is >= 1; ``pass@k`` for k = 1, 2, 4, ... up to the responses
-per prompt (and that count itself), with the unbiased estimator of Chen et al. 2021 (2107.03374):
+per prompt (and that count itself); for a task's pooled components (``Task.pooled``: IFEval's instruction
+rewards, a share of each prompt's instructions) ``<name>/passed`` of ``<name>/checks`` over all responses and
+their ratio ``<name>/pooled`` (IFEval's instruction-level accuracy); with the unbiased estimator of Chen et al. 2021 (2107.03374):
 ``pass@k = mean over prompts of 1 - C(n - c, k) / C(n, k)`` for n responses of which c solved; and the same
 per task for rows that carry a ``task`` field (reasoning-gym).
 """
@@ -56,12 +58,17 @@ def score_responses(task: Task, rows: Sequence[Mapping[str, Any]], responses: Se
     counts = [len(outs) for outs in responses]
     metrics = {
         "prompts": float(len(rows)), "responses": float(len(records)),
-        "accuracy": sum(solved) / len(records),
+        "solved": float(sum(solved)), "accuracy": sum(solved) / len(records),
         **{f"pass@{k}": sum(pass_at_k(n, c, k) for n, c in zip(counts, solved)) / len(rows) for k in ks_for(min(counts))},
         **{f"reward{'' if key == 'reward' else '/' + key}": sum(r["scores"][key] for r in records) / len(records)
            for key in ["reward", *task.reward_names]},
     }
     flat_rows = [row for row, outs in zip(rows, responses) for _ in outs]
+    for name, count in task.pooled.items():
+        checks = [count(row) for row in flat_rows]
+        passed = sum(round(r["scores"][name] * n) for r, n in zip(records, checks))
+        metrics.update({f"{name}/passed": float(passed), f"{name}/checks": float(sum(checks)),
+                        f"{name}/pooled": passed / max(1, sum(checks))})
     metrics.update(per_task_means(flat_rows, [{k: r["scores"][k] for k in task.reward_names} for r in records],
                                   [r["scores"]["reward"] for r in records], prefix=""))
     return metrics, records
@@ -163,9 +170,17 @@ def _find_rows(path: Path, numbers: list[int], records: list[dict], task: Task) 
 
 
 def format_table(metrics: Mapping[str, float]) -> str:
-    """The metrics as two aligned columns, for the console."""
+    """The metrics as two aligned columns, for the console, then the counts behind the accuracies
+    (``solved: 416/541 responses``, ``instruction_strict over all instructions: 697/834 = 0.8357``)."""
     width = max(len(k) for k in metrics)
-    return "\n".join(f"  {key:<{width}}  {value:10.4f}" for key, value in metrics.items())
+    lines = [f"  {key:<{width}}  {value:10.4f}" for key, value in metrics.items()]
+    lines.append(f"  solved: {metrics['solved']:.0f}/{metrics['responses']:.0f} responses")
+    for key in metrics:
+        if key.endswith("/pooled"):
+            name = key.removesuffix("/pooled")
+            lines.append(f"  {name} pooled over all checks: {metrics[name + '/passed']:.0f}/"
+                         f"{metrics[name + '/checks']:.0f} = {metrics[key]:.4f}")
+    return "\n".join(lines)
 
 
 class Evaluator:

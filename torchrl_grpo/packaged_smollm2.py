@@ -46,7 +46,8 @@ def build(out: pathlib.Path, gguf: pathlib.Path) -> None:
         raise ConfigError(f"model.name={NAME}: the `gguf` package is missing; run `{_INSTALL}`")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                               trust_remote_code=False)
     cfg = src.config.to_dict()
     for k in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         cfg.pop(k, None)
@@ -58,7 +59,7 @@ def build(out: pathlib.Path, gguf: pathlib.Path) -> None:
     del src
     model.save_pretrained(out)
 
-    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
     tok.model_max_length = config.max_position_embeddings  # GGUF leaves it "unlimited"
     tok.save_pretrained(out)
     # Loading kwargs leak into the saved config; a later reader must not inherit local_files_only.
@@ -74,7 +75,7 @@ def _check(out: pathlib.Path, gen_eos) -> None:
     """The saved folder must reload with SmolLM2's ChatML template and <|im_end|> as eos."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(out)
+    tok = AutoTokenizer.from_pretrained(out, trust_remote_code=False)
     template = tok.chat_template or ""
     if _IM_START not in template or "add_generation_prompt" not in template:
         raise RuntimeError(f"{out}: the converted tokenizer lost SmolLM2's chat template")

@@ -106,7 +106,7 @@ def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
     vllm: ``VLLMEngine(model_path, **kwargs)``; a failing ``import vllm`` is a one-line ConfigError.
     transformers: loads its own copy of ``model_path`` (``dtype`` default "float32", ``device`` default
     "cpu"), unless ``model=`` (e.g. the trainer's model object) and optionally ``tokenizer=`` are given;
-    ``seed`` is honoured and vLLM-only arguments (gpu_memory_utilization, max_model_len,
+    ``seed`` and ``trust_remote_code`` are honoured and vLLM-only arguments (gpu_memory_utilization, max_model_len,
     enable_prefix_caching) are ignored.
     """
     # the engine modules import this one: imported here, not at the top
@@ -126,11 +126,13 @@ def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
         tokenizer = kwargs.pop("tokenizer", None)
         dtype = kwargs.pop("dtype", "float32")
         device = kwargs.pop("device", "cpu")
+        trust_remote_code = kwargs.pop("trust_remote_code", False)
         if kwargs:
             raise TypeError(f"make_engine('transformers'): unexpected arguments {sorted(kwargs)}")
         if model is None:
-            model = load_policy(model_path, dtype=dtype, device=device, trainable=False)
+            model = load_policy(model_path, dtype=dtype, device=device, trainable=False,
+                                trust_remote_code=trust_remote_code)
         if tokenizer is None:
-            tokenizer = load_tokenizer(model_path)
+            tokenizer = load_tokenizer(model_path, trust_remote_code)
         return TransformersEngine(model, tokenizer, seed=seed)
     raise ConfigError(f"inference_model.backend={backend!r}: unknown; use vllm or transformers")

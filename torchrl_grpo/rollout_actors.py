@@ -58,17 +58,18 @@ class RolloutActor:
         cfg = OmegaConf.create(cfg)
         self.exit_at, self.calls, self.version = exit_at, 0, 0
         task = build_task(cfg.env)
-        model_path = resolve_model(str(cfg.model.name))
+        trust = bool(cfg.model.trust_remote_code)
+        model_path = resolve_model(str(cfg.model.name), trust)
         inference = cfg.inference_model
         dtype = str(actor_dtype(cfg)).removeprefix("torch.")
         device = actor_device(cfg)
         kwargs = {"dtype": dtype, "device": device, "seed": engine_seed,  # vLLM-only ones: make_engine drops them
                   "gpu_memory_utilization": float(inference.gpu_memory_utilization),
-                  "max_model_len": int(inference.max_model_len)}
+                  "max_model_len": int(inference.max_model_len), "trust_remote_code": trust}
         sampler = PromptSampler(len(task.rows), int(cfg.env.seed) + index)
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
-        self.collector = Collector(task, load_tokenizer(model_path), make_engine(inference.backend, model_path, **kwargs),
+        self.collector = Collector(task, load_tokenizer(model_path, trust), make_engine(inference.backend, model_path, **kwargs),
                                    sampler, CollectSettings.from_config(cfg))
 
     def collect(self):
@@ -113,6 +114,9 @@ def ray_init_kwargs(cfg: DictConfig) -> dict:
     """``ray.init`` arguments: ``ray.address`` (null: start a private local Ray; auto or host:port: join one)
     and every key of ``ray.init``; a local Ray gets ``num_cpus`` = what the actors ask for plus one for the
     trainer's own tasks, unless ``ray.init.num_cpus`` says otherwise (Ray would otherwise count every core).
+    No dashboard unless ``ray.init.include_dashboard=true``, and then on 127.0.0.1 unless
+    ``ray.init.dashboard_host`` says otherwise. Ray 2.60 has no option that binds its own gRPC ports (GCS,
+    raylet, workers) to one interface: they listen on all, behind Ray's token authentication (on by default).
     null maps to Ray's ``"local"``: a bare ``ray.init()`` joins whatever cluster ``RAY_ADDRESS`` or an earlier
     ``ray start`` on this machine left behind, and then refuses ``num_cpus``."""
     ray_cfg = cfg.ray
@@ -120,6 +124,7 @@ def ray_init_kwargs(cfg: DictConfig) -> dict:
     address = ray_cfg.address or "local"
     kwargs.setdefault("include_dashboard", False)
     if address == "local":
+        kwargs.setdefault("dashboard_host", "127.0.0.1")  # a dashboard asked for (ray.init.include_dashboard)
         kwargs.setdefault("num_cpus", max(1, int(round(ray_cfg.num_actors * float(ray_cfg.actor_num_cpus)))) + 1)
     else:
         kwargs.pop("num_cpus", None)  # a running cluster has its resources already

@@ -80,6 +80,9 @@ class Env:
 class Model:
     name: str = key("str", "tiny | smollm2-135m-instruct | a local HF-format dir or checkpoint | a hub id")
     compile: bool = key("bool", "torch.compile the training model")
+    trust_remote_code: bool = key("bool", "let transformers and vLLM run the Python code a model folder ships "
+                                  "(its config.json's auto_map); only for a model whose code you trust",
+                                  hint="must be true or false (true runs the model folder's own code)")
 
 
 @dataclass
@@ -226,6 +229,7 @@ def check_schema(cfg: DictConfig) -> None:
             raise ConfigError("mode=async needs the ray: block of config/mode/async.yaml; run grpo-async.py "
                               "(it adds mode=async)")
         sections += ASYNC_SECTIONS
+    _no_unknown_keys(cfg, sections)
     for section, schema in sections:
         node = cfg.get(section)
         for field_name, rule in section_keys(section, schema):
@@ -233,3 +237,21 @@ def check_schema(cfg: DictConfig) -> None:
             if node is None or field_name not in node:
                 raise ConfigError(f"{name} is missing from the config: add it (config/grpo_gsm8k.yaml documents every key)")
             check_value(name, node[field_name], rule)
+
+
+def _no_unknown_keys(cfg: DictConfig, sections: tuple[tuple[str, type], ...]) -> None:
+    """A key the schema does not know (added with ``+key=...``) would be silently ignored: refuse it. ``env``
+    is open (each task reads its own keys)."""
+    known: dict[str, set[str]] = {"mode": set()}
+    for section, schema in sections:
+        known.setdefault(section, set()).update(name for name, _ in section_keys(section, schema))
+    for section in cfg:
+        if section not in known:
+            raise ConfigError(f"{section}: unknown config section; known: {', '.join(known)}")
+        node = cfg.get(section)
+        if section in ("env", "mode") or not isinstance(node, DictConfig):
+            continue
+        for name in node:
+            if name not in known[section]:
+                raise ConfigError(f"{section}.{name}: unknown key; drop it (config/grpo_gsm8k.yaml documents every "
+                                  "key)")

@@ -111,6 +111,7 @@ class VLLMEngine(Engine):
         max_model_len: int = 1024,
         seed: int = 0,
         enable_prefix_caching: bool = False,
+        trust_remote_code: bool = False,
         **llm_kwargs,
     ):
         self.model_path = str(model_path)
@@ -138,6 +139,7 @@ class VLLMEngine(Engine):
             seed=seed,
             gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
+            trust_remote_code=trust_remote_code,  # model.trust_remote_code, never on by default
             # temperature-scaled (and top-p renormalised) log-probs: see Engine's log-prob contract
             logprobs_mode="processed_logprobs",
         )

@@ -41,6 +41,9 @@ class Task:
     success: str | None = None  # the component that says "solved" (value >= 1) for pass@k; None: the first
     reward_errors: str = "raise"  # env.reward_errors: a reward function that raises stops the run, or scores 0
     reward_error_count: int = 0  # completions scored 0 because a reward function raised (reward_errors=zero)
+    # components that are the share of a row's checks passed (IFEval: its instructions): name -> the row's
+    # number of checks; evaluation also counts them pooled over all checks (IFEval's instruction-level accuracy)
+    pooled: dict[str, Callable[[Mapping[str, Any]], int]] = field(default_factory=dict)
 
     def __post_init__(self):
         names = [r.name for r in self.rewards]

@@ -333,6 +333,11 @@ def ifeval_rewards(reward: str = DEFAULT_REWARD) -> list[Reward]:
     return [Reward(name, REWARD_FNS[name], 1.0 if name == reward else 0.0) for name in REWARD_NAMES]
 
 
+def instruction_count(row: Mapping[str, Any]) -> int:
+    """A row's number of instructions: what the instruction-level rewards are a share of."""
+    return len(row["instruction_id_list"])
+
+
 def build_ifeval_task(env_cfg: Any) -> Task:
     """The IFEval task from the env config (keys: dataset, data_path, split, reward, system_prompt,
     reward_weights); see :func:`torchrl_grpo.tasks.build_task`."""
@@ -345,5 +350,6 @@ def build_ifeval_task(env_cfg: Any) -> Task:
         raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for none")
     _checkers()  # fails fast (one line) when the checkers are missing; writes the NLTK data once
     rows = load_ifeval(HUB_DATASET, env_value(env_cfg, "data_path"), str(env_value(env_cfg, "split", "train")))
-    task = Task(name="ifeval", rows=rows, system_prompt=system_prompt or None, rewards=rewards, success="prompt_strict")
+    task = Task(name="ifeval", rows=rows, system_prompt=system_prompt or None, rewards=rewards, success="prompt_strict",
+                pooled={name: instruction_count for name in ("instruction_strict", "instruction_loose")})
     return task.set_weights(env_value(env_cfg, "reward_weights"))

@@ -3,6 +3,7 @@
 they look for, the hub config and splits, and the hint given when the hub cannot be reached."""
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,26 @@ def _local_files(path: Path, folder_patterns: Sequence[tuple[str, str]], expecte
     raise ConfigError(f"{shown}: none of {looked_for} in that folder; point it at {expected}")
 
 
+def _check_first_lines(where: str, files: list[str]) -> None:
+    """An empty file, or a .jsonl whose first line is not a JSON object, named in one line (``datasets`` would
+    say only "an error occurred while generating the dataset")."""
+    for file in files:
+        path = Path(file)
+        if path.stat().st_size == 0:
+            raise ConfigError(f"{where}: {path} is empty; point it at a file with one row a line")
+        if path.suffix.lower() != ".jsonl":
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                first = next((line for line in f if line.strip()), "")
+            row = json.loads(first) if first else None
+        except (UnicodeDecodeError, ValueError) as err:
+            raise ConfigError(f"{where}: {path} is not JSON lines ({one_line(err)}); give one JSON object a "
+                              "line") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where}: {path} holds no JSON object a line; give one JSON object a line")
+
+
 def load_rows(dataset: str, data_path: str | Path | None, split: str, *, folder_patterns: Sequence[tuple[str, str]],
               expected: str, hub_splits: Sequence[str], hub_config: str | None = None,
               offline_hint: str) -> tuple[datasets.Dataset, str]:
@@ -50,6 +71,7 @@ def load_rows(dataset: str, data_path: str | Path | None, split: str, *, folder_
     if data_path is not None and str(data_path) != "":
         where = f"env.data_path={data_path}"
         builder, files = _local_files(Path(data_path).expanduser(), folder_patterns, expected)
+        _check_first_lines(where, files)
         try:
             return datasets.load_dataset(builder, data_files=files, split="train"), where
         except Exception as err:  # malformed JSON, unreadable parquet: the file is at fault, say which
