@@ -98,6 +98,7 @@ def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy,
 
 
 def engine_dtype(cfg: DictConfig, placement: Placement) -> torch.dtype:
+    """The inference engine's dtype: ``inference_model.torch_dtype`` on its first device."""
     return resolve_dtype(cfg.inference_model.torch_dtype, placement.inference[0])
 
 
@@ -146,8 +147,8 @@ def build_eval_engine(cfg: DictConfig):
     tokenizer = load_tokenizer(model_path, trust)
     policy = None
     if cfg.inference_model.backend == "transformers":
-        policy = load_policy(model_path, dtype=resolve_dtype(cfg.inference_model.torch_dtype, placement.inference[0]),
-                             device=placement.inference, trainable=False, trust_remote_code=trust)
+        policy = load_policy(model_path, dtype=engine_dtype(cfg, placement), device=placement.inference,
+                             trainable=False, trust_remote_code=trust)
     return build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed)), tokenizer
 
 
@@ -231,9 +232,8 @@ def build_sync(cfg: DictConfig, run_dir: Path) -> SyncRun:
                           seed=int(cfg.train.seed) + c.state.step)
     if c.state.resume_from is not None:
         c.trainer.push_weights(engine)
-    weight_check = None
-    if getattr(engine, "model", None) is not c.trainer.policy:  # else the engine samples from the policy itself
-        weight_check = build_weight_check(cfg, c.trainer.policy, c.tokenizer, engine_dtype(cfg, c.placement))
+    weight_check = None if getattr(engine, "model", None) is c.trainer.policy else (  # it samples from the policy
+        build_weight_check(cfg, c.trainer.policy, c.tokenizer, engine_dtype(cfg, c.placement)))
     if weight_check is not None:
         print(weight_check.startup(engine), flush=True)
     collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), int(cfg.env.seed)),
