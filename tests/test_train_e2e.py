@@ -26,10 +26,12 @@ def test_train_then_resume(tmp_path):
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
     assert (run_dir / "checkpoints" / "step_000002" / "model.safetensors").is_file()
 
+    # the progress bar asked for, but stderr is a pipe here: plain step lines, no carriage-return redraws
     resumed = run([*SMALL, "train.total_dialog_turns=32", "train.resume=auto", "train.kl_to_ref_coeff=0.05",
-                   f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+                   "logging.progress_bar=true", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout and "step_000002" in resumed.stdout
+    assert "step 3 | reward" in resumed.stdout and "GRPO:" not in resumed.stderr
     assert [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2, 3, 4]
 
 

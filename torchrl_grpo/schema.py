@@ -152,7 +152,7 @@ class Logging:
     log_frequency: int = key("int>=0", "steps between console lines")
     eval_frequency: int = key("int>=0", "evaluate before the first step, every N steps and after the last; 0 = never")
     show_completions: int = key("int>=0", "sample completions printed per log line")
-    progress_bar: bool = key("bool", "a progress bar with ETA on stderr")
+    progress_bar: bool = key("bool", "a progress bar with ETA on stderr, when stderr is a terminal")
     wandb: dict = key("any", "enabled, project, mode (auto = online with a WANDB_API_KEY)")
 
 

@@ -65,8 +65,9 @@ class Telemetry:
         self.csv = MetricsCSV(run_dir / "metrics.csv", resume_step=start_step if resumed else None)
         self.log_frequency = max(1, int(cfg.logging.log_frequency))
         self.show_completions = int(cfg.logging.show_completions)
+        # a bar redraws with carriage returns: only on a terminal (a file, CI or `| tee` gets the step lines)
         self.bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step", dynamic_ncols=True,
-                        disable=not cfg.logging.progress_bar, file=sys.stderr)
+                        disable=not (cfg.logging.progress_bar and sys.stderr.isatty()), file=sys.stderr)
         self.wandb = _start_wandb(cfg, run_dir) if cfg.logging.wandb.enabled else None
 
     def record(self, step: int, metrics: dict) -> dict:
