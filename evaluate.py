@@ -20,6 +20,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from grpo_utils import build_eval_task, exit_with_one_line
+from torchrl_grpo.console import quiet_libraries
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 
@@ -30,6 +31,7 @@ def main(cfg: DictConfig) -> None:
     from torchrl_grpo.config import validate
     from torchrl_grpo.evaluation import evaluate_with_engine, format_table, read_responses, score_responses
 
+    quiet_libraries(cfg.logging.verbose is True)
     validate(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
     task = build_eval_task(cfg)

@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from grpo_utils import build_async, exit_with_one_line
+from torchrl_grpo.console import quiet_libraries
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 
@@ -25,6 +26,7 @@ CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 def main(cfg: DictConfig) -> None:
     from torchrl_grpo.async_loop import run_async
 
+    quiet_libraries(cfg.logging.verbose is True)
     run_async(build_async(cfg, Path(HydraConfig.get().runtime.output_dir)))
 
 

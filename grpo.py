@@ -11,6 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from grpo_utils import build_sync, exit_with_one_line
+from torchrl_grpo.console import quiet_libraries
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 
@@ -20,6 +21,7 @@ CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 def main(cfg: DictConfig) -> None:
     from torchrl_grpo.sync_loop import run_sync
 
+    quiet_libraries(cfg.logging.verbose is True)
     run = build_sync(cfg, Path(HydraConfig.get().runtime.output_dir))
     try:
         run_sync(run)

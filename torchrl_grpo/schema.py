@@ -153,6 +153,7 @@ class Logging:
     eval_frequency: int = key("int>=0", "evaluate before the first step, every N steps and after the last; 0 = never")
     show_completions: int = key("int>=0", "sample completions printed per log line")
     progress_bar: bool = key("bool", "a progress bar with ETA on stderr, when stderr is a terminal")
+    verbose: bool = key("bool", "library warnings and progress bars on the console too (always in grpo.log)")
     wandb: dict = key("any", "enabled, project, mode (auto = online with a WANDB_API_KEY)")
 
 

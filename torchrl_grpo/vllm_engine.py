@@ -142,6 +142,7 @@ class VLLMEngine(Engine):
             trust_remote_code=trust_remote_code,  # model.trust_remote_code, never on by default
             # temperature-scaled (and top-p renormalised) log-probs: see Engine's log-prob contract
             logprobs_mode="processed_logprobs",
+            use_tqdm_on_load=False,  # a progress bar for a load the start-up line times anyway
         )
         if self._on_cpu:
             kwargs["enforce_eager"] = True
