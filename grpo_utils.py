@@ -91,6 +91,7 @@ def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy,
         backend, model_path, dtype=str(dtype).removeprefix("torch."), device=placement.inference,
         gpu_memory_utilization=float(cfg.inference_model.gpu_memory_utilization),
         max_model_len=int(cfg.inference_model.max_model_len), seed=seed,
+        engine_process=str(cfg.inference_model.engine_process),
     )
 
 

@@ -58,7 +58,7 @@ class RolloutActor:
         dtype = str(resolve_dtype(inference.torch_dtype, device)).removeprefix("torch.")
         kwargs = {"dtype": dtype, "device": device, "seed": engine_seed,  # vLLM-only ones: make_engine drops them
                   "gpu_memory_utilization": float(inference.gpu_memory_utilization),
-                  "max_model_len": int(inference.max_model_len)}
+                  "max_model_len": int(inference.max_model_len), "engine_process": str(inference.engine_process)}
         sampler = PromptSampler(len(task.rows), int(cfg.env.seed) + index)
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
