@@ -1,6 +1,7 @@
 """vLLM's engine in a process of its own (``inference_model.engine_process=own``), on CPU: the topology GPUs
 use, where weights reach the engine through a safetensors file in /dev/shm and vLLM functions through pickled
-rpc. One engine serves the module (it takes ~30 s to start on 2 cores); the last test closes it.
+rpc. One engine serves the module's engine tests (it takes 20-30 s to start on 2 cores) and the last of them
+closes it; then grpo.py runs two steps with its engine in its own process.
 
 It runs on a variant of the tiny model with tied embeddings, the case where a push that leaves the head's
 packed weights alone would go unnoticed (see ``vllm_cpu_fixes.redispatch_cpu_gemm``). The references are
@@ -9,14 +10,18 @@ the trainer's log-probs (helpers.trainer_logprobs) of the same tokens under the 
 import json
 import os
 import shutil
+import time
+import uuid
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import LOGPROB_TOL, check_completions, max_logprob_gap, needs_vllm, perturb
-from torchrl_grpo.models import load_policy, merged_state_dict
+from helpers import (
+    LOGPROB_TOL, SMALL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb, run,
+)
 from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.models import load_policy, merged_state_dict
 from torchrl_grpo.vllm_engine import MULTIPROCESSING_ENV, VLLMEngine, wants_own_process
 
 SHM = "/dev/shm"
@@ -26,6 +31,10 @@ QUESTIONS = ["Ana has 5 apples.", "Each box holds 3 eggs. There are 12 boxes. Ho
 
 def _shm() -> set[str]:
     return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+
+def _push_dirs() -> set[str]:
+    return {name for name in _shm() if name.startswith(PUSH_PREFIX)}
 
 
 def _shm_held_by(pids) -> set[str]:
@@ -38,7 +47,7 @@ def _shm_held_by(pids) -> set[str]:
                 paths.update(line.split(maxsplit=5)[-1].strip() for line in f if len(line.split()) == 6)
             fd_dir = f"/proc/{pid}/fd"
             paths.update(os.readlink(os.path.join(fd_dir, fd)) for fd in os.listdir(fd_dir))
-        except (FileNotFoundError, ProcessLookupError):
+        except OSError:  # gone meanwhile
             pass
     return {os.path.basename(path) for path in paths if path.startswith(SHM + "/") and not path.endswith("(deleted)")}
 
@@ -155,16 +164,16 @@ def test_own_process_push_goes_through_shm_and_the_engine_then_holds_the_new_wei
     _, ids = prompts
     old, new = _policy(tied_model_path), _policy(tied_model_path)
     perturb(new, scale=0.2)  # the tied head moves with the embedding: a stale head is off by far more than TOL
-    before = _shm()
+    before = _push_dirs()
     own.engine.push_weights(merged_state_dict(new))
-    made = sorted(name for name in _shm() - before if name.startswith(PUSH_PREFIX))
+    made = sorted(_push_dirs() - before)
     assert len(made) == 1 and os.listdir(os.path.join(SHM, made[0])) == ["model.safetensors"]
     own.push_dirs = made
     completions = own.engine.generate(ids, n=3, max_tokens=16, temperature=1.0)
     assert max_logprob_gap(new, ids, completions, 1.0) < LOGPROB_TOL
     assert max_logprob_gap(old, ids, completions, 1.0) > 100 * LOGPROB_TOL  # a push that did nothing fails here
     own.engine.push_weights(merged_state_dict(old))  # a second push overwrites the same file
-    assert sorted(name for name in _shm() - before if name.startswith(PUSH_PREFIX)) == made
+    assert sorted(_push_dirs() - before) == made
     again = own.engine.generate(ids, n=3, max_tokens=16, temperature=1.0)
     assert max_logprob_gap(old, ids, again, 1.0) < LOGPROB_TOL
 
@@ -187,6 +196,43 @@ def test_own_process_close_leaves_no_process_and_nothing_in_shm(own):
     own.engine.close()  # idempotent
     with pytest.raises(RuntimeError, match="after close"):
         own.engine.generate([[1, 2]], n=1, max_tokens=2)
+
+
+def _processes_with_env(marker: str) -> list[int]:
+    """Live processes whose environment holds ``marker`` (what a run's processes inherit, orphans included)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return pids
+
+
+@needs_vllm
+def test_grpo_py_with_its_engine_in_its_own_process(tmp_path):
+    """Two steps of grpo.py with engine_process=own: the step-2 batch was sampled after a push through /dev/shm,
+    and its engine log-probs agree with the trainer's updated weights; no engine process outlives the run."""
+    tag = uuid.uuid4().hex  # in the environment of the run and of every process it starts
+    run_dir, push_dirs_before = tmp_path / "run", _push_dirs()
+    done = run([*SMALL, "train.total_dialog_turns=16", "inference_model.engine_process=own",
+                "loss.old_log_probs=trainer", "train.entropy_coeff=0.01", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+               env_extra={"TORCHRL_GRPO_TEST_RUN": tag})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = metric_rows(run_dir)
+    assert [int(float(r["step"])) for r in rows] == [1, 2]
+    for key in ("reward", "loss_objective", "entropy", "grad_norm", "engine_trainer_logp_gap_max"):
+        assert all(finite(r[key]) for r in rows), key
+    assert float(rows[0]["grad_norm"]) > 0  # the entropy bonus moves the weights even where rewards tie
+    gaps = [float(r["engine_trainer_logp_gap_max"]) for r in rows]
+    assert max(gaps) < LOGPROB_TOL, gaps  # a push that did nothing fails here (step 2)
+    deadline = time.time() + 10
+    while _processes_with_env(f"TORCHRL_GRPO_TEST_RUN={tag}") and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _processes_with_env(f"TORCHRL_GRPO_TEST_RUN={tag}")
+    assert _push_dirs() == push_dirs_before  # the run's push folder went with its engine
 
 
 def test_engine_process_choice(monkeypatch):

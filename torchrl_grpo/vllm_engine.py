@@ -315,7 +315,7 @@ class VLLMEngine(Engine):
         if llm is not None:
             try:
                 # vLLM's default grace is 5 s, then SIGKILL: on 2 busy cores an engine process and its worker
-                # took 5.1-8.5 s to exit, and a killed one left its semaphores in /dev/shm
+                # took 5-15 s to exit in tests here, and a killed one left its semaphores in /dev/shm
                 llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
             except Exception:  # already down, or another vLLM version's layout
                 log.debug("vLLM engine shutdown failed", exc_info=True)
