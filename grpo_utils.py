@@ -94,6 +94,7 @@ def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy,
         gpu_memory_utilization=float(cfg.inference_model.gpu_memory_utilization),
         max_model_len=int(cfg.inference_model.max_model_len), seed=seed,
         trust_remote_code=bool(cfg.model.trust_remote_code),
+        engine_process=str(cfg.inference_model.engine_process),
     )
 
 

@@ -59,6 +59,68 @@ needs_vllm = pytest.mark.needs("vllm")
 needs_ray_and_vllm = pytest.mark.needs("ray", "vllm")
 
 
+# ------------------------------------------------------------------------------- engines against the trainer
+# The reference for every engine's sampling log-probs is what the trainer computes:
+# ``log_softmax(logits.float() / T)[token]`` from a plain forward of prompt + completion (tests/test_rollout.py,
+# tests/test_engine_process.py). torch is imported inside: most test modules never need these.
+LOGPROB_TOL = 1e-4  # float32: measured gaps are 1e-5 (tiny) and 3e-5..6e-5 (SmolLM2)
+
+
+def trainer_logprobs(model, prompt, completion, temperature, top_p=1.0):
+    """Log-probs of `completion` after `prompt` as the trainer computes them (optionally nucleus-renormalised)."""
+    import torch
+
+    from torchrl_grpo.hf_engine import nucleus_mask
+
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    if top_p < 1.0:
+        logits = nucleus_mask(logits, top_p)
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def max_logprob_gap(model, prompts, completions, temperature, top_p=1.0) -> float:
+    """The largest |engine - trainer| log-prob over every token of ``completions``."""
+    import torch
+
+    assert completions  # an empty list would have no gap to measure
+    gap = 0.0
+    for c in completions:
+        ref = trainer_logprobs(model, prompts[c.prompt_index], c.token_ids, temperature, top_p)
+        gap = max(gap, (torch.tensor(c.log_probs) - ref).abs().max().item())
+    return gap
+
+
+def perturb(model, scale=0.05, seed=0):
+    """Add noise of `scale` times each parameter's std, reproducibly."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.float().std().clamp(min=1e-3))
+
+
+def check_completions(completions, n_prompts, n, max_tokens, tokenizer):
+    """Shapes, prompt-major order, finish reasons, text and log-prob sanity."""
+    from torchrl_grpo.rollout import Completion
+
+    assert len(completions) == n_prompts * n
+    assert [c.prompt_index for c in completions] == [i for i in range(n_prompts) for _ in range(n)]
+    for c in completions:
+        assert isinstance(c, Completion)
+        assert 1 <= len(c.token_ids) <= max_tokens and len(c.log_probs) == len(c.token_ids)
+        assert all(math.isfinite(x) and x <= 0.0 for x in c.log_probs)
+        assert c.finish_reason in ("stop", "length")
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == tokenizer.eos_token_id
+            assert tokenizer.eos_token_id not in c.token_ids[:-1]
+        else:
+            assert len(c.token_ids) == max_tokens and tokenizer.eos_token_id not in c.token_ids
+        assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
+
+
 # -------------------------------------------------------------------------------------- scripts as users run
 SMALL = ["model=tiny", "env=gsm_symbolic", "env.size=64", "env.num_envs=2", "env.repeats=4",
          "train.optim_batch_size=4", "train.gradient_accumulation_steps=2", "inference_model.max_tokens=8",

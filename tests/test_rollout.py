@@ -1,8 +1,8 @@
 """Inference engines: shapes and order, sampling log-probs against a trainer forward, weight push, errors.
 
-The reference everywhere is what the trainer computes: ``log_softmax(logits.float() / T)[token]`` from a
-plain forward of prompt + completion. vLLM tests use the session engine of conftest.py (tiny model) and
-start one more engine, on SmolLM2 (tied embeddings), for the weight-push trap.
+The reference everywhere is what the trainer computes (helpers.trainer_logprobs). vLLM tests use the session
+engine of conftest.py (tiny model, in this process) and start one more engine, on SmolLM2 (tied embeddings),
+for the weight-push trap; tests/test_engine_process.py does the same for an engine in its own process.
 """
 import logging
 import math
@@ -11,16 +11,15 @@ import sys
 import pytest
 import torch
 
-from helpers import needs_vllm
+from helpers import LOGPROB_TOL, check_completions, max_logprob_gap, needs_vllm, perturb, trainer_logprobs
 from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.hf_engine import TransformersEngine, nucleus_mask
+from torchrl_grpo.hf_engine import TransformersEngine
 from torchrl_grpo.model_sources import resolve_model
 from torchrl_grpo.models import load_policy, load_tokenizer, merged_state_dict
-from torchrl_grpo.rollout import Completion, make_engine
+from torchrl_grpo.rollout import make_engine
 from torchrl_grpo.vllm_cpu_fixes import ExpectedReloadWarnings, eager_rank_count
 from torchrl_grpo.vllm_engine import VLLMEngine
 
-TOL = 1e-4  # float32: measured gaps are 1e-5 (tiny) and 3e-5..6e-5 (SmolLM2)
 QUESTIONS = ["Ana has 5 apples.", "Each box holds 3 eggs. There are 12 boxes. How many eggs are there in total?", "12"]
 
 
@@ -34,55 +33,11 @@ def _policy(path):
     return load_policy(path, dtype=torch.float32, device="cpu", trainable=False)
 
 
-def _trainer_logprobs(model, prompt, completion, temperature, top_p=1.0):
-    """Log-probs of `completion` after `prompt` as the trainer computes them (optionally nucleus-renormalised)."""
-    ids = torch.tensor([list(prompt) + list(completion)])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
-    if top_p < 1.0:
-        logits = nucleus_mask(logits, top_p)
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
-
-
-def _max_gap(model, prompts, completions, temperature, top_p=1.0):
-    assert completions  # an empty list would have no gap to measure
-    gap = 0.0
-    for c in completions:
-        ref = _trainer_logprobs(model, prompts[c.prompt_index], c.token_ids, temperature, top_p)
-        gap = max(gap, (torch.tensor(c.log_probs) - ref).abs().max().item())
-    return gap
-
-
 def _boost_eos(model, eos_id, strength):
     """Make eos likely at every position: a constant residual direction read by eos's lm_head row."""
     with torch.no_grad():
         model.model.embed_tokens.weight[:, 0] += 1.0
         model.lm_head.weight[eos_id, 0] = strength
-
-
-def _perturb(model, scale=0.05, seed=0):
-    """Add noise of `scale` times each parameter's std, reproducibly."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.float().std().clamp(min=1e-3))
-
-
-def _check_completions(completions, n_prompts, n, max_tokens, tokenizer):
-    """Shapes, prompt-major order, finish reasons, text and log-prob sanity."""
-    assert len(completions) == n_prompts * n
-    assert [c.prompt_index for c in completions] == [i for i in range(n_prompts) for _ in range(n)]
-    for c in completions:
-        assert isinstance(c, Completion)
-        assert 1 <= len(c.token_ids) <= max_tokens and len(c.log_probs) == len(c.token_ids)
-        assert all(math.isfinite(x) and x <= 0.0 for x in c.log_probs)
-        assert c.finish_reason in ("stop", "length")
-        if c.finish_reason == "stop":
-            assert c.token_ids[-1] == tokenizer.eos_token_id
-            assert tokenizer.eos_token_id not in c.token_ids[:-1]
-        else:
-            assert len(c.token_ids) == max_tokens and tokenizer.eos_token_id not in c.token_ids
-        assert c.text == tokenizer.decode(c.token_ids, skip_special_tokens=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -91,7 +46,7 @@ def _check_completions(completions, n_prompts, n, max_tokens, tokenizer):
 
 def test_vllm_generate_shapes_order_and_text(vllm_engine, prompts, tokenizer):
     completions = vllm_engine.generate(prompts, n=4, max_tokens=16, temperature=1.0)
-    _check_completions(completions, len(prompts), 4, 16, tokenizer)
+    check_completions(completions, len(prompts), 4, 16, tokenizer)
     # n samples of one prompt are distinct draws
     assert len({tuple(c.token_ids) for c in completions[:4]}) > 1
 
@@ -100,17 +55,17 @@ def test_vllm_generate_shapes_order_and_text(vllm_engine, prompts, tokenizer):
 def test_vllm_logprobs_equal_trainer_forward(vllm_engine, tiny_model_path, prompts, temperature):
     model = _policy(tiny_model_path)
     completions = vllm_engine.generate(prompts, n=3, max_tokens=24, temperature=temperature)
-    assert _max_gap(model, prompts, completions, temperature) < TOL  # first token included
+    assert max_logprob_gap(model, prompts, completions, temperature) < LOGPROB_TOL  # first token included
 
 
 def test_vllm_top_p_reports_renormalised_nucleus(vllm_engine, tiny_model_path, prompts):
     """top_p < 1: log-prob under the renormalised nucleus, i.e. trainer's minus log(kept mass)."""
     model, top_p = _policy(tiny_model_path), 0.9
     completions = vllm_engine.generate(prompts, n=2, max_tokens=12, temperature=1.0, top_p=top_p)
-    assert _max_gap(model, prompts, completions, 1.0, top_p) < TOL
+    assert max_logprob_gap(model, prompts, completions, 1.0, top_p) < LOGPROB_TOL
     for c in completions:
-        excess = torch.tensor(c.log_probs) - _trainer_logprobs(model, prompts[c.prompt_index], c.token_ids, 1.0)
-        assert excess.min() > -TOL and excess.max() < -math.log(top_p) + TOL
+        excess = torch.tensor(c.log_probs) - trainer_logprobs(model, prompts[c.prompt_index], c.token_ids, 1.0)
+        assert excess.min() > -LOGPROB_TOL and excess.max() < -math.log(top_p) + LOGPROB_TOL
 
 
 def test_vllm_generate_leaves_caller_rng_alone(vllm_engine, prompts):
@@ -127,7 +82,7 @@ def test_vllm_push_weights_changes_outputs_and_matches_new_trainer(vllm_engine, 
     original = _policy(tiny_model_path)
     greedy_before = vllm_engine.generate(prompts, n=1, max_tokens=8, temperature=0.0)
     trainer = _policy(tiny_model_path)
-    _perturb(trainer)
+    perturb(trainer)
     _boost_eos(trainer, tokenizer.eos_token_id, 0.6)  # ~15% eos per token
     try:
         vllm_engine.push_weights(merged_state_dict(trainer))
@@ -135,12 +90,12 @@ def test_vllm_push_weights_changes_outputs_and_matches_new_trainer(vllm_engine, 
         greedy_after = vllm_engine.generate(prompts, n=1, max_tokens=8, temperature=0.0)
         assert [c.token_ids for c in greedy_after] != [c.token_ids for c in greedy_before]
         completions = vllm_engine.generate(prompts, n=4, max_tokens=16, temperature=1.0)
-        _check_completions(completions, len(prompts), 4, 16, tokenizer)
+        check_completions(completions, len(prompts), 4, 16, tokenizer)
         assert sum(c.finish_reason == "stop" for c in completions) >= len(completions) // 2
         # (b) the engine scores with exactly the new weights, at both temperatures
-        assert _max_gap(trainer, prompts, completions, 1.0) < TOL
+        assert max_logprob_gap(trainer, prompts, completions, 1.0) < LOGPROB_TOL
         cold = vllm_engine.generate(prompts, n=2, max_tokens=16, temperature=0.7)
-        assert _max_gap(trainer, prompts, cold, 0.7) < TOL
+        assert max_logprob_gap(trainer, prompts, cold, 0.7) < LOGPROB_TOL
     finally:  # the session engine goes back to the original weights for the other tests
         vllm_engine.push_weights(merged_state_dict(original))
     restored = vllm_engine.generate(prompts, n=1, max_tokens=8, temperature=0.0)
@@ -165,11 +120,11 @@ def test_vllm_push_weights_tied_embeddings_smollm2():
     try:
         assert engine.tied_embeddings
         before = engine.generate(prompts, n=2, max_tokens=12, temperature=1.0)
-        assert _max_gap(trainer, prompts, before, 1.0) < TOL
-        _perturb(trainer, scale=0.2)  # large enough that a stale head would be off by far more than TOL
+        assert max_logprob_gap(trainer, prompts, before, 1.0) < LOGPROB_TOL
+        perturb(trainer, scale=0.2)  # large enough that a stale head would be off by far more than TOL
         engine.push_weights(merged_state_dict(trainer))
         after = engine.generate(prompts, n=2, max_tokens=12, temperature=1.0)
-        assert _max_gap(trainer, prompts, after, 1.0) < TOL
+        assert max_logprob_gap(trainer, prompts, after, 1.0) < LOGPROB_TOL
     finally:
         engine.close()
 
@@ -208,21 +163,22 @@ def test_transformers_logprobs_equal_trainer_forward(tiny_model_path, tokenizer,
     model = _policy(tiny_model_path)
     engine = TransformersEngine(model, tokenizer, seed=0)
     completions = engine.generate(prompts, n=3, max_tokens=20, temperature=temperature)
-    _check_completions(completions, len(prompts), 3, 20, tokenizer)
-    assert _max_gap(model, prompts, completions, temperature) < TOL  # left padding + KV cache, first token included
+    check_completions(completions, len(prompts), 3, 20, tokenizer)
+    # left padding + KV cache, first token included
+    assert max_logprob_gap(model, prompts, completions, temperature) < LOGPROB_TOL
 
 
 def test_transformers_top_p_reports_renormalised_nucleus(tiny_model_path, tokenizer, prompts):
     model, top_p = _policy(tiny_model_path), 0.9
     completions = TransformersEngine(model, tokenizer).generate(prompts, n=2, max_tokens=10, top_p=top_p)
-    assert _max_gap(model, prompts, completions, 1.0, top_p) < TOL
+    assert max_logprob_gap(model, prompts, completions, 1.0, top_p) < LOGPROB_TOL
 
 
 def test_transformers_stops_at_eos(tiny_model_path, tokenizer, prompts):
     model = _policy(tiny_model_path)
     _boost_eos(model, tokenizer.eos_token_id, 0.45)  # ~5% eos per token: both finish reasons in 24 tokens
     completions = TransformersEngine(model, tokenizer, seed=1).generate(prompts, n=4, max_tokens=24)
-    _check_completions(completions, len(prompts), 4, 24, tokenizer)
+    check_completions(completions, len(prompts), 4, 24, tokenizer)
     assert {c.finish_reason for c in completions} == {"stop", "length"}
 
 
@@ -236,7 +192,7 @@ def test_transformers_deterministic_with_seed(tiny_model_path, tokenizer, prompt
 def test_transformers_push_weights(tiny_model_path, tokenizer):
     trainer = _policy(tiny_model_path)
     engine = TransformersEngine(_policy(tiny_model_path), tokenizer)
-    _perturb(trainer)
+    perturb(trainer)
     engine.push_weights(merged_state_dict(trainer))
     for name, p in trainer.state_dict().items():
         assert torch.equal(engine.model.state_dict()[name], p), name
@@ -253,14 +209,14 @@ def test_transformers_engine_on_trainers_lora_model(tiny_model_path, tokenizer, 
     engine = TransformersEngine(trainer, tokenizer)
     engine.push_weights(merged_state_dict(trainer))
     completions = engine.generate(prompts, n=2, max_tokens=6)
-    _check_completions(completions, len(prompts), 2, 6, tokenizer)
+    check_completions(completions, len(prompts), 2, 6, tokenizer)
     assert trainer.training  # the engine restores the caller's train/eval mode
 
 
 def test_make_engine_transformers(tiny_model_path, tokenizer, prompts):
     engine = make_engine("transformers", tiny_model_path, dtype="float32", device="cpu", seed=0, max_model_len=512)
     assert isinstance(engine, TransformersEngine)
-    _check_completions(engine.generate(prompts, n=2, max_tokens=4), len(prompts), 2, 4, tokenizer)
+    check_completions(engine.generate(prompts, n=2, max_tokens=4), len(prompts), 2, 4, tokenizer)
     engine.close()
 
 

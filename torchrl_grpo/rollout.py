@@ -18,7 +18,7 @@ from torchrl_grpo.errors import ConfigError
 __all__ = ["Completion", "Engine", "make_engine"]
 
 # vllm.LLM arguments the transformers backend ignores, so that one config can drive either backend.
-_VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching")
+_VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "engine_process")
 
 
 @dataclass
@@ -107,7 +107,7 @@ def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
     transformers: loads its own copy of ``model_path`` (``dtype`` default "float32", ``device`` default
     "cpu"), unless ``model=`` (e.g. the trainer's model object) and optionally ``tokenizer=`` are given;
     ``seed`` and ``trust_remote_code`` are honoured and vLLM-only arguments (gpu_memory_utilization, max_model_len,
-    enable_prefix_caching) are ignored.
+    enable_prefix_caching, engine_process) are ignored.
     """
     # the engine modules import this one: imported here, not at the top
     if backend == "vllm":

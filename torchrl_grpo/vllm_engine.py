@@ -74,29 +74,78 @@ def _visible_cuda_devices(devices: Sequence[torch.device]) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
+ENGINE_PROCESSES = ("auto", "same", "own")
+MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+SHUTDOWN_GRACE_S = 30.0  # how long close() lets an engine process exit by itself
+
+
+@contextlib.contextmanager
+def _engine_process_env(own: bool) -> Iterator[None]:
+    """Tell vLLM which process its engine runs in while one engine starts, then give the environment back.
+
+    vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` once, while ``LLM()`` builds its engine; left set it would
+    choose the next engine's process too. An engine started in this process freezes vLLM's view of the
+    environment (``vllm.envs.enable_envs_cache``) for good, so that a later one would still read the frozen
+    value (and an engine in its own process could not send functions to it: see
+    ``vllm_cpu_fixes.allow_pickled_rpc``): the freeze is lifted first (the next in-process engine sets it again).
+    """
+    import vllm.envs
+
+    vllm.envs.disable_envs_cache()
+    old = os.environ.get(MULTIPROCESSING_ENV)
+    os.environ[MULTIPROCESSING_ENV] = "1" if own else "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(MULTIPROCESSING_ENV, None)
+        else:
+            os.environ[MULTIPROCESSING_ENV] = old
+
+
+def wants_own_process(engine_process: str, on_cpu: bool) -> bool:
+    """``inference_model.engine_process`` -> whether vLLM's engine runs in a process of its own.
+
+    auto: what ``VLLM_ENABLE_V1_MULTIPROCESSING`` says where it is set, else this process on a CPU (it starts
+    in 4-7 s instead of 28-52 s) and vLLM's own process on a GPU (vLLM's default).
+    """
+    if engine_process not in ENGINE_PROCESSES:
+        choices = ", ".join(ENGINE_PROCESSES)
+        raise ConfigError(f"inference_model.engine_process={engine_process!r}: choose one of {choices}")
+    if engine_process == "auto":
+        return os.environ.get(MULTIPROCESSING_ENV, "0" if on_cpu else "1") != "0"
+    return engine_process == "own"
+
+
 class VLLMEngine(Engine):
     """A ``vllm.LLM`` that samples G completions per prompt with sampling log-probs and takes new weights.
 
-    CPU (vllm-cpu): ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` and ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) are set
-    unless already set, before vLLM is imported, and ``enforce_eager=True``; the workarounds of
-    :mod:`torchrl_grpo.vllm_cpu_fixes` apply. The engine then runs inside
-    the caller's process, which has side effects on that process, all measured on vllm-cpu 0.32.0:
+    ``engine_process`` (``inference_model.engine_process``) is where vLLM's engine runs: ``same`` (the
+    caller's process), ``own`` (a process of its own, with a worker process under it) or ``auto`` (see
+    :func:`wants_own_process`: the caller's on CPU, its own on a GPU). It applies to this engine only.
+
+    CPU (vllm-cpu): ``VLLM_CPU_KVCACHE_SPACE=1`` (GiB) is set unless already set, before vLLM is imported,
+    and ``enforce_eager=True``; the workarounds of :mod:`torchrl_grpo.vllm_cpu_fixes` apply (in the engine's
+    process too when it has its own). An engine inside
+    the caller's process has side effects on that process, all measured on vllm-cpu 0.32.0:
     ``torch.set_num_threads`` is replaced by a no-op for good, even after ``close()`` (vLLM's CPU worker
     does that after binding its OpenMP threads; the thread count stays what it was: 2 of 2 here), memory
     allocation is bound to the engine's NUMA node (MEMBIND), and the objects alive at engine start are
     ``gc.freeze()``-d until ``close()``. vLLM also reseeds the global python/numpy/torch RNGs at startup and samples
     from the global torch CPU generator; this class restores the caller's RNG states after startup and
     swaps in the engine's own generator state around each ``generate``, so the caller's RNG stream and the
-    engine's samples do not disturb each other.
+    engine's samples do not disturb each other. An engine in its own process samples from that process's
+    generator, which this class cannot read: its :meth:`sampling_state` is None (a resumed run is reseeded).
 
     GPU (official vllm, untested here): vLLM's default engine process; ``device="cuda:K"`` is passed to
     it by setting ``CUDA_VISIBLE_DEVICES`` to that one GPU while the engine starts (vLLM always uses the
     first visible device; an existing ``CUDA_VISIBLE_DEVICES`` list is honoured, K indexes into it). A
     list of devices shows them all and shards the model over them (``tensor_parallel_size``).
     ``gpu_memory_utilization`` is the fraction of that GPU vLLM may take. Weight pushes then go through a
-    safetensors file in /dev/shm (tensors cannot be handed to another process by reference). Do not set
-    ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` on a GPU unless the engine should use the process's first
-    visible GPU: an in-process engine cannot be moved by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
+    safetensors file in /dev/shm (tensors cannot be handed to another process by reference), as they do on
+    CPU with ``engine_process=own`` (tests/test_engine_process.py). Do not use ``engine_process=same`` on a
+    GPU unless the engine should use the process's first visible GPU: an in-process engine cannot be moved
+    by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
 
     Extra keyword arguments go to ``vllm.LLM`` unchanged (e.g. ``enforce_eager=False`` on a GPU).
     """
@@ -112,6 +161,7 @@ class VLLMEngine(Engine):
         seed: int = 0,
         enable_prefix_caching: bool = False,
         trust_remote_code: bool = False,
+        engine_process: str = "auto",
         **llm_kwargs,
     ):
         self.model_path = str(model_path)
@@ -122,11 +172,12 @@ class VLLMEngine(Engine):
         self._on_cpu = self.device.type == "cpu"
         # vLLM logs every request and weight reload at INFO; warnings and errors are what a training run needs.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        own_process = wants_own_process(engine_process, self._on_cpu)
+        self._in_process = not own_process
         if self._on_cpu:
             vllm_cpu_fixes.set_cpu_env_defaults()
         vllm_cpu_fixes.quiet_expected_reload_warnings()
-        self._in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
-        if self._on_cpu and not self._in_process:
+        if self._on_cpu and own_process:
             vllm_cpu_fixes.allow_pickled_rpc()
         vllm = import_vllm()
         if self._on_cpu:
@@ -150,8 +201,10 @@ class VLLMEngine(Engine):
             kwargs["tensor_parallel_size"] = len(self.devices)
         kwargs.update(llm_kwargs)
         t0 = time.perf_counter()
-        with _preserved_global_rng(), _visible_cuda_devices(self.devices):
+        with _preserved_global_rng(), _visible_cuda_devices(self.devices), _engine_process_env(own_process):
             self.llm = vllm.LLM(**kwargs)
+        if self._on_cpu and own_process:
+            self.llm.collective_rpc(vllm_cpu_fixes.apply_in_worker)
         self.start_s = time.perf_counter() - t0
         # The engine's own stream for the (in-process) global torch generator vLLM samples from.
         self._rng_state = torch.Generator().manual_seed(seed).get_state()
@@ -273,7 +326,9 @@ class VLLMEngine(Engine):
         llm, self.llm = getattr(self, "llm", None), None
         if llm is not None:
             try:
-                llm.llm_engine.engine_core.shutdown()
+                # vLLM's default grace is 5 s, then SIGKILL: on 2 busy cores an engine process and its worker
+                # took 5-15 s to exit in tests here, and a killed one left its semaphores in /dev/shm
+                llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_GRACE_S)
             except Exception:  # already down, or another vLLM version's layout
                 log.debug("vLLM engine shutdown failed", exc_info=True)
             del llm

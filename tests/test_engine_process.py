@@ -1,0 +1,248 @@
+"""vLLM's engine in a process of its own (``inference_model.engine_process=own``), on CPU: the topology GPUs
+use, where weights reach the engine through a safetensors file in /dev/shm and vLLM functions through pickled
+rpc. One engine serves the module's engine tests (it takes 20-30 s to start on 2 cores) and the last of them
+closes it; then grpo.py runs two steps with its engine in its own process.
+
+It runs on a variant of the tiny model with tied embeddings, the case where a push that leaves the head's
+packed weights alone would go unnoticed (see ``vllm_cpu_fixes.redispatch_cpu_gemm``). The references are
+the trainer's log-probs (helpers.trainer_logprobs) of the same tokens under the weights the engine should hold.
+"""
+import json
+import os
+import shutil
+import time
+import uuid
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import (
+    LOGPROB_TOL, SMALL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb, run,
+)
+from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.models import load_policy, merged_state_dict
+from torchrl_grpo.vllm_engine import MULTIPROCESSING_ENV, VLLMEngine, wants_own_process
+
+SHM = "/dev/shm"
+PUSH_PREFIX = "torchrl_grpo_push_"
+QUESTIONS = ["Ana has 5 apples.", "Each box holds 3 eggs. There are 12 boxes. How many eggs are there in total?"]
+
+
+def _shm() -> set[str]:
+    return set(os.listdir(SHM)) if os.path.isdir(SHM) else set()
+
+
+def _push_dirs() -> set[str]:
+    return {name for name in _shm() if name.startswith(PUSH_PREFIX)}
+
+
+def _shm_held_by(pids) -> set[str]:
+    """The /dev/shm entries that processes ``pids`` have mapped or open (vLLM's shared-memory queues and
+    semaphores): theirs, unlike whatever else appears there meanwhile (other processes use /dev/shm too)."""
+    paths = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                paths.update(line.split(maxsplit=5)[-1].strip() for line in f if len(line.split()) == 6)
+            fd_dir = f"/proc/{pid}/fd"
+            paths.update(os.readlink(os.path.join(fd_dir, fd)) for fd in os.listdir(fd_dir))
+        except OSError:  # gone meanwhile
+            pass
+    return {os.path.basename(path) for path in paths if path.startswith(SHM + "/") and not path.endswith("(deleted)")}
+
+
+def _engine_children() -> list:
+    """This process's descendants, less multiprocessing's resource tracker (one per process, for good)."""
+    import psutil
+
+    kids = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if not any("resource_tracker" in part for part in p.cmdline()):
+                kids.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return kids
+
+
+def _policy(path):
+    return load_policy(path, dtype=torch.float32, device="cpu", trainable=False)
+
+
+@pytest.fixture(scope="module")
+def tied_model_path(tiny_model_path, tmp_path_factory) -> str:
+    """The tiny model with its head tied to the embedding (its checkpoint then has no lm_head.weight)."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("tiny_tied")
+    shutil.copytree(tiny_model_path, out, dirs_exist_ok=True)
+    weights = load_file(out / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["tie_word_embeddings"] = True
+    (out / "config.json").write_text(json.dumps(config))
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def own(tied_model_path):
+    """The module's engine in its own process, with what the process looked like before it started."""
+    env_before, set_num_threads = os.environ.get(MULTIPROCESSING_ENV), torch.set_num_threads
+    children_before, held_before = {p.pid for p in _engine_children()}, _shm_held_by([os.getpid()])
+    torch.manual_seed(3)
+    expected_rand = torch.rand(4)
+    torch.manual_seed(3)
+    engine = VLLMEngine(tied_model_path, dtype="float32", device="cpu", max_model_len=512, seed=0,
+                        engine_process="own")
+    state = SimpleNamespace(
+        engine=engine, env_before=env_before, set_num_threads=set_num_threads, expected_rand=expected_rand,
+        caller_rand=torch.rand(4), held_here=_shm_held_by([os.getpid()]) - held_before,
+        children=[p for p in _engine_children() if p.pid not in children_before],
+    )
+    yield state
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def prompts(tied_model_path):
+    from torchrl_grpo.models import load_tokenizer
+
+    tokenizer = load_tokenizer(tied_model_path)
+    return tokenizer, [tokenizer(q)["input_ids"] for q in QUESTIONS]
+
+
+@needs_vllm
+def test_own_process_engine_runs_elsewhere_and_leaves_this_process_alone(own):
+    names = sorted(p.name() for p in own.children)
+    assert names == ["VLLM::EngineCore", "VLLM::Worker"], names
+    assert own.engine.tied_embeddings
+    assert own.engine.sampling_state() is None  # the generator it samples from lives in the worker
+    # the topology was this engine's choice: the next engine started here reads the environment it found
+    assert os.environ.get(MULTIPROCESSING_ENV) == own.env_before
+    assert torch.set_num_threads is own.set_num_threads  # only an in-process vLLM worker replaces it
+    assert torch.equal(own.caller_rand, own.expected_rand)  # starting it left the caller's RNG stream alone
+
+
+@needs_vllm
+def test_own_process_worker_has_the_cpu_fixes(own):
+    """The eager rank count and the reload-warnings filter are patched into the worker, where sampling runs."""
+    def probe(worker):  # nested: pickled by value, so the worker needs no import of this module
+        import logging
+
+        import vllm.v1.sample.sampler as sampler
+
+        from torchrl_grpo import vllm_cpu_fixes as fixes
+
+        filters = logging.getLogger(fixes.RELOAD_LOGGER).filters
+        return (sampler.batched_count_greater_than is fixes.eager_rank_count, os.getpid(),
+                any(isinstance(f, fixes.ExpectedReloadWarnings) for f in filters))
+
+    [(eager, pid, quiet)] = own.engine.llm.collective_rpc(probe)
+    assert pid in {p.pid for p in own.children} and eager and quiet
+
+
+@needs_vllm
+def test_own_process_generates_g_completions_with_trainers_logprobs(own, tied_model_path, prompts):
+    tokenizer, ids = prompts
+    model = _policy(tied_model_path)
+    torch.manual_seed(5)
+    expected = torch.rand(4)
+    torch.manual_seed(5)
+    completions = own.engine.generate(ids, n=4, max_tokens=16, temperature=1.0)
+    assert torch.equal(torch.rand(4), expected)  # sampling happened in the worker, not on our RNG
+    check_completions(completions, len(ids), 4, 16, tokenizer)
+    assert len({tuple(c.token_ids) for c in completions[:4]}) > 1  # G distinct draws of one prompt
+    assert max_logprob_gap(model, ids, completions, 1.0) < LOGPROB_TOL
+    cold = own.engine.generate(ids, n=2, max_tokens=16, temperature=0.7)
+    assert max_logprob_gap(model, ids, cold, 0.7) < LOGPROB_TOL
+
+
+@needs_vllm
+def test_own_process_push_goes_through_shm_and_the_engine_then_holds_the_new_weights(own, tied_model_path, prompts):
+    _, ids = prompts
+    old, new = _policy(tied_model_path), _policy(tied_model_path)
+    perturb(new, scale=0.2)  # the tied head moves with the embedding: a stale head is off by far more than TOL
+    before = _push_dirs()
+    own.engine.push_weights(merged_state_dict(new))
+    made = sorted(_push_dirs() - before)
+    assert len(made) == 1 and os.listdir(os.path.join(SHM, made[0])) == ["model.safetensors"]
+    own.push_dirs = made
+    completions = own.engine.generate(ids, n=3, max_tokens=16, temperature=1.0)
+    assert max_logprob_gap(new, ids, completions, 1.0) < LOGPROB_TOL
+    assert max_logprob_gap(old, ids, completions, 1.0) > 100 * LOGPROB_TOL  # a push that did nothing fails here
+    own.engine.push_weights(merged_state_dict(old))  # a second push overwrites the same file
+    assert sorted(_push_dirs() - before) == made
+    again = own.engine.generate(ids, n=3, max_tokens=16, temperature=1.0)
+    assert max_logprob_gap(old, ids, again, 1.0) < LOGPROB_TOL
+
+
+@needs_vllm
+def test_own_process_close_leaves_no_process_and_nothing_in_shm(own):
+    import psutil
+
+    assert own.children and all(p.is_running() for p in own.children)
+    assert getattr(own, "push_dirs", None), "the push test must run first"
+    held = own.held_here | _shm_held_by(p.pid for p in own.children)
+    assert any(name.startswith("psm_") for name in held), held  # vLLM's queues: the check below checks something
+    own.engine.close()
+    _, alive = psutil.wait_procs(own.children, timeout=10)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    left = _shm()
+    assert not [name for name in own.push_dirs if name in left]
+    # what vLLM made in /dev/shm for its processes (shared-memory queues, semaphores) went with them
+    assert not held & left, held & left
+    own.engine.close()  # idempotent
+    with pytest.raises(RuntimeError, match="after close"):
+        own.engine.generate([[1, 2]], n=1, max_tokens=2)
+
+
+def _processes_with_env(marker: str) -> list[int]:
+    """Live processes whose environment holds ``marker`` (what a run's processes inherit, orphans included)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return pids
+
+
+@needs_vllm
+def test_grpo_py_with_its_engine_in_its_own_process(tmp_path):
+    """Two steps of grpo.py with engine_process=own: the step-2 batch was sampled after a push through /dev/shm,
+    and its engine log-probs agree with the trainer's updated weights; no engine process outlives the run."""
+    tag = uuid.uuid4().hex  # in the environment of the run and of every process it starts
+    run_dir, push_dirs_before = tmp_path / "run", _push_dirs()
+    done = run([*SMALL, "train.total_dialog_turns=16", "inference_model.engine_process=own",
+                "loss.old_log_probs=trainer", "train.entropy_coeff=0.01", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
+               env_extra={"TORCHRL_GRPO_TEST_RUN": tag})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = metric_rows(run_dir)
+    assert [int(float(r["step"])) for r in rows] == [1, 2]
+    for key in ("reward", "loss_objective", "entropy", "grad_norm", "engine_trainer_logp_gap_max"):
+        assert all(finite(r[key]) for r in rows), key
+    assert float(rows[0]["grad_norm"]) > 0  # the entropy bonus moves the weights even where rewards tie
+    gaps = [float(r["engine_trainer_logp_gap_max"]) for r in rows]
+    assert max(gaps) < LOGPROB_TOL, gaps  # a push that did nothing fails here (step 2)
+    deadline = time.time() + 10
+    while _processes_with_env(f"TORCHRL_GRPO_TEST_RUN={tag}") and time.time() < deadline:
+        time.sleep(0.2)
+    assert not _processes_with_env(f"TORCHRL_GRPO_TEST_RUN={tag}")
+    assert _push_dirs() == push_dirs_before  # the run's push folder went with its engine
+
+
+def test_engine_process_choice(monkeypatch):
+    """auto keeps what vLLM did before the key existed: the environment variable where set, else this process
+    on CPU and vLLM's own on a GPU; same and own override the variable."""
+    monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
+    assert [wants_own_process("auto", on_cpu) for on_cpu in (True, False)] == [False, True]
+    for value, own in (("1", True), ("0", False)):
+        monkeypatch.setenv(MULTIPROCESSING_ENV, value)
+        assert [wants_own_process("auto", on_cpu) for on_cpu in (True, False)] == [own, own]
+        assert wants_own_process("own", True) and not wants_own_process("same", False)
+    with pytest.raises(ConfigError, match=r"^inference_model.engine_process='both': choose one of auto, same, own$"):
+        wants_own_process("both", True)
