@@ -1,8 +1,9 @@
-"""Metrics out of the trainer: a CSV in the run directory (always), console lines with a progress bar and
-ETA, and wandb when asked (offline mode when no API key is set)."""
+"""Metrics out of the trainer: a CSV in the run directory (always), sample completions in a JSONL file,
+console lines with a progress bar and ETA, and wandb when asked (offline mode when no API key is set)."""
 from __future__ import annotations
 
 import csv
+import json
 import math
 import os
 import sys
@@ -60,9 +61,32 @@ class MetricsCSV:
         os.replace(tmp, self.path)
 
 
+class SamplesJSONL:
+    """Completions with their rewards, one JSON object per line (``samples.jsonl``): what the model actually
+    wrote, to read beside the curves. On resume the lines of steps after the checkpoint are dropped (they
+    are produced again)."""
+
+    def __init__(self, path: Path, resume_step: int | None = None):
+        self.path = path
+        if path.exists() and resume_step is not None:
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+        elif path.exists():
+            path.unlink()
+
+    def write(self, step: int, samples: list[tuple[str, float]]) -> None:
+        with open(self.path, "a") as f:
+            for text, reward in samples:
+                f.write(json.dumps({"step": step, "reward": reward, "completion": text}, ensure_ascii=False) + "\n")
+
+
 class Telemetry:
     def __init__(self, cfg, run_dir: Path, total_steps: int, start_step: int, resumed: bool):
         self.csv = MetricsCSV(run_dir / "metrics.csv", resume_step=start_step if resumed else None)
+        self.samples = SamplesJSONL(run_dir / "samples.jsonl", resume_step=start_step if resumed else None)
+        self.samples_frequency = int(cfg.logging.samples_frequency)
         self.log_frequency = max(1, int(cfg.logging.log_frequency))
         self.show_completions = int(cfg.logging.show_completions)
         # a bar redraws with carriage returns: only on a terminal (a file, CI or `| tee` gets the step lines)
@@ -84,8 +108,16 @@ class Telemetry:
         return row
 
     def log(self, step: int, metrics: dict, samples: list[tuple[str, float]]) -> None:
-        """One training step: its row, the progress bar, a console line every ``logging.log_frequency`` steps."""
+        """One training step: its row, the progress bar, a console line every ``logging.log_frequency`` steps,
+        its (completion, reward) ``samples`` in samples.jsonl (and wandb) every ``logging.samples_frequency``."""
         row = self.record(step, metrics)
+        if self.samples_frequency and step % self.samples_frequency == 0:
+            self.samples.write(step, samples)
+            if self.wandb is not None:
+                import wandb
+
+                self.wandb.log({"samples": wandb.Table(columns=["step", "reward", "completion"],
+                                                       data=[[step, r, t] for t, r in samples])}, step=step)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{row.get('reward', float('nan')):.3f}")
         if step % self.log_frequency == 0:
