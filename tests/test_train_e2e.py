@@ -16,6 +16,8 @@ def test_train_then_resume(tmp_path):
                  "loss.old_log_probs=trainer", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "completions per step" in first.stdout and "summary:" in first.stdout
+    assert f"plots: {run_dir / 'plots'} (2 figures)" in first.stdout  # no evaluation: reward and policy
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["policy.png", "reward.png"]
     logged = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in logged] == [1, 2]
     for key in ("reward", "reward/accuracy", "reward/answer_format", "loss_objective", "kl_to_ref", "entropy",

@@ -34,6 +34,7 @@ class Panel:
     ylabel: str
     columns: tuple[str, ...]
     per_step: bool = True  # False: a few evaluation points, drawn as markers and not smoothed
+    overlay: tuple[str, ...] | None = None  # the columns a sweep overlays, one panel each (None: all)
 
 
 Series = dict[str, tuple[list[float], list[float]]]  # column -> (steps, values), finite cells only
@@ -82,12 +83,13 @@ def figures(columns) -> dict[str, list[Panel]]:
             Panel("completion length", "tokens", ("completion_length", "completion_length_max")),
             Panel("KL divergence", "nats per token", ("kl_to_ref", "kl_to_inference")),
             Panel("policy entropy", "nats per token", ("entropy",)),
-            Panel("clipped by the ratio clip", "fraction of tokens", ("clip_fraction", "clip_fraction_low",
-                                                                      "clip_fraction_high")),
+            Panel("clipped by the ratio clip", "fraction of tokens",
+                  ("clip_fraction", "clip_fraction_low", "clip_fraction_high"), overlay=("clip_fraction",)),
             Panel("gradient norm", "L2 norm, before clipping", ("grad_norm",)),
         ],
         "eval": [
-            Panel("evaluation: accuracy and pass@k", "fraction of prompts", ("eval/accuracy", *pass_at), False),
+            Panel("evaluation: accuracy and pass@k", "fraction of prompts", ("eval/accuracy", *pass_at), False,
+                  overlay=("eval/accuracy", *pass_at[1:])),  # pass@1 is the accuracy of one sample
             Panel("evaluation: reward", "reward, mean over responses", ("eval/reward",), False),
             Panel("evaluation: accuracy per task", "fraction of prompts", tuple(task_accuracy), False),
         ],
@@ -185,7 +187,8 @@ def find_runs(paths) -> list[Path]:
     runs = []
     for path in map(Path, paths):
         if not path.is_dir():
-            raise ConfigError(f"{path}: no such directory: give a run directory of grpo.py or a sweep directory")
+            raise ConfigError(f"{path}: {'not a directory' if path.exists() else 'no such directory'}: give a run "
+                              "directory of grpo.py or a sweep directory")
         if (path / "metrics.csv").is_file():
             runs.append(path)
             continue
@@ -220,30 +223,39 @@ def last_window(steps: int) -> int:
     return min(steps, max(5, math.ceil(steps / 10)))
 
 
-def rank(jobs: list[Job]) -> tuple[str, list[tuple[Job, float | None]]]:
-    """The jobs, best first, with their score, and what scored them: the last evaluation accuracy when every
-    job has one, else the mean reward of the last steps (a job with neither comes last)."""
-    if jobs and all("eval/accuracy" in j.series for j in jobs):
-        metric, scores = "last eval/accuracy", [j.series["eval/accuracy"][1][-1] for j in jobs]
-    else:
-        metric = "mean reward, last 10% of steps (at least 5)"
-        scores = []
-        for job in jobs:
-            rewards = job.series.get("reward", ([], []))[1]
-            scores.append(sum(rewards[-last_window(len(rewards)):]) / last_window(len(rewards)) if rewards else None)
-    order = sorted(range(len(jobs)), key=lambda i: (scores[i] is None, -(scores[i] or 0.0)))
-    return metric, [(jobs[i], scores[i]) for i in order]
+REWARD_METRIC = "mean reward, last 10% of steps (at least 5)"
+EVAL_METRIC = "last eval/accuracy"
 
 
-def sweep_table(metric: str, ranked: list[tuple[Job, float | None]], out_dir: Path) -> str:
-    """The ranking as a markdown table (what sweep.md holds)."""
-    lines = [f"Jobs ranked by {metric}, best first.", "",
-             f"| rank | job | {metric} | steps | last eval/accuracy | run directory |", "|---|---|---|---|---|---|"]
+def scores(job: Job) -> dict[str, float | None]:
+    """What a job is ranked by: its last evaluation accuracy and its mean reward over the last steps."""
+    rewards = job.series.get("reward", ([], []))[1]
+    accuracy = job.series.get("eval/accuracy", ([], []))[1]
+    return {EVAL_METRIC: accuracy[-1] if accuracy else None,
+            REWARD_METRIC: sum(rewards[-last_window(len(rewards)):]) / last_window(len(rewards)) if rewards else None}
+
+
+def rank(jobs: list[Job]) -> tuple[list[str], list[tuple[Job, dict]]]:
+    """The jobs, best first, with their scores, and the metrics that ranked them in order: the last evaluation
+    accuracy when every job has one (ties broken by the reward), else the mean reward of the last steps. A
+    job with neither comes last."""
+    scored = [(job, scores(job)) for job in jobs]
+    evaluated = bool(jobs) and all(s[EVAL_METRIC] is not None for _, s in scored)
+    metrics = [EVAL_METRIC, REWARD_METRIC] if evaluated else [REWARD_METRIC]
+    ranked = sorted(scored, key=lambda js: [(js[1][m] is None, -(js[1][m] or 0.0)) for m in metrics])
+    return metrics, ranked
+
+
+def sweep_table(metrics: list[str], ranked: list[tuple[Job, dict]], out_dir: Path) -> str:
+    """The ranking as a markdown table (what sweep.md holds); the ranking metric's column comes first."""
+    columns = metrics + [m for m in (EVAL_METRIC, REWARD_METRIC) if m not in metrics]
+    lines = [f"Jobs ranked by {' then by '.join(metrics)}, best first.", "",
+             "| rank | job | " + " | ".join(columns) + " | steps | run directory |",
+             "|---" * (len(columns) + 4) + "|"]
     for i, (job, score) in enumerate(ranked, 1):
-        steps = job.series.get("reward", ([], []))[0]
-        accuracy = job.series.get("eval/accuracy", ([], [None]))[1][-1]
-        lines.append(f"| {i} | {job.name} | {_cell(score)} | {len(steps)} | {_cell(accuracy)} | "
-                     f"{os.path.relpath(job.run_dir, out_dir)} |")
+        steps = len(job.series.get("reward", ([], []))[0])
+        lines.append(f"| {i} | {job.name} | " + " | ".join(_cell(score[c]) for c in columns) +
+                     f" | {steps} | {os.path.relpath(job.run_dir, out_dir)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -260,11 +272,11 @@ def plot_sweep(runs: list[Path], out_dir: Path) -> tuple[str, list[Path]]:
     written = []
     for stem, panels in figures(columns).items():
         per_column = [Panel(p.title if len(p.columns) == 1 else f"{p.title}: {c}", p.ylabel, (c,), p.per_step)
-                      for p in panels for c in p.columns]
+                      for p in panels for c in (p.columns if p.overlay is None else p.overlay)]
         drawn = [(p, [(j.name, j.series.get(p.columns[0], ([], []))) for j in jobs]) for p in per_column]
         drawn = [(p, lines) for p, lines in drawn if any(values for _, (_, values) in lines)]
         if drawn:
-            written.append(_save(out_dir / "plots" / f"sweep_{stem}.png", f"{len(jobs)} runs: {stem}", drawn,
+            written.append(_save(out_dir / "plots" / f"sweep_{stem}.png", f"{out_dir.resolve().name}: {len(jobs)} runs, {stem}", drawn,
                                  legend_below=[j.name for j in jobs]))
     table = sweep_table(*rank(jobs), out_dir)
     (out_dir / "sweep.md").write_text(table)
