@@ -276,8 +276,8 @@ def plot_sweep(runs: list[Path], out_dir: Path) -> tuple[str, list[Path]]:
         drawn = [(p, [(j.name, j.series.get(p.columns[0], ([], []))) for j in jobs]) for p in per_column]
         drawn = [(p, lines) for p, lines in drawn if any(values for _, (_, values) in lines)]
         if drawn:
-            written.append(_save(out_dir / "plots" / f"sweep_{stem}.png", f"{out_dir.resolve().name}: {len(jobs)} runs, {stem}", drawn,
-                                 legend_below=[j.name for j in jobs]))
+            title = f"{out_dir.resolve().name}: {len(jobs)} runs, {stem}"
+            written.append(_save(out_dir / "plots" / f"sweep_{stem}.png", title, drawn, [j.name for j in jobs]))
     table = sweep_table(*rank(jobs), out_dir)
     (out_dir / "sweep.md").write_text(table)
     return table, written
