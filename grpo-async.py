@@ -15,8 +15,9 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from grpo_utils import build_async, exit_with_one_line
+from grpo_utils import build_async
 from torchrl_grpo.console import quiet_libraries
+from torchrl_grpo.errors import exit_with_one_line
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 

@@ -6,9 +6,7 @@ vLLM) happen here, after the config was validated, so that a bad key fails in a 
 """
 from __future__ import annotations
 
-import functools
 import random
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +17,6 @@ from omegaconf import DictConfig
 from torchrl_grpo.async_loop import AsyncRun
 from torchrl_grpo.collector import Collector
 from torchrl_grpo.config import BatchPlan, CollectSettings, TrainSettings, validate
-from torchrl_grpo.errors import ConfigError, RunError
 from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.objective import GRPOLoss
 from torchrl_grpo.placement import Placement, place, resolve_dtype
@@ -30,20 +27,6 @@ from torchrl_grpo.tasks import Task, build_task, eval_env_config
 from torchrl_grpo.trainer import Trainer
 from torchrl_grpo.trajectories import PromptSampler
 from torchrl_grpo.weight_check import WeightCheck
-
-
-def exit_with_one_line(main):
-    """Print a ConfigError (exit code 2) or a RunError (exit code 1) as one line on stderr, no traceback."""
-
-    @functools.wraps(main)
-    def wrapper(*args, **kwargs):
-        try:
-            return main(*args, **kwargs)
-        except (ConfigError, RunError) as err:
-            print(f"error: {err}", file=sys.stderr, flush=True)
-            sys.exit(2 if isinstance(err, ConfigError) else 1)
-
-    return wrapper
 
 
 def seed_everything(seed: int) -> None:

@@ -20,6 +20,8 @@ def test_train_then_resume(tmp_path):
     assert "vLLM engine on cpu started" in first.stdout and "cpu_worker.py" not in first.stdout + first.stderr
     assert "Loading" not in first.stderr and "FutureWarning" not in first.stdout + first.stderr
     assert "][vllm.v1.worker.cpu_worker][WARNING] - " in (run_dir / "grpo.log").read_text()
+    assert f"plots: {run_dir / 'plots'} (2 figures)" in first.stdout  # no evaluation: reward and policy
+    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["policy.png", "reward.png"]
     logged = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in logged] == [1, 2]
     for key in ("reward", "reward/accuracy", "reward/answer_format", "loss_objective", "kl_to_ref", "entropy",

@@ -1,4 +1,6 @@
 """Errors the entry points turn into a one-line message instead of a traceback."""
+import functools
+import sys
 
 
 class ConfigError(Exception):
@@ -15,3 +17,17 @@ def one_line(err: BaseException) -> str:
     stay one line."""
     text = str(err).strip().splitlines()
     return type(err).__name__ + (f": {text[0][:200]}" if text else "")
+
+
+def exit_with_one_line(main):
+    """Print a ConfigError (exit code 2) or a RunError (exit code 1) as one line on stderr, no traceback."""
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except (ConfigError, RunError) as err:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+            sys.exit(2 if isinstance(err, ConfigError) else 1)
+
+    return wrapper

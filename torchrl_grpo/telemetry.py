@@ -1,5 +1,6 @@
 """Metrics out of the trainer: a CSV in the run directory (always), sample completions in a JSONL file,
-console lines with a progress bar and ETA, and wandb when asked (offline mode when no API key is set)."""
+console lines with a progress bar and ETA, wandb when asked (offline mode when no API key is set), and the
+run's figures at its end (plots.py)."""
 from __future__ import annotations
 
 import csv
@@ -140,12 +141,21 @@ class Telemetry:
     def __enter__(self) -> Telemetry:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         self.close()
+        if exc_type is not None:  # a run stopped by a fault still leaves the figures of its steps
+            self.write_plots()
+
+    def write_plots(self) -> None:
+        """The run's figures in ``<run dir>/plots/`` and one line saying where; never raises."""
+        from torchrl_grpo.plots import write_run_plots
+
+        write_run_plots(self.csv.path.parent, say=self.print)
 
     def summary(self, reward_names: list[str], total_steps: int) -> dict[str, Trend]:
         """Print and return the end-of-run summary: the reward and each component over the first step, the
-        first and the last steps; and the first vs the last evaluation, when there were several."""
+        first and the last steps; and the first vs the last evaluation, when there were several. Then the
+        run's figures."""
         window = max(1, min(5, total_steps // 4))
         trends = summarize(self.csv.rows, ["reward"] + [f"reward/{n}" for n in reward_names], window)
         width = max([len(key) for key in trends] + [8])
@@ -157,6 +167,7 @@ class Telemetry:
             first, last = evaluated[0], evaluated[-1]
             self.print(f"  eval, step {int(first['step'])} -> step {int(last['step'])}: " + " | ".join(
                 f"{key} {float(first[f'eval/{key}']):.3f} -> {float(last[f'eval/{key}']):.3f}" for key in ("accuracy", "reward")))
+        self.write_plots()
         return trends
 
 
