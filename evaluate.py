@@ -20,12 +20,14 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from grpo_utils import build_eval_task
+from torchrl_grpo.command_line import checked_command_line
 from torchrl_grpo.console import quiet_libraries
 from torchrl_grpo.errors import exit_with_one_line
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 
 
+@checked_command_line(CONFIG_DIR, "grpo_gsm8k")
 @hydra.main(config_path=CONFIG_DIR, config_name="grpo_gsm8k", version_base="1.3")
 @exit_with_one_line
 def main(cfg: DictConfig) -> None:

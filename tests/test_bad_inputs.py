@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from grpo_utils import read_inputs
-from helpers import cfg_with, run
+from helpers import CONFIG_DIR, cfg_with, run
+from torchrl_grpo.command_line import check_overrides
 from torchrl_grpo.errors import ConfigError
 
 GSM = ["model=tiny", "env=gsm_symbolic", "env.size=16"]  # a valid base: each row breaks one thing
@@ -158,6 +159,31 @@ def _refused(done) -> str:
 def test_grpo_py_refuses_it_in_one_line_before_the_batch_plan(overrides, expected, files, tmp_path):
     done = run([*args(overrides, files), f"hydra.run.dir={tmp_path}/run"], tmp_path, timeout=120)
     assert _refused(done).startswith(expected.replace("{F}", str(files)))
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["train.no_such=1"], "Could not override 'train.no_such'. To append to your config use +train.no_such=1; check "
+                          "the key's spelling"),
+    (["model=nope"], "In 'grpo_gsm8k': Could not find 'model/nope' Available options in 'model': qwen2.5-0.5b-instruct, "),
+    (["--config-name", "nope"], "Cannot find primary config 'nope'"),
+    (["optimizer.lr=[1"], "no viable alternative at input '[1'"),
+    (["--multirun", "optimizer.lr=1e-4,1e-5", "model=nope"], "In 'grpo_gsm8k': Could not find 'model/nope'"),
+])
+def test_overrides_hydra_cannot_apply_are_one_line(argv, expected):
+    with pytest.raises(ConfigError) as err:
+        check_overrides(str(CONFIG_DIR), "grpo_gsm8k", argv)
+    assert str(err.value).startswith(expected) and "\n" not in str(err.value)
+
+
+def test_valid_command_lines_pass_the_override_check():
+    for argv in (["model=tiny", "--multirun", "optimizer.lr=1e-4,1e-5"], ["--config-name", "grpo_ifeval"],
+                 ["+env.rewards=[{_target_: a.b}]", "hydra.run.dir=/tmp/x"], ["--help"], ["mode=async", "ray.num_actors=2"]):
+        check_overrides(str(CONFIG_DIR), "grpo_gsm8k", argv)
+
+
+def test_grpo_py_refuses_a_misspelt_key_in_one_line(tmp_path):
+    line = _refused(run(["model=tiny", "train.no_such=1", f"hydra.run.dir={tmp_path}/run"], tmp_path, timeout=120))
+    assert line.startswith("error: Could not override 'train.no_such'")
 
 
 def test_evaluate_py_refuses_a_bad_responses_file(files, tmp_path):

@@ -13,7 +13,7 @@ import os
 
 # logger names (and their children) whose records below ERROR stay out of the console
 LIBRARIES = ("vllm", "torch", "transformers", "datasets", "huggingface_hub", "ray", "py.warnings", "filelock",
-             "urllib3", "httpx", "peft", "torchrl", "tensordict")
+             "urllib3", "httpx", "peft", "torchrl", "tensordict", "matplotlib", "PIL")
 
 
 class LibraryNoise(logging.Filter):
