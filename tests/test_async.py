@@ -1,5 +1,6 @@
 """grpo-async.py as users run it (real subprocess, Hydra, Ray, the tiny model, the vLLM CPU engine in a Ray
 actor), its fault path, and the small pure-Python pieces of torchrl_grpo/run_state.py and rollout_actors.py."""
+import logging
 import os
 import signal
 import time
@@ -21,6 +22,10 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
     assert first.returncode == 0, first.stderr[-3000:]
     assert "rollout actor(s) started" in first.stdout and "summary:" in first.stdout
     assert "weight sync check: engine and trainer log-probs" in first.stdout
+    # the actor's vLLM start-up noise and Ray's own lines go to the actor's log in the run dir, not the console
+    assert "doesn't allow to use `torch.set_num_threads`" not in first.stdout + first.stderr
+    assert "Started a local Ray instance" not in first.stderr
+    assert "][vllm.v1.worker.cpu_worker][WARNING] - " in (run_dir / "rollout_actor_0.log").read_text()
     assert not ray_processes()
     logged = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in logged] == [1, 2, 3, 4]
@@ -114,6 +119,7 @@ def test_ray_init_arguments():
     local = ray_init_kwargs(cfg)
     assert local["address"] == "local" and local["num_cpus"] == 2  # 1 actor x 1 CPU + the trainer
     assert str(ROOT) in local["runtime_env"]["env_vars"]["PYTHONPATH"]
+    assert local["logging_level"] == logging.ERROR  # Ray's start-up lines off the console (logging.verbose)
     cfg.ray.address = "auto"
     cfg.ray.init.num_cpus = 8
     joined = ray_init_kwargs(cfg)

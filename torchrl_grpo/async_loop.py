@@ -59,7 +59,7 @@ def run_async(run: AsyncRun) -> dict:
     step = start = state.step
     try:
         with ActorPool(state.config, progress.actor_samplers, state.step, progress.policy_version, weights,
-                       probe) as pool:
+                       probe, log_dir=state.run_dir) as pool:
             print(f"async: {run.num_actors} rollout actor(s) started in Ray ({pool.startup_time:.1f} s); weights pushed "
                   f"every {run.weight_update_frequency} step(s), batches older than {run.max_staleness} version(s) "
                   "dropped", flush=True)

@@ -1,8 +1,8 @@
 """What reaches the console: the run's own lines, not the ~20 lines of warnings and progress bars that vLLM,
 torch, transformers and datasets print while they start (they tell a user nothing they can act on).
 
-Library log records below ERROR go to the run's ``grpo.log`` only (Hydra's file handler), as do Python
-warnings; the libraries' loading progress bars are off. ``logging.verbose=true`` shows everything on the
+Library log records below ERROR go to the run's ``grpo.log`` only (Hydra's file handler; a rollout actor's
+to ``rollout_actor_<i>.log``), as do Python warnings; the libraries' loading progress bars are off. ``logging.verbose=true`` shows everything on the
 console as well. Call :func:`quiet_libraries` first thing in an entry point: vLLM reads
 ``VLLM_CONFIGURE_LOGGING`` when it is imported.
 """
@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from pathlib import Path
 
 # logger names (and their children) whose records below ERROR stay out of the console
 LIBRARIES = ("vllm", "torch", "transformers", "datasets", "huggingface_hub", "ray", "py.warnings", "filelock",
@@ -24,15 +26,25 @@ class LibraryNoise(logging.Filter):
             record.name == name or record.name.startswith(name + ".") for name in LIBRARIES)
 
 
-def quiet_libraries(verbose: bool) -> None:
-    """Route library logs and warnings through Python logging (so ``grpo.log`` has them) and, unless
-    ``verbose``, keep them and the libraries' progress bars off the console."""
-    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's records reach Hydra's handlers, not its own
+def quiet_libraries(verbose: bool, log_file: str | None = None) -> None:
+    """Route library logs and warnings through Python logging (so the run's log has them) and, unless
+    ``verbose``, keep them and the libraries' progress bars off the console. In a process without Hydra's
+    handlers (a Ray rollout actor), ``log_file`` gets every record and stderr (which Ray forwards to the
+    driver's console) what the console would."""
+    os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")  # vLLM's records reach our handlers, not its own
     logging.captureWarnings(True)
     logging.getLogger("vllm").setLevel(logging.INFO if verbose else logging.WARNING)  # INFO: one line per request
+    root = logging.getLogger()
+    if log_file is not None:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)  # on another node of a cluster, too
+        to_file = logging.FileHandler(log_file)
+        to_file.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+        root.addHandler(to_file)
+        root.addHandler(logging.StreamHandler(sys.stderr))
+        root.setLevel(logging.INFO)
     if verbose:
         return
-    for handler in logging.getLogger().handlers:
+    for handler in root.handlers:
         if not isinstance(handler, logging.FileHandler):
             handler.addFilter(LibraryNoise())
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

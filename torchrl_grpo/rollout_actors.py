@@ -17,6 +17,7 @@ the loop turns into one line after a checkpoint.
 """
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
@@ -26,6 +27,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo.config import CollectSettings
+from torchrl_grpo.console import quiet_libraries
 from torchrl_grpo.errors import ConfigError, one_line
 from torchrl_grpo.placement import resolve_dtype
 from torchrl_grpo.weight_check import Probe
@@ -47,7 +49,7 @@ class RolloutActor:
     """
 
     def __init__(self, cfg: dict, index: int, engine_seed: int, sampler_state: dict | None = None,
-                 exit_at: int | None = None):
+                 exit_at: int | None = None, log_file: str | None = None):
         from torchrl_grpo.collector import Collector
         from torchrl_grpo.model_sources import resolve_model
         from torchrl_grpo.models import load_tokenizer
@@ -56,6 +58,7 @@ class RolloutActor:
         from torchrl_grpo.trajectories import PromptSampler
 
         cfg = OmegaConf.create(cfg)
+        quiet_libraries(cfg.logging.verbose is True, log_file)
         self.exit_at, self.calls, self.version = exit_at, 0, 0
         task = build_task(cfg.env)
         trust = bool(cfg.model.trust_remote_code)
@@ -124,6 +127,8 @@ def ray_init_kwargs(cfg: DictConfig) -> dict:
     kwargs = {k: v for k, v in OmegaConf.to_container(ray_cfg.init, resolve=True).items() if v is not None}
     address = ray_cfg.address or "local"
     kwargs.setdefault("include_dashboard", False)
+    verbose = OmegaConf.select(cfg, "logging.verbose") is True  # Ray's own start-up lines: grpo.log has ours
+    kwargs.setdefault("logging_level", logging.INFO if verbose else logging.ERROR)
     if address == "local":
         kwargs.setdefault("dashboard_host", "127.0.0.1")  # a dashboard asked for (ray.init.include_dashboard)
         kwargs.setdefault("num_cpus", max(1, int(round(ray_cfg.num_actors * float(ray_cfg.actor_num_cpus)))) + 1)
@@ -141,13 +146,14 @@ class ActorPool:
     """Starts Ray and ``ray.num_actors`` actors (each continuing from its saved prompt position and seeded
     ``train.seed + 1000 x actor + start step``), keeps one collect in flight per actor, restarts actors that
     die, and shuts all down on exit. ``weights``: the checkpoint's weights to push before the first collect
-    (resume), else None; ``probe``: their weight sync probe, if the check is on."""
+    (resume), else None; ``probe``: their weight sync probe, if the check is on; ``log_dir``: where each
+    actor writes its log (``rollout_actor_<i>.log``; None: its console only)."""
 
     def __init__(self, cfg: DictConfig, actor_samplers: list[dict | None], start_step: int, version: int,
-                 weights: dict | None = None, probe: Probe | None = None):
+                 weights: dict | None = None, probe: Probe | None = None, log_dir: Path | None = None):
         import ray
 
-        self.ray, self.timeout = ray, float(cfg.ray.collect_timeout_s)
+        self.ray, self.timeout, self.log_dir = ray, float(cfg.ray.collect_timeout_s), log_dir
         self.max_restarts = int(cfg.ray.max_actor_restarts)
         started, self.actors, self.pushes = time.perf_counter(), [], {}
         try:
@@ -180,8 +186,9 @@ class ActorPool:
     def _new_actor(self, i: int):
         """Actor ``i`` from its last known prompt position; a restarted one gets a seed of its own."""
         seed = self.seed + 1000 * i + self.start_step + 1_000_000 * self.restarts[i]
+        log_file = str(self.log_dir / f"rollout_actor_{i}.log") if self.log_dir is not None else None
         return self.remote_cls.options(**self.actor_options).remote(
-            self.plain_cfg, i, seed, self.samplers[i], self.exit_at)
+            self.plain_cfg, i, seed, self.samplers[i], self.exit_at, log_file)
 
     @property
     def total_restarts(self) -> int:
