@@ -13,7 +13,7 @@ from torchrl_grpo.telemetry import Telemetry
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LOGGING = OmegaConf.create({"logging": {"log_frequency": 100, "show_completions": 0, "progress_bar": False,
-                                        "wandb": {"enabled": False}}})
+                                        "samples_frequency": 0, "wandb": {"enabled": False}}})
 
 
 def write_run(run_dir, rewards, eval_accuracy=None, overrides=(), finish=False):

@@ -41,7 +41,9 @@ def test_one_node_is_refused_with_one_line(tmp_path):
 @needs_ray_and_vllm
 def test_the_slurm_script_trains_on_the_cluster_it_starts(tmp_path):
     run_dir = tmp_path / "run"
-    out = subprocess.run(["bash", str(SCRIPT), *SMALL, "train.total_dialog_turns=24", f"hydra.run.dir={run_dir}"],
+    # logging.verbose: Ray's own "Connecting to existing Ray cluster" line is shown
+    out = subprocess.run(["bash", str(SCRIPT), *SMALL, "train.total_dialog_turns=24", "logging.verbose=true",
+                          f"hydra.run.dir={run_dir}"],
                          env=fake_slurm(tmp_path, ["nodeA", "nodeB"]), capture_output=True, text=True, timeout=420)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "2 nodes; 1 rollout actor(s), 0 GPU each" in out.stdout and "summary:" in out.stdout
