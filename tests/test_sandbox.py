@@ -133,8 +133,10 @@ def test_python_that_cannot_start_is_a_run_error():
 
 
 def test_many_calls_leave_no_process_or_folder(own_tmp):
-    for code in ["print(1)", "1/0", "while True: pass", "while True: print(1)"]:
-        run_python(code, timeout_s=0.5, max_output_bytes=100)
+    codes = ["print(1)", "1/0", "while True: pass", "while True: print(1)",
+             "import os\nos.close(1)\nos.close(2)\nwhile True: pass"]  # output closed, yet it runs on
+    statuses = [run_python(code, timeout_s=0.5, max_output_bytes=1000).status for code in codes]
+    assert statuses == ["ok", "error", "timeout", "output_truncated", "timeout"]
     assert list(own_tmp.iterdir()) == []
     leftovers = []
     for pid in filter(str.isdigit, os.listdir("/proc")):

@@ -195,10 +195,13 @@ def _read_capped(proc, deadline: float, cap: int) -> tuple[bytes, str]:
 
 def _exited(proc, deadline: float) -> bool:
     """Whether the process exits by `deadline`, leaving it unreaped (a zombie keeps its process group id)."""
-    while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.002)
+    try:
+        while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+    except ChildProcessError:  # reaped already: the caller's process ignores SIGCHLD
+        pass
     return True
 
 
