@@ -1,0 +1,149 @@
+"""The code sandbox (torchrl_grpo/sandbox.py): each limit and refusal, measured in a real child process."""
+import os
+import pickle
+import tempfile
+import time
+
+import pytest
+
+from torchrl_grpo.errors import RunError
+from torchrl_grpo.sandbox import run_python
+
+
+@pytest.fixture(autouse=True)
+def own_tmp(tmp_path, monkeypatch):
+    """Each test's sandbox folders are made under its own tmp_path, so leftovers can be counted."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def test_ok_output_and_plain_data():
+    r = run_python("import sys\nprint(6 * 7)\nprint('to stderr', file=sys.stderr)")
+    assert (r.status, r.exit_code, r.output) == ("ok", 0, "42\nto stderr\n")
+    assert pickle.loads(pickle.dumps(r)) == r and 0 < r.seconds < 2
+
+
+def test_exception_traceback_comes_back():
+    r = run_python("def f():\n    return 1 / 0\nf()\n")
+    assert (r.status, r.exit_code) == ("error", 1)
+    assert 'File "snippet.py", line 2, in f' in r.output and r.output.rstrip().endswith(
+        "ZeroDivisionError: division by zero")
+    assert "<string>" not in r.output  # the bootstrap's frame is not shown
+
+
+def _state(pid: int) -> str:
+    """A process's state letter, or "" when it is gone (a zombie, Z, is dead too)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return ""
+
+
+def test_endless_loop_times_out_and_its_children_are_killed():
+    # a child started by reaching around the audit hook (it is defence in depth) still dies with the group
+    code = ("import subprocess, types\nsubprocess.sys = types.SimpleNamespace(audit=lambda *a: None)\n"
+            "print(subprocess.Popen(['sleep', '60']).pid, flush=True)\nwhile True:\n    pass\n")
+    start = time.monotonic()
+    r = run_python(code, timeout_s=1.0)
+    assert time.monotonic() - start < 2.0
+    assert (r.status, r.exit_code) == ("timeout", None)
+    assert r.output.endswith("[sandbox: timed out after 1 s (wall clock); killed]")
+    child = int(r.output.split()[0])
+    time.sleep(0.1)
+    assert _state(child) in ("", "Z")
+
+
+def test_cpu_time_limit():
+    r = run_python("import resource\nprint(resource.getrlimit(resource.RLIMIT_CPU))\n"
+                   "resource.setrlimit(resource.RLIMIT_CPU, (1, 2))\nwhile True:\n    pass\n", timeout_s=3.0)
+    assert r.output.startswith("(4, 5)\n")  # ceil(3) + 1, and SIGKILL a second later
+    assert (r.status, r.exit_code) == ("timeout", -24) and "CPU time limit" in r.output and r.seconds < 2.5
+
+
+def test_huge_allocation_is_a_memory_error():
+    r = run_python("x = bytearray(8 << 30)", memory_mb=256)
+    assert (r.status, r.exit_code) == ("memory", 120)
+    assert "MemoryError" in r.output and r.output.endswith("[sandbox: memory limit of 256 MB exceeded]")
+    assert run_python("x = bytearray(100 << 20)\nprint(len(x))", memory_mb=256).output == f"{100 << 20}\n"
+
+
+def test_output_flood_is_truncated():
+    r = run_python("while True:\n    print('y' * 99)", max_output_bytes=1000)
+    assert (r.status, r.exit_code) == ("output_truncated", None) and r.seconds < 2
+    assert r.output == "y" * 99 + "\n" + ("y" * 99 + "\n") * 9 + "[sandbox: output truncated at 1000 bytes; killed]"
+
+
+def test_writes_outside_the_folder_are_refused_inside_allowed(own_tmp):
+    outside = own_tmp / "outside.txt"
+    repo_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sandbox_escape.txt")
+    for path in (outside, repo_file):
+        r = run_python(f"open({str(path)!r}, 'w').write('x')")
+        assert r.status == "error" and "PermissionError: sandbox: open outside the working folder" in r.output
+        assert not os.path.exists(path)
+    # Landlock, the kernel layer, holds where the audit hook is fooled (a path relative to another folder)
+    r = run_python(f"import os\nfd = os.open({str(own_tmp)!r}, os.O_RDONLY)\n"
+                   "os.open('outside.txt', os.O_WRONLY | os.O_CREAT, dir_fd=fd)")
+    assert r.status == "error" and "PermissionError: [Errno 13] Permission denied" in r.output
+    assert not outside.exists()
+    r = run_python("import os\nos.mkdir('d')\nopen('d/a.txt', 'w').write('inside')\nprint(open('d/a.txt').read())")
+    assert (r.status, r.output) == ("ok", "inside\n")
+
+
+def test_file_size_limit():
+    r = run_python("open('big', 'wb').write(b'x' * (17 << 20))")
+    assert r.status == "error" and "OSError: [Errno 27] File too large" in r.output
+
+
+@pytest.mark.parametrize("code", ["import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=1)",
+                                  "import socket\nsocket.getaddrinfo('example.com', 80)"])
+def test_network_is_refused(code):
+    r = run_python(code)
+    assert r.status == "error" and "PermissionError: sandbox: socket." in r.output
+
+
+def test_network_namespace_has_no_interface_up():
+    # the kernel layer under the audit hook: only a loopback, with nothing sent or received
+    r = run_python("print(open('/proc/net/dev').read())")
+    interfaces = [line.split(":")[0].strip() for line in r.output.splitlines()[2:] if ":" in line]
+    assert r.status == "ok" and interfaces == ["lo"]
+
+
+def test_env_secrets_are_not_visible(monkeypatch):
+    monkeypatch.setenv("WANDB_API_KEY", "secret-w")
+    monkeypatch.setenv("OPENAI_API_KEY", "secret-o")
+    r = run_python("import os\nprint(sorted(os.environ))\nprint(os.environ.get('WANDB_API_KEY'))")
+    assert r.status == "ok" and "secret" not in r.output and "API_KEY" not in r.output
+    assert r.output.splitlines()[1] == "None"
+
+
+@pytest.mark.parametrize("code, event", [("import subprocess\nsubprocess.run(['true'])", "subprocess.Popen"),
+                                         ("import os\nos.system('true')", "os.system"),
+                                         ("import os\nos.fork()", "os.fork"),
+                                         ("import os\nos.kill(1, 0)", "os.kill"),
+                                         ("import ctypes\nctypes.CDLL(None).getpid()", "ctypes.dlsym")])
+def test_processes_signals_and_ctypes_are_refused(code, event):
+    r = run_python(code)
+    assert r.status == "error" and r.output.rstrip().endswith(f"PermissionError: sandbox: {event} is not allowed")
+
+
+def test_python_that_cannot_start_is_a_run_error():
+    with pytest.raises(RunError, match="sandbox: python did not start"):
+        run_python("print(1)", memory_mb=1)
+
+
+def test_many_calls_leave_no_process_or_folder(own_tmp):
+    codes = ["print(1)", "1/0", "while True: pass", "while True: print(1)",
+             "import os\nos.close(1)\nos.close(2)\nwhile True: pass"]  # output closed, yet it runs on
+    statuses = [run_python(code, timeout_s=0.5, max_output_bytes=1000).status for code in codes]
+    assert statuses == ["ok", "error", "timeout", "output_truncated", "timeout"]
+    assert list(own_tmp.iterdir()) == []
+    leftovers = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(own_tmp).encode() in f.read() and _state(int(pid)) not in ("", "Z"):
+                    leftovers.append(pid)
+        except OSError:
+            pass
+    assert leftovers == []
