@@ -5,6 +5,10 @@ A step is :meth:`Trainer.prepare` (the log-probs only the policy's holder can co
 the reward, group advantages) then :meth:`Trainer.optimize` (``epochs`` passes of shuffled micro-batches,
 gradient accumulation weighted so that an optimizer step sees exactly its whole batch's loss, clipping)
 then :meth:`Trainer.push_weights` into the engine(s).
+
+With ``parallel`` (:mod:`torchrl_grpo.data_parallel`), the same loop runs on each of N ranks over a
+policy sharded with FSDP2: every rank holds the whole batch and takes its share of each micro-batch, the
+accumulation normaliser is summed over ranks, and the metrics are those of the whole micro-batches.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import time
 import torch
 
 from torchrl_grpo.config import TrainSettings
+from torchrl_grpo.data_parallel import DataParallel, full_tensor
 from torchrl_grpo.models import merged_state_dict
 from torchrl_grpo.objective import GRPOLoss, first_completion_column, token_log_probs, total_loss
 from torchrl_grpo.objective_terms import group_advantages
@@ -23,9 +28,10 @@ from torchrl_grpo.objective_terms import group_advantages
 class Trainer:
     def __init__(self, policy: torch.nn.Module, ref_policy: torch.nn.Module | None, loss: GRPOLoss,
                  optimizer: torch.optim.Optimizer, settings: TrainSettings, device: torch.device,
-                 ref_device: torch.device | None):
+                 ref_device: torch.device | None, parallel: DataParallel | None = None):
         self.policy, self.ref_policy, self.loss, self.optimizer = policy, ref_policy, loss, optimizer
         self.settings, self.device, self.ref_device = settings, device, ref_device
+        self.parallel = parallel  # None: one process
         self.shuffle = torch.Generator().manual_seed(settings.seed)  # micro-batch order, saved for exact resume
         self.nonfinite_streak = 0  # optimizer steps in a row skipped for a non-finite gradient norm
 
@@ -57,36 +63,43 @@ class Trainer:
     @torch.no_grad()
     def log_probs(self, model: torch.nn.Module, device: torch.device, batch) -> torch.Tensor:
         """Completion-token log-probs of ``batch`` under ``model`` (reference, or the policy before its
-        update), in micro-batches; 0 outside completions."""
-        out = torch.zeros_like(batch["sample_log_probs"])
-        for idx in torch.arange(len(batch)).split(self.settings.micro_batch):
-            mb = trim_padding(batch[idx]).to(device)
+        update), in micro-batches; 0 outside completions. Data-parallel: each rank its share, then gathered."""
+        rows = batch if self.parallel is None else batch[self.parallel.share(len(batch))]
+        out = torch.zeros_like(rows["sample_log_probs"])
+        for idx in torch.arange(len(rows)).split(self.settings.micro_batch):
+            mb = trim_padding(rows[idx]).to(device)
             logp, _ = token_log_probs(model, mb["tokens"], mb["attention_mask"], self.settings.temperature,
                                       start=first_completion_column(mb["completion_mask"]))
             out[idx, : logp.shape[1]] = logp.float().cpu() * mb["completion_mask"].cpu()
-        return out
+        return out if self.parallel is None else self.parallel.gather_shares(out)
 
     def optimize(self, batch) -> dict:
         """``epochs`` passes of shuffled micro-batches; one optimizer step per ``accumulation`` micro-batches.
-        A non-finite gradient norm skips that update (counted in ``skipped_updates``)."""
-        s = self.settings
+        A non-finite gradient norm skips that update (counted in ``skipped_updates``). Data-parallel: this
+        rank's share of each micro-batch, weights normalised over every rank's."""
+        s, parallel = self.settings, self.parallel
         params = [p for p in self.policy.parameters() if p.requires_grad]
         history: dict[str, list[float]] = {}
+        share_weights: list[float] = []  # each micro-batch's accumulation weight (data-parallel metrics)
         trained_tokens, skipped, started = 0, 0, time.perf_counter()
         self.policy.train()
         for _ in range(s.epochs):
             order = torch.randperm(len(batch), generator=self.shuffle).split(s.micro_batch)
+            if parallel is not None:
+                order = [idx[parallel.share(len(idx))] for idx in order]
             for first in range(0, len(order), s.accumulation):
                 micro = [trim_padding(batch[idx]).to(self.device) for idx in order[first: first + s.accumulation]]
                 weights = [self.loss.accumulation_weight(mb) for mb in micro]
+                total = sum(weights) if parallel is None else parallel.sum(sum(weights))
+                share_weights += weights
                 for mb, weight in zip(micro, weights):
                     with self._autocast():
                         losses = self.loss(mb)
-                    (total_loss(losses) * (weight / max(sum(weights), 1e-9))).backward()
+                    (total_loss(losses) * (weight / max(total, 1e-9))).backward()
                     for key, value in losses.items():
                         history.setdefault(key, []).append(value.detach().float().item())
                     trained_tokens += int(mb["attention_mask"].sum())
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm or math.inf)
+                grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm or math.inf))
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
                     self.nonfinite_streak = 0
@@ -97,6 +110,9 @@ class Trainer:
                 history.setdefault("grad_norm", []).append(grad_norm.item())
         self.policy.eval()
         elapsed = time.perf_counter() - started
+        if parallel is not None:
+            history = parallel.global_history(history, share_weights)
+            trained_tokens = parallel.sum(trained_tokens)
         metrics = {key: sum(v) / len(v) for key, v in history.items()}
         metrics["loss"] = sum(metrics[k] for k in metrics if k.startswith("loss_"))
         metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
