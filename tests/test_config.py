@@ -73,3 +73,12 @@ def test_prompt_sampler_covers_each_epoch_and_resumes_exactly():
     again.load_state_dict(state)
     assert again.take(7) == rest
     assert PromptSampler(5, seed=4).take(5) != first or PromptSampler(5, seed=5).take(5) != first
+
+
+def test_fsdp_ranks_must_divide_the_micro_batch_and_are_not_launched_yet():
+    with pytest.raises(ConfigError, match=r"^train.strategy=fsdp with train_model.num_devices=3: .* do not divide "
+                                          r"train.optim_batch_size=16; pick a multiple of 3"):
+        validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=3"))
+    with pytest.raises(ConfigError, match=r"^train.strategy=fsdp: the scripts do not start data-parallel ranks yet"):
+        validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2"))
+    validate(cfg_with("train.strategy=layer_split", "train_model.num_devices=3"))

@@ -18,6 +18,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
+from helpers import LORA
 from torchrl_grpo.config import TrainSettings
 from torchrl_grpo.data_parallel import DataParallel, process_group, shard_model
 from torchrl_grpo.models import load_policy, merged_weights
@@ -27,7 +28,6 @@ from torchrl_grpo.trainer import Trainer
 
 WORLD = 2
 GROUP = 4
-LORA = {"enabled": True, "r": 4, "alpha": 8, "dropout": 0.0, "target_modules": "all-linear"}
 # name -> (loss options, train options); every aggregation appears, with and without a reference, and LoRA
 CASES = {
     "token_mean_overlong_mask": ({"aggregation": "token_mean", "overlong": "mask"}, {}),

@@ -169,6 +169,23 @@ def batch_plan(cfg: DictConfig) -> BatchPlan:
     )
 
 
+def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
+    """``train.strategy=fsdp``: ``train_model.num_devices`` ranks each take an equal share of every micro-batch
+    (so that they take the one-process update), hence must divide ``train.optim_batch_size``. The scripts do
+    not start the ranks yet (:mod:`torchrl_grpo.data_parallel` has the pieces): refused, never run as one."""
+    if _get(cfg, "train.strategy") != "fsdp":
+        return
+    ranks = _get(cfg, "train_model.num_devices")
+    if plan.micro_batch % ranks:
+        raise ConfigError(
+            f"train.strategy=fsdp with train_model.num_devices={ranks}: each rank takes an equal share of every "
+            f"micro-batch, and {ranks} ranks do not divide train.optim_batch_size={plan.micro_batch}; pick a "
+            f"multiple of {ranks} (that divides the {plan.completions_per_step} completions per step)"
+        )
+    raise ConfigError("train.strategy=fsdp: the scripts do not start data-parallel ranks yet; use "
+                      "train.strategy=auto (the layers split over train_model.num_devices GPUs)")
+
+
 def validate(cfg: DictConfig) -> BatchPlan:
     """Check every key the trainer reads before anything heavy starts, once: each key's kind and range
     (:mod:`torchrl_grpo.schema`), then the batch arithmetic and the combinations that need each other;
@@ -213,6 +230,7 @@ def validate(cfg: DictConfig) -> BatchPlan:
             f"fit in the completion budget; set loss.overlong_buffer below {plan.max_tokens} (or null for "
             f"{max(1, plan.max_tokens // 5)})"
         )
+    check_strategy(cfg, plan)
     samples, temperature = _get(cfg, "eval.samples"), _get(cfg, "eval.temperature")
     if samples > 1 and temperature == 0:
         raise ConfigError(f"eval.samples={samples} with eval.temperature=0: greedy decoding gives {samples} identical "
