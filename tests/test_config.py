@@ -75,10 +75,17 @@ def test_prompt_sampler_covers_each_epoch_and_resumes_exactly():
     assert PromptSampler(5, seed=4).take(5) != first or PromptSampler(5, seed=5).take(5) != first
 
 
-def test_fsdp_ranks_must_divide_the_micro_batch_and_are_not_launched_yet():
+def test_fsdp_ranks_must_divide_the_micro_batch_and_what_is_not_built_is_refused():
     with pytest.raises(ConfigError, match=r"^train.strategy=fsdp with train_model.num_devices=3: .* do not divide "
                                           r"train.optim_batch_size=16; pick a multiple of 3"):
         validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=3"))
-    with pytest.raises(ConfigError, match=r"^train.strategy=fsdp: the scripts do not start data-parallel ranks yet"):
-        validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2"))
+    validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2"))
+    for override, what in [("mode=async", "mode=async"), ("inference_model.backend=transformers", "inference_model"),
+                           ("train.resume=auto", "train.resume")]:
+        with pytest.raises(ConfigError, match=rf"^train.strategy=fsdp is not built yet with {what}"):
+            validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2", override))
     validate(cfg_with("train.strategy=layer_split", "train_model.num_devices=3"))
+    # gloo ranks on a machine without GPUs; the layer split still needs GPUs
+    assert place(cfg_with("train.strategy=fsdp", "train_model.num_devices=2"), needs_ref=True, gpu_count=0).train == ["cpu"]
+    with pytest.raises(ConfigError, match=r"^train_model.num_devices=2 .* no GPU"):
+        place(cfg_with("train.strategy=layer_split", "train_model.num_devices=2"), needs_ref=False, gpu_count=0)

@@ -4,11 +4,14 @@ norm and the updated weights (gathered by streaming, LoRA merged) within 1e-5 in
 aggregation, with a reference model and with LoRA.
 
 One launch of two ranks runs every case (this file is also the ranks' program); each rank is a subprocess
-with its own time limit, and both are killed whatever happens.
+with its own time limit, and both are killed whatever happens. Then grpo.py as users run it with
+``train.strategy=fsdp train_model.num_devices=2``: it starts the second rank itself.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,15 +19,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from helpers import LORA
+from helpers import LORA, SMALL, finite, metric_rows, needs_vllm, start
 from torchrl_grpo.config import TrainSettings
 from torchrl_grpo.data_parallel import DataParallel, process_group, shard_model
 from torchrl_grpo.models import load_policy, merged_weights
 from torchrl_grpo.objective import GRPOLoss
 from torchrl_grpo.objective_terms import AGGREGATIONS
 from torchrl_grpo.trainer import Trainer
+from torchrl_grpo.weight_check import probe_log_probs
 
 WORLD = 2
 GROUP = 4
@@ -61,9 +66,10 @@ def make_batch(vocab: int) -> TensorDict:
     }, batch_size=[n])
 
 
-def run_case(model_path: str, name: str, parallel: DataParallel | None) -> tuple[dict, dict]:
+def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to: Path) -> tuple[dict, dict]:
     """One step of case ``name`` (prepare, then two epochs of two optimizer steps of two micro-batches of
-    two completions): its metrics and the updated weights (LoRA merged; on rank 0 only when parallel)."""
+    two completions): its metrics and the updated weights (LoRA merged; on rank 0 only when parallel); the
+    policy saved as a checkpoint holds it in ``save_to / name``."""
     loss_options, train_options = CASES[name]
     torch.manual_seed(0)  # the LoRA initialisation
     lora = LORA if train_options.get("lora") else None
@@ -86,6 +92,7 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None) -> tuple
     batch = make_batch(policy.config.vocab_size)
     metrics = trainer.prepare(batch)
     metrics.update(trainer.optimize(batch))
+    trainer.save_pretrained(save_to / name)
     keep = parallel is None or parallel.rank == 0
     weights = {}
     for key, tensor in merged_weights(policy):  # every rank gathers in step; rank 0 keeps
@@ -98,7 +105,7 @@ def main(rank: int, store: str, model_path: str, out: str) -> None:
     """A rank's program: every case, results saved by rank 0."""
     torch.set_num_threads(1)
     with process_group(rank, WORLD, f"file://{store}", timeout_s=120) as parallel:
-        results = {name: run_case(model_path, name, parallel) for name in CASES}
+        results = {name: run_case(model_path, name, parallel, Path(out).parent / "ranks") for name in CASES}
     if rank == 0:
         torch.save(results, out)
 
@@ -122,7 +129,7 @@ def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path):
         assert rank.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
     results = torch.load(out, weights_only=False)
     for name in CASES:
-        metrics, weights = run_case(tiny_model_path, name, None)
+        metrics, weights = run_case(tiny_model_path, name, None, tmp_path / "one")
         dp_metrics, dp_weights = results[name]
         for key in COMPARED:
             if key in metrics:
@@ -136,6 +143,12 @@ def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path):
               f"grad_norm {metrics['grad_norm']:.6f} vs {dp_metrics['grad_norm']:.6f}")
         assert gap <= 1e-5, (name, gap)
         assert moved > 1e-4, (name, moved)  # the update did something
+        saved = sorted(p.name for p in (tmp_path / "one" / name).glob("*.safetensors"))
+        assert saved and saved == sorted(p.name for p in (tmp_path / "ranks" / name).glob("*.safetensors"))
+        for file in saved:  # the checkpoint written from the shards: the whole weights (or adapter)
+            one, ranks = load_file(tmp_path / "one" / name / file), load_file(tmp_path / "ranks" / name / file)
+            assert one.keys() == ranks.keys()
+            assert max((one[k] - ranks[k]).abs().max().item() for k in one) <= 1e-5, (name, file)
 
 
 def run_case_initial(model_path: str, name: str) -> dict:
@@ -143,6 +156,53 @@ def run_case_initial(model_path: str, name: str) -> dict:
     torch.manual_seed(0)
     lora = LORA if CASES[name][1].get("lora") else None
     return dict(merged_weights(load_policy(model_path, dtype=torch.float32, device="cpu", lora=lora)))
+
+
+@needs_vllm
+def test_grpo_py_starts_two_gloo_ranks_itself(tiny_model_path, tmp_path):
+    """Rank 0 drives the vLLM engine, the other rank follows; the weights gathered from the shards reach the
+    engine whole (the weight sync check after each push), the trainer's log-probs gathered over the ranks match
+    the engine's, metrics and checkpoint are written once, the checkpoint loads, and no process is left."""
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    proc = start([*SMALL, "train.total_dialog_turns=16", "train.strategy=fsdp", "train_model.num_devices=2",
+                  "train.kl_to_ref_coeff=0.05", "loss.old_log_probs=trainer", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=400)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    rows = metric_rows(run_dir)
+    assert [int(float(r["step"])) for r in rows] == [1, 2] and out.count("step 2 | reward") == 1
+    assert all(finite(r["loss_objective"]) and finite(r["kl_to_ref"]) for r in rows)
+    assert all(float(r["weight_sync_gap"]) < 1e-5 for r in rows)
+    assert all(float(r["engine_trainer_logp_gap_max"]) < 1e-4 for r in rows)
+    checkpoint = run_dir / "checkpoints" / "step_000002"
+    trained = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    ids = list(range(1, 40))
+    assert (probe_log_probs(trained, ids) - probe_log_probs(initial, ids)).abs().max() > 1e-4  # trained, whole
+    assert live_in_group(proc.pid) == []  # the follower rank and the engine's process are gone
+
+
+def live_in_group(pgid: int, seconds: float = 10) -> list[str]:
+    """The processes of group ``pgid`` still running (not zombies: nothing reaps orphans in some containers),
+    once they have had ``seconds`` to exit."""
+    deadline = time.time() + seconds
+    while True:
+        live = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                pid, rest = stat.read_text().split(" ", 1)
+                state, _, group = rest.rsplit(")", 1)[1].split()[:3]
+                if int(group) == pgid and state != "Z":
+                    command = (stat.parent / "cmdline").read_bytes().replace(bytes(1), b" ")[:120]
+                    live.append(f"{pid} {command.decode(errors='replace')}")
+        if not live or time.time() > deadline:
+            return live
+        time.sleep(0.5)
 
 
 if __name__ == "__main__":

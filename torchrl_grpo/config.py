@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from omegaconf import DictConfig
 
 from torchrl_grpo.errors import ConfigError
@@ -171,8 +172,8 @@ def batch_plan(cfg: DictConfig) -> BatchPlan:
 
 def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
     """``train.strategy=fsdp``: ``train_model.num_devices`` ranks each take an equal share of every micro-batch
-    (so that they take the one-process update), hence must divide ``train.optim_batch_size``. The scripts do
-    not start the ranks yet (:mod:`torchrl_grpo.data_parallel` has the pieces): refused, never run as one."""
+    (so that they take the one-process update), hence must divide ``train.optim_batch_size``; and what
+    ``grpo.py`` does not do with ranks yet is refused, never run otherwise."""
     if _get(cfg, "train.strategy") != "fsdp":
         return
     ranks = _get(cfg, "train_model.num_devices")
@@ -182,8 +183,17 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
             f"micro-batch, and {ranks} ranks do not divide train.optim_batch_size={plan.micro_batch}; pick a "
             f"multiple of {ranks} (that divides the {plan.completions_per_step} completions per step)"
         )
-    raise ConfigError("train.strategy=fsdp: the scripts do not start data-parallel ranks yet; use "
-                      "train.strategy=auto (the layers split over train_model.num_devices GPUs)")
+    not_yet = [
+        (_get(cfg, "mode") == "async", "mode=async (grpo-async.py)", "run grpo.py"),
+        (_get(cfg, "inference_model.backend") == "transformers", "inference_model.backend=transformers (it "
+         "samples with the sharded policy)", "use inference_model.backend=vllm"),
+        (_get(cfg, "train.resume") is not None, "train.resume (no sharded optimizer state is saved yet)",
+         "set train.resume=null"),
+        (torch.cuda.is_available(), "GPUs (only gloo ranks on the CPU have run)", "use train.strategy=layer_split"),
+    ]
+    for refused, what, fix in not_yet:
+        if refused:
+            raise ConfigError(f"train.strategy=fsdp is not built yet with {what}: {fix}, or train.strategy=auto")
 
 
 def validate(cfg: DictConfig) -> BatchPlan:

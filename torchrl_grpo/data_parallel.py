@@ -9,6 +9,12 @@ weights of ALL ranks' micro-batches of the step (:meth:`DataParallel.sum`), and 
 over ranks (:func:`shard_model` turns its default average off): the sum of the scaled per-rank gradients is
 then the one-process gradient, for any world size (scaling the loss by N would round for N not a power of
 two). On the CPU the ranks talk gloo, on GPUs nccl.
+
+Either every rank runs the same program (a test, a script under torchrun), or only rank 0 runs the loop
+(engine, collector, metrics, checkpoints: ``grpo.py``) and the other ranks *follow*: the trainer on rank 0
+announces each of its calls that holds a collective (prepare, optimize, the weights gather, the
+probe, the checkpoint), with its arguments, and each follower makes the same call on its own trainer
+(:meth:`DataParallel.follow`), so that every rank's collectives match.
 """
 from __future__ import annotations
 
@@ -31,6 +37,26 @@ class DataParallel:
     rank: int
     world_size: int
     device: torch.device  # where collective tensors live (the rank's GPU with nccl, the CPU with gloo)
+    followed: bool = False  # only rank 0 runs the loop; the other ranks follow its announcements
+
+    @property
+    def leads(self) -> bool:
+        """Rank 0 when followed: runs the loop and announces its trainer's calls to the followers."""
+        return self.followed and self.rank == 0
+
+    def announce(self, call: str | None, *args) -> None:
+        """Rank 0: the followers make this trainer call next, with these arguments (``None``: stop following)."""
+        dist.broadcast_object_list([(call, args)], src=0, device=self.device)
+
+    def follow(self, trainer) -> None:
+        """A follower rank: make rank 0's announced calls on ``trainer`` until it announces the end."""
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0, device=self.device)
+            call, args = box[0]
+            if call is None:
+                return
+            getattr(trainer, call)(*args)
 
     def share(self, n: int) -> slice:
         """This rank's contiguous share of ``n`` items (``world_size`` divides ``n``: checked by the config)."""
@@ -71,9 +97,11 @@ class DataParallel:
 
 
 @contextlib.contextmanager
-def process_group(rank: int, world_size: int, init_method: str, timeout_s: float = 300.0) -> Iterator[DataParallel]:
+def process_group(rank: int, world_size: int, init_method: str, timeout_s: float = 300.0,
+                  followed: bool = False) -> Iterator[DataParallel]:
     """Join the process group (gloo on the CPU, nccl with GPUs: rank ``LOCAL_RANK`` takes that GPU) and leave
-    it on exit, even on error. ``timeout_s`` bounds every collective: a dead rank stops the others."""
+    it on exit, even on error. ``timeout_s`` bounds every collective: a dead rank stops the others.
+    ``followed``: the ranks other than 0 follow rank 0's trainer (module docstring)."""
     on_gpu = torch.cuda.is_available()
     device = torch.device("cpu")
     if on_gpu:
@@ -82,7 +110,7 @@ def process_group(rank: int, world_size: int, init_method: str, timeout_s: float
     dist.init_process_group("nccl" if on_gpu else "gloo", init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
     try:
-        yield DataParallel(rank, world_size, device)
+        yield DataParallel(rank, world_size, device, followed)
     finally:
         dist.destroy_process_group()
 
@@ -90,7 +118,7 @@ def process_group(rank: int, world_size: int, init_method: str, timeout_s: float
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2 over the process group: each decoder layer (the classes the HF model names in
     ``_no_split_modules``) is one shard group, the rest (embeddings, final norm, head) the root's. Gradients
-    are summed over ranks, not averaged (module docstring). Every group, the root too, reshards after its
+    are summed over ranks, not averaged (module docstring); the weights are rank 0's. Every group, the root too, reshards after its
     forward: by default the root stays gathered, and after a no-grad forward (the log-probs of
     :meth:`Trainer.prepare`) the next backward then left the root's parameters without gradients (torch
     2.13, gloo). In place; returns ``model``. Build the optimizer after this: the parameters become DTensors."""
@@ -101,6 +129,9 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     if not layers:
         raise RunError(f"{type(hf_model(model)).__name__} names no decoder layer class (_no_split_modules): "
                        "cannot shard it layer by layer")
+    with torch.no_grad():  # every rank starts from rank 0's weights (a LoRA initialisation is random)
+        for tensor in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(tensor, src=0)
     for module in [*layers, model]:
         fully_shard(module, reshard_after_forward=True)
         module.set_gradient_divide_factor(1.0)

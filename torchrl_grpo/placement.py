@@ -3,7 +3,8 @@
 With GPUs: explicit ``<role>.devices`` lists are taken as given (and must exist); otherwise each role takes
 ``<role>.num_devices`` GPUs, disjoint when enough exist, else all roles share the first GPUs (the engine
 then keeps ``inference_model.gpu_memory_utilization`` of its device). Without GPUs everything runs on the
-CPU; asking for GPUs there is an error, never a silent downgrade.
+CPU; asking for GPUs there is an error, never a silent downgrade (except train ranks with
+``train.strategy=fsdp``: those are processes, gloo ranks on the CPU).
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
             devices = cfg[role].get("devices")
             if devices:
                 raise ConfigError(f"{role}.devices={list(devices)} but this machine has no GPU: set {role}.devices=null to run on the CPU")
-            if cfg[role].get("num_devices", 1) > 1:
+            if cfg[role].get("num_devices", 1) > 1 and not (role == "train_model" and data_parallel(cfg)):
                 raise ConfigError(f"{role}.num_devices={cfg[role].num_devices} but this machine has no GPU: set {role}.num_devices=1 to run on the CPU")
         return Placement(["cpu"], ["cpu"], ["cpu"], shared=True)
 
@@ -70,6 +71,11 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
         ref=as_names.get("ref_model", as_names["train_model"]),
         shared=len(flat) != len(set(flat)),
     )
+
+
+def data_parallel(cfg: DictConfig) -> bool:
+    """``train.strategy=fsdp``: ``train_model.num_devices`` data-parallel ranks (gloo ranks on the CPU)."""
+    return cfg.get("train", {}).get("strategy") == "fsdp"
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

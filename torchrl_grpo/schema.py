@@ -108,8 +108,7 @@ class Train:
     resume: str = key("any", "null | auto (newest checkpoint of this run dir) | a checkpoint or run dir", null=True)
     sync_iter: bool = key("bool", "sync mode: false generates the next batch while this one trains")
     strategy: str = key("choice", "training over train_model.num_devices: layer_split (the layers split over the "
-                        "GPUs) | fsdp (data-parallel ranks, FSDP2; not started by grpo.py yet) | auto (layer_split "
-                        "for now)", choices=("auto", "fsdp", "layer_split"))
+                        "GPUs) | fsdp (data-parallel ranks, FSDP2: grpo.py starts them) | auto (layer_split for now)", choices=("auto", "fsdp", "layer_split"))
 
 
 @dataclass

@@ -8,7 +8,9 @@ then :meth:`Trainer.push_weights` into the engine(s).
 
 With ``parallel`` (:mod:`torchrl_grpo.data_parallel`), the same loop runs on each of N ranks over a
 policy sharded with FSDP2: every rank holds the whole batch and takes its share of each micro-batch, the
-accumulation normaliser is summed over ranks, and the metrics are those of the whole micro-batches.
+accumulation normaliser is summed over ranks, and the metrics are those of the whole micro-batches. Rank 0
+announces each call that holds a collective to the other ranks, which make the same call
+(:meth:`torchrl_grpo.data_parallel.DataParallel.follow`).
 """
 from __future__ import annotations
 
@@ -20,9 +22,11 @@ import torch
 
 from torchrl_grpo.config import TrainSettings
 from torchrl_grpo.data_parallel import DataParallel, full_tensor
+from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.models import merged_state_dict
 from torchrl_grpo.objective import GRPOLoss, first_completion_column, token_log_probs, total_loss
 from torchrl_grpo.objective_terms import group_advantages
+from torchrl_grpo.weight_check import probe_log_probs
 
 
 class Trainer:
@@ -39,6 +43,7 @@ class Trainer:
         """Make a collected batch trainable, in place: the policy's own log-probs before its update (when the
         ratio's denominator is the trainer's), the reference's, the KL penalty in the reward (k1 summed over
         the completion, with ``train.kl_coef_in_loss=false``) and the group advantages; returns metrics."""
+        self._everywhere("prepare", batch)
         s, metrics = self.settings, {}
         if s.recompute_old_log_probs:
             batch["old_log_probs"] = self.log_probs(self.policy, self.device, batch)
@@ -77,6 +82,7 @@ class Trainer:
         """``epochs`` passes of shuffled micro-batches; one optimizer step per ``accumulation`` micro-batches.
         A non-finite gradient norm skips that update (counted in ``skipped_updates``). Data-parallel: this
         rank's share of each micro-batch, weights normalised over every rank's."""
+        self._everywhere("optimize", batch)
         s, parallel = self.settings, self.parallel
         params = [p for p in self.policy.parameters() if p.requires_grad]
         history: dict[str, list[float]] = {}
@@ -138,9 +144,31 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _everywhere(self, call: str, *args) -> None:
+        """Data-parallel rank 0: every other rank makes this call too (their collectives must match)."""
+        if self.parallel is not None and self.parallel.leads:
+            self.parallel.announce(call, *args)
+
     def weights(self) -> dict[str, torch.Tensor]:
         """The policy's HF-named weights (LoRA merged in): what an engine loads."""
+        self._everywhere("weights")
         return merged_state_dict(self.policy)
+
+    def probe_log_probs(self, token_ids: list[int]) -> torch.Tensor:
+        """The weight sync check's probe under the policy (:func:`probe_log_probs`)."""
+        self._everywhere("probe_log_probs", token_ids)
+        return probe_log_probs(self.policy, token_ids)
+
+    def save_pretrained(self, path, safe_serialization: bool = True) -> None:
+        """The policy in HF format (the LoRA adapter with LoRA), as a checkpoint holds it. Data-parallel: the
+        weights gathered whole from the shards and written by rank 0 (the others gather, ``path`` unused)."""
+        if self.parallel is None:
+            self.policy.save_pretrained(path, safe_serialization=safe_serialization)
+            return
+        self._everywhere("save_pretrained", None)
+        state = {name: full_tensor(t.detach()) for name, t in self.policy.state_dict().items()}
+        if self.parallel.rank == 0:
+            self.policy.save_pretrained(path, state_dict=state, safe_serialization=safe_serialization)
 
     def cpu_weights(self) -> dict[str, torch.Tensor]:
         """:meth:`weights` as CPU tensors, for engines in other processes (``ray.put`` ships them)."""
@@ -153,10 +181,15 @@ class Trainer:
             engine.push_weights(self.weights())
 
     def state_dict(self) -> dict:
-        """The optimizer and the micro-batch shuffle: what a checkpoint needs besides the weights."""
-        return {"optimizer": self.optimizer.state_dict(), "shuffle_rng": self.shuffle.get_state()}
+        """The optimizer and the micro-batch shuffle: what a checkpoint needs besides the weights. Data-parallel:
+        no optimizer state (it is sharded; saving it is not built yet, nor resuming such a run)."""
+        optimizer = self.optimizer.state_dict() if self.parallel is None else None
+        return {"optimizer": optimizer, "shuffle_rng": self.shuffle.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
+        if state["optimizer"] is None:
+            raise ConfigError("train.resume: this checkpoint is of a train.strategy=fsdp run, which saves no "
+                              "optimizer state yet; start a new run from its weights with model.name=<checkpoint dir>")
         self.optimizer.load_state_dict(state["optimizer"])
         self.shuffle.set_state(state["shuffle_rng"])
 
