@@ -144,6 +144,12 @@ def hf_model(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def gathered(items: Iterator[tuple[str, torch.Tensor]], keep: bool) -> dict[str, torch.Tensor]:
+    """``(name, tensor)`` items gathered whole one at a time (every rank iterates in step); kept in the dict
+    only where ``keep`` (rank 0), so that the other ranks never hold more than one whole tensor."""
+    return {name: tensor for name, tensor in ((n, full_tensor(t)) for n, t in items) if keep}
+
+
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """A sharded DTensor gathered whole (a collective: every rank must call it), a plain tensor as it is."""
     from torch.distributed.tensor import DTensor

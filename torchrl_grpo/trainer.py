@@ -21,9 +21,9 @@ import time
 import torch
 
 from torchrl_grpo.config import TrainSettings
-from torchrl_grpo.data_parallel import DataParallel, full_tensor
+from torchrl_grpo.data_parallel import DataParallel, full_tensor, gathered
 from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.models import merged_state_dict
+from torchrl_grpo.models import merged_state_dict, merged_weights
 from torchrl_grpo.objective import GRPOLoss, first_completion_column, token_log_probs, total_loss
 from torchrl_grpo.objective_terms import group_advantages
 from torchrl_grpo.weight_check import probe_log_probs
@@ -150,9 +150,12 @@ class Trainer:
             self.parallel.announce(call, *args)
 
     def weights(self) -> dict[str, torch.Tensor]:
-        """The policy's HF-named weights (LoRA merged in): what an engine loads."""
+        """The policy's HF-named weights (LoRA merged in): what an engine loads. Data-parallel: gathered from
+        the shards one at a time, kept by rank 0 only (the other ranks get an empty dict)."""
         self._everywhere("weights")
-        return merged_state_dict(self.policy)
+        if self.parallel is None:
+            return merged_state_dict(self.policy)
+        return gathered(merged_weights(self.policy), keep=self.parallel.rank == 0)
 
     def probe_log_probs(self, token_ids: list[int]) -> torch.Tensor:
         """The weight sync check's probe under the policy (:func:`probe_log_probs`)."""
@@ -166,7 +169,8 @@ class Trainer:
             self.policy.save_pretrained(path, safe_serialization=safe_serialization)
             return
         self._everywhere("save_pretrained", None)
-        state = {name: full_tensor(t.detach()) for name, t in self.policy.state_dict().items()}
+        state = gathered(((name, t.detach()) for name, t in self.policy.state_dict().items()),
+                         keep=self.parallel.rank == 0)
         if self.parallel.rank == 0:
             self.policy.save_pretrained(path, state_dict=state, safe_serialization=safe_serialization)
 
