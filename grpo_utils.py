@@ -28,7 +28,7 @@ from torchrl_grpo.data_parallel import DataParallel, process_group, shard_model
 from torchrl_grpo.errors import ConfigError, RunError
 from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.objective import GRPOLoss
-from torchrl_grpo.placement import Placement, place, resolve_dtype
+from torchrl_grpo.placement import Placement, place, resolve_dtype, train_strategy
 from torchrl_grpo.rollout_actors import actor_dtype
 from torchrl_grpo.run_state import RunState
 from torchrl_grpo.sync_loop import SyncRun
@@ -185,10 +185,10 @@ RANK_TIMEOUT_S = 1800
 
 @contextlib.contextmanager
 def data_parallel_ranks(cfg: DictConfig):
-    """``train.strategy=fsdp``: this process becomes rank 0 of ``train_model.num_devices`` ranks and starts the
+    """``train.strategy=fsdp`` (or ``auto`` resolved to it): this process becomes rank 0 of ``train_model.num_devices`` ranks and starts the
     others (:func:`follow_rank`); yields rank 0's :class:`DataParallel` (None for other strategies). The
     followers stop when rank 0's run ends; they are killed if it fails."""
-    if cfg.train.strategy != "fsdp":
+    if train_strategy(cfg) != "fsdp":
         yield None
         return
     validate(cfg)  # a bad config fails in one line before any rank starts
@@ -205,6 +205,8 @@ def data_parallel_ranks(cfg: DictConfig):
         follower.start()
     try:
         with process_group(0, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
+            print(f"data-parallel training: {world} ranks (FSDP2 over {torch.distributed.get_backend()}), this "
+                  "process is rank 0", flush=True)
             try:
                 yield parallel
             except BaseException as err:

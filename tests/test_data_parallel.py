@@ -5,7 +5,7 @@ aggregation, with a reference model and with LoRA.
 
 One launch of two ranks runs every case (this file is also the ranks' program); each rank is a subprocess
 with its own time limit, and both are killed whatever happens. Then grpo.py as users run it with
-``train.strategy=fsdp train_model.num_devices=2``: it starts the second rank itself.
+``train_model.num_devices=2`` on a machine without GPUs: it starts the second rank itself.
 """
 from __future__ import annotations
 
@@ -159,14 +159,15 @@ def run_case_initial(model_path: str, name: str) -> dict:
 
 
 @needs_vllm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs, num_devices=2 is the layer split (fsdp: CPU only yet)")
 def test_grpo_py_starts_two_gloo_ranks_itself(tiny_model_path, tmp_path):
-    """Rank 0 drives the vLLM engine, the other rank follows; the weights gathered from the shards reach the
+    """The recipe's ``train_model.num_devices=2`` on a machine without GPUs (train.strategy=auto). Rank 0 drives the vLLM engine, the other rank follows; the weights gathered from the shards reach the
     engine whole (the weight sync check after each push), the trainer's log-probs gathered over the ranks match
     the engine's, metrics and checkpoint are written once, the checkpoint loads, and no process is left."""
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    proc = start([*SMALL, "train.total_dialog_turns=16", "train.strategy=fsdp", "train_model.num_devices=2",
+    proc = start([*SMALL, "train.total_dialog_turns=16", "train_model.num_devices=2",
                   "train.kl_to_ref_coeff=0.05", "loss.old_log_probs=trainer", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     try:
         out, err = proc.communicate(timeout=400)
@@ -174,6 +175,7 @@ def test_grpo_py_starts_two_gloo_ranks_itself(tiny_model_path, tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-3000:]
+    assert "data-parallel training: 2 ranks (FSDP2 over gloo)" in out
     rows = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in rows] == [1, 2] and out.count("step 2 | reward") == 1
     assert all(finite(r["loss_objective"]) and finite(r["kl_to_ref"]) for r in rows)

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.models import check_lora
+from torchrl_grpo.placement import train_strategy
 from torchrl_grpo.schema import check_schema, require
 
 
@@ -174,12 +175,12 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
     """``train.strategy=fsdp``: ``train_model.num_devices`` ranks each take an equal share of every micro-batch
     (so that they take the one-process update), hence must divide ``train.optim_batch_size``; and what
     ``grpo.py`` does not do with ranks yet is refused, never run otherwise."""
-    if _get(cfg, "train.strategy") != "fsdp":
+    if train_strategy(cfg) != "fsdp":
         return
     ranks = _get(cfg, "train_model.num_devices")
     if plan.micro_batch % ranks:
         raise ConfigError(
-            f"train.strategy=fsdp with train_model.num_devices={ranks}: each rank takes an equal share of every "
+            f"train.strategy={_get(cfg, 'train.strategy')} (fsdp) with train_model.num_devices={ranks}: each rank takes an equal share of every "
             f"micro-batch, and {ranks} ranks do not divide train.optim_batch_size={plan.micro_batch}; pick a "
             f"multiple of {ranks} (that divides the {plan.completions_per_step} completions per step)"
         )
@@ -189,11 +190,12 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
          "samples with the sharded policy)", "use inference_model.backend=vllm"),
         (_get(cfg, "train.resume") is not None, "train.resume (no sharded optimizer state is saved yet)",
          "set train.resume=null"),
-        (torch.cuda.is_available(), "GPUs (only gloo ranks on the CPU have run)", "use train.strategy=layer_split"),
+        (torch.cuda.is_available(), "GPUs (only gloo ranks on the CPU have run)", "set train.strategy=layer_split"),
     ]
     for refused, what, fix in not_yet:
         if refused:
-            raise ConfigError(f"train.strategy=fsdp is not built yet with {what}: {fix}, or train.strategy=auto")
+            raise ConfigError(f"train.strategy={_get(cfg, 'train.strategy')} (fsdp) is not built yet with {what}: "
+                              f"{fix}, or train_model.num_devices=1")
 
 
 def validate(cfg: DictConfig) -> BatchPlan:
