@@ -185,9 +185,10 @@ RANK_TIMEOUT_S = 1800
 
 @contextlib.contextmanager
 def data_parallel_ranks(cfg: DictConfig):
-    """``train.strategy=fsdp`` (or ``auto`` resolved to it): this process becomes rank 0 of ``train_model.num_devices`` ranks and starts the
-    others (:func:`follow_rank`); yields rank 0's :class:`DataParallel` (None for other strategies). The
-    followers stop when rank 0's run ends; they are killed if it fails."""
+    """``train.strategy=fsdp`` (or ``auto`` resolved to it): this process becomes rank 0 of
+    ``train_model.num_devices`` ranks and starts the others (:func:`follow_rank`); yields rank 0's
+    :class:`DataParallel` (None for the other strategies). The followers stop when rank 0's run ends; they
+    are killed if it fails."""
     if train_strategy(cfg) != "fsdp":
         yield None
         return

@@ -180,9 +180,10 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
     ranks = _get(cfg, "train_model.num_devices")
     if plan.micro_batch % ranks:
         raise ConfigError(
-            f"train.strategy={_get(cfg, 'train.strategy')} (fsdp) with train_model.num_devices={ranks}: each rank takes an equal share of every "
-            f"micro-batch, and {ranks} ranks do not divide train.optim_batch_size={plan.micro_batch}; pick a "
-            f"multiple of {ranks} (that divides the {plan.completions_per_step} completions per step)"
+            f"train.strategy={_get(cfg, 'train.strategy')} (fsdp) with train_model.num_devices={ranks}: each rank "
+            f"takes an equal share of every micro-batch, and {ranks} ranks do not divide "
+            f"train.optim_batch_size={plan.micro_batch}; pick a multiple of {ranks} (that divides the "
+            f"{plan.completions_per_step} completions per step)"
         )
     not_yet = [
         (_get(cfg, "mode") == "async", "mode=async (grpo-async.py)", "run grpo.py"),

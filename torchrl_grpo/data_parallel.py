@@ -10,7 +10,7 @@ over ranks (:func:`shard_model` turns its default average off): the sum of the s
 then the one-process gradient, for any world size (scaling the loss by N would round for N not a power of
 two). On the CPU the ranks talk gloo, on GPUs nccl.
 
-Either every rank runs the same program (a test, a script under torchrun), or only rank 0 runs the loop
+Either every rank runs the same program (tests/test_data_parallel.py), or only rank 0 runs the loop
 (engine, collector, metrics, checkpoints: ``grpo.py``) and the other ranks *follow*: the trainer on rank 0
 announces each of its calls that holds a collective (prepare, optimize, the weights gather, the
 probe, the checkpoint), with its arguments, and each follower makes the same call on its own trainer
@@ -59,7 +59,10 @@ class DataParallel:
             getattr(trainer, call)(*args)
 
     def share(self, n: int) -> slice:
-        """This rank's contiguous share of ``n`` items (``world_size`` divides ``n``: checked by the config)."""
+        """This rank's contiguous share of ``n`` items (the config makes ``world_size`` divide ``n``; a batch
+        that breaks it stops the run rather than dropping rows)."""
+        if n % self.world_size:
+            raise RunError(f"{n} completions cannot be shared equally by {self.world_size} data-parallel ranks")
         size = n // self.world_size
         return slice(self.rank * size, (self.rank + 1) * size)
 
@@ -82,7 +85,8 @@ class DataParallel:
         ranks. Per-step entries (``grad_norm``) are already global and kept."""
         keys = [k for k, v in history.items() if len(v) == len(weights) and k not in ("grad_norm", "ratio_max")]
         w = torch.tensor(weights, dtype=torch.float64, device=self.device)
-        values = torch.tensor([history[k] for k in keys], dtype=torch.float64, device=self.device).reshape(len(keys), -1)
+        values = torch.tensor([history[k] for k in keys], dtype=torch.float64, device=self.device)
+        values = values.reshape(len(keys), -1)
         packed = torch.cat([values * w, values, w.unsqueeze(0)])
         dist.all_reduce(packed)
         weighted, plain, total = packed[: len(keys)], packed[len(keys): 2 * len(keys)], packed[-1]
@@ -118,10 +122,11 @@ def process_group(rank: int, world_size: int, init_method: str, timeout_s: float
 def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     """FSDP2 over the process group: each decoder layer (the classes the HF model names in
     ``_no_split_modules``) is one shard group, the rest (embeddings, final norm, head) the root's. Gradients
-    are summed over ranks, not averaged (module docstring); the weights are rank 0's. Every group, the root too, reshards after its
-    forward: by default the root stays gathered, and after a no-grad forward (the log-probs of
-    :meth:`Trainer.prepare`) the next backward then left the root's parameters without gradients (torch
-    2.13, gloo). In place; returns ``model``. Build the optimizer after this: the parameters become DTensors."""
+    are summed over ranks, not averaged (module docstring); the weights are rank 0's. Every group, the root
+    too, reshards after its forward: by default the root stays gathered, and after a no-grad forward (the
+    log-probs of :meth:`Trainer.prepare`) the next backward then left the root's parameters without
+    gradients (torch 2.13, gloo). In place; returns ``model``. Build the optimizer after this: the
+    parameters become DTensors."""
     from torch.distributed.fsdp import fully_shard
 
     layer_classes = set(getattr(hf_model(model), "_no_split_modules", None) or ())
