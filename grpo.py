@@ -3,6 +3,7 @@
     python grpo.py                                  # SmolLM2-135M on GSM8K (hub), vLLM engine
     python grpo.py env=gsm_symbolic                 # the same, fully offline
     python grpo.py model=tiny env=gsm_symbolic train.total_dialog_turns=32   # a smoke run in seconds
+    python grpo.py train.strategy=fsdp train_model.num_devices=2  # two data-parallel ranks (gloo on the CPU)
 """
 from pathlib import Path
 
@@ -10,7 +11,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from grpo_utils import build_sync
+from grpo_utils import build_sync, data_parallel_ranks
 from torchrl_grpo.command_line import checked_command_line
 from torchrl_grpo.console import quiet_libraries
 from torchrl_grpo.errors import exit_with_one_line
@@ -25,11 +26,12 @@ def main(cfg: DictConfig) -> None:
     from torchrl_grpo.sync_loop import run_sync
 
     quiet_libraries(cfg.logging.verbose is True)
-    run = build_sync(cfg, Path(HydraConfig.get().runtime.output_dir))
-    try:
-        run_sync(run)
-    finally:
-        run.collector.engine.close()
+    with data_parallel_ranks(cfg) as parallel:  # train.strategy=fsdp: this is rank 0, the others follow
+        run = build_sync(cfg, Path(HydraConfig.get().runtime.output_dir), parallel)
+        try:
+            run_sync(run)
+        finally:
+            run.collector.engine.close()
 
 
 if __name__ == "__main__":

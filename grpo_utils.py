@@ -6,20 +6,27 @@ vLLM) happen here, after the config was validated, so that a bad key fails in a 
 """
 from __future__ import annotations
 
+import contextlib
+import multiprocessing
+import os
 import random
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo.async_loop import AsyncRun
 from torchrl_grpo.collector import Collector
 from torchrl_grpo.config import BatchPlan, CollectSettings, TrainSettings, validate
+from torchrl_grpo.data_parallel import DataParallel, process_group, shard_model
+from torchrl_grpo.errors import RunError
 from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.objective import GRPOLoss
-from torchrl_grpo.placement import Placement, place, resolve_dtype
+from torchrl_grpo.placement import Placement, place, resolve_dtype, train_strategy
 from torchrl_grpo.rollout_actors import actor_dtype
 from torchrl_grpo.run_state import RunState
 from torchrl_grpo.sync_loop import SyncRun
@@ -86,11 +93,12 @@ def engine_dtype(cfg: DictConfig, placement: Placement) -> torch.dtype:
     return resolve_dtype(cfg.inference_model.torch_dtype, placement.inference[0])
 
 
-def build_weight_check(cfg: DictConfig, policy, tokenizer, dtype: torch.dtype) -> WeightCheck | None:
+def build_weight_check(cfg: DictConfig, trainer: Trainer, tokenizer, dtype: torch.dtype) -> WeightCheck | None:
     """The weight sync check (``train.weight_sync_check``) between the trainer and engines of ``dtype``."""
     if not cfg.train.weight_sync_check:
         return None
-    return WeightCheck(policy, tokenizer, dtype, cfg.train.weight_sync_tolerance)
+    return WeightCheck(trainer.policy, tokenizer, dtype, cfg.train.weight_sync_tolerance,
+                       log_probs=trainer.probe_log_probs)
 
 
 def build_optimizer(cfg: DictConfig, policy) -> torch.optim.Optimizer:
@@ -136,8 +144,10 @@ def build_eval_engine(cfg: DictConfig):
     return build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed)), tokenizer
 
 
-def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume_from: Path | None) -> Trainer:
-    """Policy (from the checkpoint when resuming), reference when a KL to it is on, loss and optimizer."""
+def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume_from: Path | None,
+                  parallel: DataParallel | None = None) -> Trainer:
+    """Policy (from the checkpoint when resuming), reference when a KL to it is on, loss and optimizer; with
+    ``parallel`` both models sharded over the ranks (FSDP2) before the optimizer is built."""
     from torchrl_grpo.models import load_policy
 
     policy = build_policy(cfg, model_path, placement.train, resume_from)
@@ -146,9 +156,77 @@ def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume
         ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, placement.ref[0]),
                                  device=placement.ref, trainable=False,
                                  trust_remote_code=bool(cfg.model.trust_remote_code))
+    if parallel is not None:
+        policy = shard_model(policy)
+        ref_policy = None if ref_policy is None else shard_model(ref_policy)
     return Trainer(policy, ref_policy, build_loss(cfg, policy), build_optimizer(cfg, policy),
                    TrainSettings.from_config(cfg), torch.device(placement.train[0]),
-                   torch.device(placement.ref[0]) if ref_policy is not None else None)
+                   torch.device(placement.ref[0]) if ref_policy is not None else None, parallel)
+
+
+# collectives wait this long for a rank: the followers wait while rank 0 generates and evaluates
+RANK_TIMEOUT_S = 1800
+
+
+@contextlib.contextmanager
+def data_parallel_ranks(cfg: DictConfig):
+    """``train.strategy=fsdp`` (or ``auto`` resolved to it): this process becomes rank 0 of
+    ``train_model.num_devices`` ranks and starts the others (:func:`follow_rank`); yields rank 0's
+    :class:`DataParallel` (None for the other strategies). The followers stop when rank 0's run ends; they
+    are killed if it fails."""
+    if train_strategy(cfg) != "fsdp":
+        yield None
+        return
+    validate(cfg)  # a bad config fails in one line before any rank starts
+    # rank 0's vLLM engine in a fresh process of its own: in this one (or a fork of it) it would take the ranks'
+    # process group for its own world and wait for the followers in its set-up collectives
+    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    world, store = int(cfg.train_model.num_devices), Path(tempfile.mkdtemp(prefix="grpo_ranks_"))
+    init_method = f"file://{store / 'store'}"
+    config = OmegaConf.to_container(cfg, resolve=True)
+    spawn = multiprocessing.get_context("spawn")
+    followers = [spawn.Process(target=follow_rank, args=(config, rank, world, init_method), daemon=True)
+                 for rank in range(1, world)]
+    for follower in followers:
+        follower.start()
+    try:
+        with process_group(0, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
+            print(f"data-parallel training: {world} ranks (FSDP2 over {torch.distributed.get_backend()}), this "
+                  "process is rank 0", flush=True)
+            try:
+                yield parallel
+            except BaseException as err:
+                if isinstance(err, RuntimeError):  # a collective failed: did a follower die?
+                    for follower in followers:
+                        follower.join(timeout=5)
+                dead = [f"rank {r} (exit code {f.exitcode})" for r, f in enumerate(followers, 1) if f.exitcode]
+                for follower in followers:  # they may wait in a collective this rank will not reach
+                    follower.kill()
+                if dead and isinstance(err, RuntimeError):
+                    raise RunError(f"data-parallel {', '.join(dead)} stopped (its output is above): "
+                                   f"{str(err).splitlines()[0]}") from None
+                raise
+            parallel.announce(None)
+    finally:
+        for follower in followers:
+            follower.join(timeout=60)
+            if follower.is_alive():
+                follower.kill()
+                follower.join()
+        shutil.rmtree(store, ignore_errors=True)
+
+
+def follow_rank(config: dict, rank: int, world: int, init_method: str) -> None:
+    """A follower rank (started by :func:`data_parallel_ranks`): the trainer rank 0 builds, sharded alike,
+    making the calls rank 0's trainer announces until the run ends."""
+    from torchrl_grpo.model_sources import resolve_model
+
+    cfg = OmegaConf.create(config)
+    with process_group(rank, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
+        seed_everything(int(cfg.train.seed))
+        placement = place(cfg, needs_ref=float(cfg.train.kl_to_ref_coeff) > 0)
+        model_path = resolve_model(str(cfg.model.name), bool(cfg.model.trust_remote_code))
+        parallel.follow(build_trainer(cfg, placement, model_path, None, parallel))
 
 
 @dataclass
@@ -198,26 +276,26 @@ class Common:
     evaluator: Evaluator | None
 
 
-def build_common(cfg: DictConfig, run_dir: Path) -> Common:
+def build_common(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> Common:
     """The checked inputs (:func:`read_inputs`), the batch plan printed, the evaluator and the trainer."""
     i = read_inputs(cfg, run_dir)
     print(f"batch plan:\n{i.plan.table()}\nplacement: {i.placement.describe()}", flush=True)
     evaluator = None if i.eval_task is None else Evaluator(
         i.eval_task, i.tokenizer, cfg.eval, i.plan.max_tokens, int(cfg.logging.eval_frequency), i.plan.total_steps)
-    trainer = build_trainer(cfg, i.placement, i.model_path, i.state.resume_from)
+    trainer = build_trainer(cfg, i.placement, i.model_path, i.state.resume_from, parallel)
     return Common(i.plan, i.state, i.task, i.tokenizer, i.model_path, i.placement, trainer, evaluator)
 
 
-def build_sync(cfg: DictConfig, run_dir: Path) -> SyncRun:
+def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> SyncRun:
     """The sync run: the common pieces and a collector over an engine holding the policy's weights (seeded
-    with the step a resume starts after)."""
-    c = build_common(cfg, run_dir)
+    with the step a resume starts after); ``parallel``: this is rank 0 of data-parallel ranks."""
+    c = build_common(cfg, run_dir, parallel)
     engine = build_engine(cfg, c.model_path, c.placement, c.trainer.policy, c.tokenizer,
                           seed=int(cfg.train.seed) + c.state.step)
     if c.state.resume_from is not None:
         c.trainer.push_weights(engine)
     weight_check = None if getattr(engine, "model", None) is c.trainer.policy else (  # it samples from the policy
-        build_weight_check(cfg, c.trainer.policy, c.tokenizer, engine_dtype(cfg, c.placement)))
+        build_weight_check(cfg, c.trainer, c.tokenizer, engine_dtype(cfg, c.placement)))
     if weight_check is not None:
         print(weight_check.startup(engine), flush=True)
     collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), int(cfg.env.seed)),
@@ -229,6 +307,6 @@ def build_sync(cfg: DictConfig, run_dir: Path) -> SyncRun:
 def build_async(cfg: DictConfig, run_dir: Path) -> AsyncRun:
     """The async run: the common pieces; the Ray actors (with their engines and collectors) start in the loop."""
     c = build_common(cfg, run_dir)
-    weight_check = build_weight_check(cfg, c.trainer.policy, c.tokenizer, actor_dtype(cfg))
+    weight_check = build_weight_check(cfg, c.trainer, c.tokenizer, actor_dtype(cfg))
     return AsyncRun(c.trainer, c.state, c.tokenizer, c.task.reward_names, c.plan.total_steps, int(cfg.ray.num_actors),
                     int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), c.evaluator, weight_check)

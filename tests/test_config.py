@@ -4,7 +4,7 @@ import pytest
 from helpers import cfg_with
 from torchrl_grpo.config import batch_plan, validate
 from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.placement import place
+from torchrl_grpo.placement import place, train_strategy
 from torchrl_grpo.trajectories import PromptSampler
 
 
@@ -41,8 +41,8 @@ def test_nucleus_sampling_is_accepted_with_recomputed_old_log_probs():
 
 def test_placement_without_gpus_is_cpu_and_refuses_gpu_requests():
     assert place(cfg_with(), needs_ref=True, gpu_count=0).train == ["cpu"]
-    with pytest.raises(ConfigError, match=r"^train_model.num_devices=2 .* no GPU"):
-        place(cfg_with("train_model.num_devices=2"), needs_ref=False, gpu_count=0)
+    with pytest.raises(ConfigError, match=r"^train_model.num_devices=2 .* no GPU: .* \(or train.strategy=fsdp"):
+        place(cfg_with("train.strategy=layer_split", "train_model.num_devices=2"), needs_ref=False, gpu_count=0)
     with pytest.raises(ConfigError, match=r"^inference_model.devices=\[1\]"):
         place(cfg_with("inference_model.devices=[1]"), needs_ref=False, gpu_count=0)
 
@@ -73,3 +73,22 @@ def test_prompt_sampler_covers_each_epoch_and_resumes_exactly():
     again.load_state_dict(state)
     assert again.take(7) == rest
     assert PromptSampler(5, seed=4).take(5) != first or PromptSampler(5, seed=5).take(5) != first
+
+
+def test_fsdp_ranks_must_divide_the_micro_batch_and_what_is_not_built_is_refused():
+    with pytest.raises(ConfigError, match=r"^train.strategy=fsdp \(fsdp\) with train_model.num_devices=3: .* do not "
+                                          r"divide train.optim_batch_size=16; pick a multiple of 3"):
+        validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=3"))
+    validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2"))
+    for override, what in [("mode=async", "mode=async"), ("inference_model.backend=transformers", "inference_model"),
+                           ("train.resume=auto", "train.resume")]:
+        with pytest.raises(ConfigError, match=rf"^train.strategy=fsdp \(fsdp\) is not built yet with {what}"):
+            validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2", override))
+    validate(cfg_with("train.strategy=layer_split", "train_model.num_devices=3"))
+    # auto: gloo ranks for several train devices on a machine without GPUs, the layer split with GPUs
+    assert train_strategy(cfg_with("train_model.num_devices=2"), gpu_count=0) == "fsdp"
+    assert train_strategy(cfg_with("train_model.num_devices=2"), gpu_count=2) == "layer_split"
+    assert train_strategy(cfg_with(), gpu_count=0) == "layer_split"
+    assert place(cfg_with("train_model.num_devices=2"), needs_ref=True, gpu_count=0).train == ["cpu"]
+    with pytest.raises(ConfigError, match=r"^train.strategy=auto \(fsdp\) with train_model.num_devices=3"):
+        validate(cfg_with("train_model.num_devices=3"))

@@ -54,7 +54,8 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 
 def save(directory: Path, step: int, model, tokenizer, state: dict, keep: int = 2) -> Path:
-    """Write checkpoint ``step`` atomically into ``directory`` and keep only the newest ``keep``."""
+    """Write checkpoint ``step`` atomically into ``directory`` and keep only the newest ``keep``. ``model`` is
+    anything with HF's ``save_pretrained`` (the trainer: it gathers a sharded policy)."""
     directory.mkdir(parents=True, exist_ok=True)
     final = directory / f"step_{step:06d}"
     tmp = directory / f".tmp_step_{step:06d}_{os.getpid()}"

@@ -16,10 +16,12 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
 from omegaconf import DictConfig
 
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.models import check_lora
+from torchrl_grpo.placement import train_strategy
 from torchrl_grpo.schema import check_schema, require
 
 
@@ -169,6 +171,34 @@ def batch_plan(cfg: DictConfig) -> BatchPlan:
     )
 
 
+def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
+    """``train.strategy=fsdp``: ``train_model.num_devices`` ranks each take an equal share of every micro-batch
+    (so that they take the one-process update), hence must divide ``train.optim_batch_size``; and what
+    ``grpo.py`` does not do with ranks yet is refused, never run otherwise."""
+    if train_strategy(cfg) != "fsdp":
+        return
+    ranks = _get(cfg, "train_model.num_devices")
+    if plan.micro_batch % ranks:
+        raise ConfigError(
+            f"train.strategy={_get(cfg, 'train.strategy')} (fsdp) with train_model.num_devices={ranks}: each rank "
+            f"takes an equal share of every micro-batch, and {ranks} ranks do not divide "
+            f"train.optim_batch_size={plan.micro_batch}; pick a multiple of {ranks} (that divides the "
+            f"{plan.completions_per_step} completions per step)"
+        )
+    not_yet = [
+        (_get(cfg, "mode") == "async", "mode=async (grpo-async.py)", "run grpo.py"),
+        (_get(cfg, "inference_model.backend") == "transformers", "inference_model.backend=transformers (it "
+         "samples with the sharded policy)", "use inference_model.backend=vllm"),
+        (_get(cfg, "train.resume") is not None, "train.resume (no sharded optimizer state is saved yet)",
+         "set train.resume=null"),
+        (torch.cuda.is_available(), "GPUs (only gloo ranks on the CPU have run)", "set train.strategy=layer_split"),
+    ]
+    for refused, what, fix in not_yet:
+        if refused:
+            raise ConfigError(f"train.strategy={_get(cfg, 'train.strategy')} (fsdp) is not built yet with {what}: "
+                              f"{fix}, or train_model.num_devices=1")
+
+
 def validate(cfg: DictConfig) -> BatchPlan:
     """Check every key the trainer reads before anything heavy starts, once: each key's kind and range
     (:mod:`torchrl_grpo.schema`), then the batch arithmetic and the combinations that need each other;
@@ -213,6 +243,7 @@ def validate(cfg: DictConfig) -> BatchPlan:
             f"fit in the completion budget; set loss.overlong_buffer below {plan.max_tokens} (or null for "
             f"{max(1, plan.max_tokens // 5)})"
         )
+    check_strategy(cfg, plan)
     samples, temperature = _get(cfg, "eval.samples"), _get(cfg, "eval.temperature")
     if samples > 1 and temperature == 0:
         raise ConfigError(f"eval.samples={samples} with eval.temperature=0: greedy decoding gives {samples} identical "

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from torchrl_grpo.data_parallel import full_tensor
 from torchrl_grpo.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -77,32 +78,36 @@ def load_policy(
 
 
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """HF-named weights of the base model with any active LoRA merged in, for the inference engine.
+    """HF-named weights of the base model with any active LoRA merged in, for the inference engine:
+    :func:`merged_weights` as one dict."""
+    return dict(merged_weights(model))
+
+
+def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, tensor)`` of the base model's weights with any active LoRA merged in, one at a time.
 
     The model is not modified: merged weights are new tensors, the others alias the live parameters
     (detached, no copy). Only `named_parameters()` is walked, so tied embeddings appear once (no
-    separate lm_head.weight), which is what vLLM's weight reload expects (DESIGN.md section 5).
+    separate lm_head.weight), which is what vLLM's weight reload expects (DESIGN.md section 5). A model
+    sharded with FSDP2 gives each weight gathered whole when it is reached, so that a consumer that does
+    not keep them (a push into an engine) never holds two full copies; every rank must then iterate in step.
     """
     model = _unwrap(model)
     try:
         from peft import PeftModel
     except ImportError:  # peft absent: no model can be a PEFT model
         PeftModel = None
-    with torch.no_grad():
-        if PeftModel is None or not isinstance(model, PeftModel):
-            return {name: p.detach() for name, p in model.named_parameters()}
-        base = model.get_base_model()
-        deltas = _lora_deltas(base)
-        out: dict[str, torch.Tensor] = {}
-        for name, p in base.named_parameters():
-            parts = name.split(".")
-            if any(s.startswith("lora_") for s in parts) or "original_module" in parts:
-                continue
-            t = p.detach()
-            if name in deltas:
-                t = t + deltas[name].to(t.dtype)
-            out[_hf_name(name)] = t
-        return out
+    if PeftModel is None or not isinstance(model, PeftModel):
+        for name, p in model.named_parameters():
+            yield name, full_tensor(p.detach())
+        return
+    base = model.get_base_model()
+    layers = _lora_layers(base)
+    for name, p in base.named_parameters():
+        parts = name.split(".")
+        if any(s.startswith("lora_") for s in parts) or "original_module" in parts:
+            continue
+        yield _hf_name(name), _merged(full_tensor(p.detach()), layers.get(name))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -145,25 +150,34 @@ def _wrap_lora(model, lora: Mapping[str, Any]):
         raise ConfigError(f"train_model.lora.target_modules={targets!r}: {str(e).splitlines()[0]}") from None
 
 
-def _lora_deltas(base) -> dict[str, torch.Tensor]:
-    """{param name of a LoRA layer's base weight: sum of its active, unmerged adapters' deltas}."""
-    deltas: dict[str, torch.Tensor] = {}
+def _lora_layers(base) -> dict[str, tuple[str, torch.nn.Module]]:
+    """{param name of a LoRA layer's base weight: (layer name, layer)} for the layers whose adapters are
+    active and unmerged."""
+    layers = {}
     for mname, module in base.named_modules():
         if not hasattr(module, "get_delta_weight") or not hasattr(module, "base_layer"):
             continue
         if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
             continue  # adapters off, or already merged into the base weight
-        delta = None
-        for adapter in module.active_adapters:
-            if adapter not in module.lora_A and adapter not in getattr(module, "lora_embedding_A", {}):
-                continue
-            if getattr(module, "lora_variant", {}).get(adapter) is not None:
-                raise NotImplementedError(f"{mname}: LoRA variants (e.g. DoRA) are not supported for weight sync")
-            d = module.get_delta_weight(adapter)
-            delta = d if delta is None else delta + d
-        if delta is not None:
-            deltas[f"{mname}.base_layer.weight"] = delta
-    return deltas
+        layers[f"{mname}.base_layer.weight"] = (mname, module)
+    return layers
+
+
+@torch.no_grad()
+def _merged(weight: torch.Tensor, layer: tuple[str, torch.nn.Module] | None) -> torch.Tensor:
+    """``weight`` plus the sum of ``layer``'s active adapters' deltas (gathered whole when sharded)."""
+    if layer is None:
+        return weight
+    mname, module = layer
+    delta = None
+    for adapter in module.active_adapters:
+        if adapter not in module.lora_A and adapter not in getattr(module, "lora_embedding_A", {}):
+            continue
+        if getattr(module, "lora_variant", {}).get(adapter) is not None:
+            raise NotImplementedError(f"{mname}: LoRA variants (e.g. DoRA) are not supported for weight sync")
+        d = module.get_delta_weight(adapter)
+        delta = d if delta is None else delta + d
+    return weight if delta is None else weight + full_tensor(delta).to(weight.dtype)
 
 
 def _hf_name(name: str) -> str:

@@ -3,7 +3,8 @@
 With GPUs: explicit ``<role>.devices`` lists are taken as given (and must exist); otherwise each role takes
 ``<role>.num_devices`` GPUs, disjoint when enough exist, else all roles share the first GPUs (the engine
 then keeps ``inference_model.gpu_memory_utilization`` of its device). Without GPUs everything runs on the
-CPU; asking for GPUs there is an error, never a silent downgrade.
+CPU; asking for GPUs there is an error, never a silent downgrade, except for train ranks with
+``train.strategy=fsdp`` (:func:`train_strategy`): those are processes, gloo ranks on the CPU.
 """
 from __future__ import annotations
 
@@ -32,14 +33,17 @@ class Placement:
 def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Placement:
     """Assign devices to the roles of ``cfg``; ``gpu_count`` defaults to what torch sees."""
     available = torch.cuda.device_count() if gpu_count is None else gpu_count
+    ranks = train_strategy(cfg, available) == "fsdp"
     roles = [r for r in ROLES if r != "ref_model" or needs_ref]
     if available == 0:
         for role in roles:
             devices = cfg[role].get("devices")
             if devices:
                 raise ConfigError(f"{role}.devices={list(devices)} but this machine has no GPU: set {role}.devices=null to run on the CPU")
-            if cfg[role].get("num_devices", 1) > 1:
-                raise ConfigError(f"{role}.num_devices={cfg[role].num_devices} but this machine has no GPU: set {role}.num_devices=1 to run on the CPU")
+            if cfg[role].get("num_devices", 1) > 1 and not (role == "train_model" and ranks):
+                fix = " (or train.strategy=fsdp: gloo ranks)" if role == "train_model" else ""
+                raise ConfigError(f"{role}.num_devices={cfg[role].num_devices} but this machine has no GPU: set "
+                                  f"{role}.num_devices=1 to run on the CPU{fix}")
         return Placement(["cpu"], ["cpu"], ["cpu"], shared=True)
 
     chosen: dict[str, list[int]] = {}
@@ -70,6 +74,16 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
         ref=as_names.get("ref_model", as_names["train_model"]),
         shared=len(flat) != len(set(flat)),
     )
+
+
+def train_strategy(cfg: DictConfig, gpu_count: int | None = None) -> str:
+    """``train.strategy`` resolved: ``auto`` is ``fsdp`` (``train_model.num_devices`` data-parallel gloo ranks)
+    for several train devices on a machine without GPUs, else ``layer_split`` (FSDP on GPUs has not run yet)."""
+    chosen = cfg.get("train", {}).get("strategy", "auto")
+    if chosen != "auto":
+        return chosen
+    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    return "fsdp" if int(cfg.train_model.get("num_devices", 1)) > 1 and gpus == 0 else "layer_split"
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:

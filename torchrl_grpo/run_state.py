@@ -60,7 +60,7 @@ class RunState:
         state = {"step": step, **trainer.state_dict(), "sampler": data.state_dict(), "rng": checkpoint.rng_state(),
                  "engine_rng": engine.sampling_state() if engine is not None else None,
                  "config": OmegaConf.to_container(self.config, resolve=True)}
-        return checkpoint.save(self.directory, step, trainer.policy, tokenizer, state, keep=self.keep)
+        return checkpoint.save(self.directory, step, trainer, tokenizer, state, keep=self.keep)
 
     def after_step(self, step: int, total_steps: int, trainer, tokenizer, data, stop_requested: bool,
                    engine=None, fault: str | None = None) -> str | None:

@@ -5,6 +5,12 @@ A step is :meth:`Trainer.prepare` (the log-probs only the policy's holder can co
 the reward, group advantages) then :meth:`Trainer.optimize` (``epochs`` passes of shuffled micro-batches,
 gradient accumulation weighted so that an optimizer step sees exactly its whole batch's loss, clipping)
 then :meth:`Trainer.push_weights` into the engine(s).
+
+With ``parallel`` (:mod:`torchrl_grpo.data_parallel`), the same loop runs on each of N ranks over a
+policy sharded with FSDP2: every rank holds the whole batch and takes its share of each micro-batch, the
+accumulation normaliser is summed over ranks, and the metrics are those of the whole micro-batches. Rank 0
+announces each call that holds a collective to the other ranks, which make the same call
+(:meth:`torchrl_grpo.data_parallel.DataParallel.follow`).
 """
 from __future__ import annotations
 
@@ -15,17 +21,21 @@ import time
 import torch
 
 from torchrl_grpo.config import TrainSettings
-from torchrl_grpo.models import merged_state_dict
+from torchrl_grpo.data_parallel import DataParallel, full_tensor, gathered
+from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.models import merged_state_dict, merged_weights
 from torchrl_grpo.objective import GRPOLoss, first_completion_column, token_log_probs, total_loss
 from torchrl_grpo.objective_terms import group_advantages
+from torchrl_grpo.weight_check import probe_log_probs
 
 
 class Trainer:
     def __init__(self, policy: torch.nn.Module, ref_policy: torch.nn.Module | None, loss: GRPOLoss,
                  optimizer: torch.optim.Optimizer, settings: TrainSettings, device: torch.device,
-                 ref_device: torch.device | None):
+                 ref_device: torch.device | None, parallel: DataParallel | None = None):
         self.policy, self.ref_policy, self.loss, self.optimizer = policy, ref_policy, loss, optimizer
         self.settings, self.device, self.ref_device = settings, device, ref_device
+        self.parallel = parallel  # None: one process
         self.shuffle = torch.Generator().manual_seed(settings.seed)  # micro-batch order, saved for exact resume
         self.nonfinite_streak = 0  # optimizer steps in a row skipped for a non-finite gradient norm
 
@@ -33,6 +43,7 @@ class Trainer:
         """Make a collected batch trainable, in place: the policy's own log-probs before its update (when the
         ratio's denominator is the trainer's), the reference's, the KL penalty in the reward (k1 summed over
         the completion, with ``train.kl_coef_in_loss=false``) and the group advantages; returns metrics."""
+        self._everywhere("prepare", batch)
         s, metrics = self.settings, {}
         if s.recompute_old_log_probs:
             batch["old_log_probs"] = self.log_probs(self.policy, self.device, batch)
@@ -57,36 +68,44 @@ class Trainer:
     @torch.no_grad()
     def log_probs(self, model: torch.nn.Module, device: torch.device, batch) -> torch.Tensor:
         """Completion-token log-probs of ``batch`` under ``model`` (reference, or the policy before its
-        update), in micro-batches; 0 outside completions."""
-        out = torch.zeros_like(batch["sample_log_probs"])
-        for idx in torch.arange(len(batch)).split(self.settings.micro_batch):
-            mb = trim_padding(batch[idx]).to(device)
+        update), in micro-batches; 0 outside completions. Data-parallel: each rank its share, then gathered."""
+        rows = batch if self.parallel is None else batch[self.parallel.share(len(batch))]
+        out = torch.zeros_like(rows["sample_log_probs"])
+        for idx in torch.arange(len(rows)).split(self.settings.micro_batch):
+            mb = trim_padding(rows[idx]).to(device)
             logp, _ = token_log_probs(model, mb["tokens"], mb["attention_mask"], self.settings.temperature,
                                       start=first_completion_column(mb["completion_mask"]))
             out[idx, : logp.shape[1]] = logp.float().cpu() * mb["completion_mask"].cpu()
-        return out
+        return out if self.parallel is None else self.parallel.gather_shares(out)
 
     def optimize(self, batch) -> dict:
         """``epochs`` passes of shuffled micro-batches; one optimizer step per ``accumulation`` micro-batches.
-        A non-finite gradient norm skips that update (counted in ``skipped_updates``)."""
-        s = self.settings
+        A non-finite gradient norm skips that update (counted in ``skipped_updates``). Data-parallel: this
+        rank's share of each micro-batch, weights normalised over every rank's."""
+        self._everywhere("optimize", batch)
+        s, parallel = self.settings, self.parallel
         params = [p for p in self.policy.parameters() if p.requires_grad]
         history: dict[str, list[float]] = {}
+        share_weights: list[float] = []  # each micro-batch's accumulation weight (data-parallel metrics)
         trained_tokens, skipped, started = 0, 0, time.perf_counter()
         self.policy.train()
         for _ in range(s.epochs):
             order = torch.randperm(len(batch), generator=self.shuffle).split(s.micro_batch)
+            if parallel is not None:
+                order = [idx[parallel.share(len(idx))] for idx in order]
             for first in range(0, len(order), s.accumulation):
                 micro = [trim_padding(batch[idx]).to(self.device) for idx in order[first: first + s.accumulation]]
                 weights = [self.loss.accumulation_weight(mb) for mb in micro]
+                total = sum(weights) if parallel is None else parallel.sum(sum(weights))
+                share_weights += weights
                 for mb, weight in zip(micro, weights):
                     with self._autocast():
                         losses = self.loss(mb)
-                    (total_loss(losses) * (weight / max(sum(weights), 1e-9))).backward()
+                    (total_loss(losses) * (weight / max(total, 1e-9))).backward()
                     for key, value in losses.items():
                         history.setdefault(key, []).append(value.detach().float().item())
                     trained_tokens += int(mb["attention_mask"].sum())
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm or math.inf)
+                grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm or math.inf))
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
                     self.nonfinite_streak = 0
@@ -97,6 +116,9 @@ class Trainer:
                 history.setdefault("grad_norm", []).append(grad_norm.item())
         self.policy.eval()
         elapsed = time.perf_counter() - started
+        if parallel is not None:
+            history = parallel.global_history(history, share_weights)
+            trained_tokens = parallel.sum(trained_tokens)
         metrics = {key: sum(v) / len(v) for key, v in history.items()}
         metrics["loss"] = sum(metrics[k] for k in metrics if k.startswith("loss_"))
         metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
@@ -122,9 +144,35 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
+    def _everywhere(self, call: str, *args) -> None:
+        """Data-parallel rank 0: every other rank makes this call too (their collectives must match)."""
+        if self.parallel is not None and self.parallel.leads:
+            self.parallel.announce(call, *args)
+
     def weights(self) -> dict[str, torch.Tensor]:
-        """The policy's HF-named weights (LoRA merged in): what an engine loads."""
-        return merged_state_dict(self.policy)
+        """The policy's HF-named weights (LoRA merged in): what an engine loads. Data-parallel: gathered from
+        the shards one at a time, kept by rank 0 only (the other ranks get an empty dict)."""
+        self._everywhere("weights")
+        if self.parallel is None:
+            return merged_state_dict(self.policy)
+        return gathered(merged_weights(self.policy), keep=self.parallel.rank == 0)
+
+    def probe_log_probs(self, token_ids: list[int]) -> torch.Tensor:
+        """The weight sync check's probe under the policy (:func:`probe_log_probs`)."""
+        self._everywhere("probe_log_probs", token_ids)
+        return probe_log_probs(self.policy, token_ids)
+
+    def save_pretrained(self, path, safe_serialization: bool = True) -> None:
+        """The policy in HF format (the LoRA adapter with LoRA), as a checkpoint holds it. Data-parallel: the
+        weights gathered whole from the shards and written by rank 0 (the others gather, ``path`` unused)."""
+        if self.parallel is None:
+            self.policy.save_pretrained(path, safe_serialization=safe_serialization)
+            return
+        self._everywhere("save_pretrained", None)
+        state = gathered(((name, t.detach()) for name, t in self.policy.state_dict().items()),
+                         keep=self.parallel.rank == 0)
+        if self.parallel.rank == 0:
+            self.policy.save_pretrained(path, state_dict=state, safe_serialization=safe_serialization)
 
     def cpu_weights(self) -> dict[str, torch.Tensor]:
         """:meth:`weights` as CPU tensors, for engines in other processes (``ray.put`` ships them)."""
@@ -137,10 +185,15 @@ class Trainer:
             engine.push_weights(self.weights())
 
     def state_dict(self) -> dict:
-        """The optimizer and the micro-batch shuffle: what a checkpoint needs besides the weights."""
-        return {"optimizer": self.optimizer.state_dict(), "shuffle_rng": self.shuffle.get_state()}
+        """The optimizer and the micro-batch shuffle: what a checkpoint needs besides the weights. Data-parallel:
+        no optimizer state (it is sharded; saving it is not built yet, nor resuming such a run)."""
+        optimizer = self.optimizer.state_dict() if self.parallel is None else None
+        return {"optimizer": optimizer, "shuffle_rng": self.shuffle.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
+        if state["optimizer"] is None:
+            raise ConfigError("train.resume: this checkpoint is of a train.strategy=fsdp run, which saves no "
+                              "optimizer state yet; start a new run from its weights with model.name=<checkpoint dir>")
         self.optimizer.load_state_dict(state["optimizer"])
         self.shuffle.set_state(state["shuffle_rng"])
 

@@ -13,7 +13,7 @@ bfloat16 0.035, float16 0.0043; vLLM float32 against transformers float32 ~1e-5)
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -82,10 +82,13 @@ def sync_problem(gap: float, limit: float) -> str | None:
 
 class WeightCheck:
     """The trainer's side (``policy``: the trained model): measures the start-up gap and makes the
-    :class:`Probe` of each push."""
+    :class:`Probe` of each push. ``log_probs(token_ids)`` scores the probe (default :func:`probe_log_probs`
+    of ``policy``; the trainer's own, which a sharded policy needs)."""
 
-    def __init__(self, policy: torch.nn.Module, tokenizer, engine_dtype: torch.dtype, configured: float | None):
-        self.policy, self.token_ids = policy, probe_ids(tokenizer)
+    def __init__(self, policy: torch.nn.Module, tokenizer, engine_dtype: torch.dtype, configured: float | None,
+                 log_probs: Callable[[list[int]], torch.Tensor] | None = None):
+        self.token_ids = probe_ids(tokenizer)
+        self.log_probs = log_probs or (lambda token_ids: probe_log_probs(policy, token_ids))
         self.trainer_dtype = next(policy.parameters()).dtype
         self.engine_dtype = engine_dtype
         self.tolerance = tolerance(engine_dtype, self.trainer_dtype, configured)
@@ -96,7 +99,7 @@ class WeightCheck:
 
     def probe(self) -> Probe:
         """The probe for the trainer's current weights."""
-        return Probe(self.token_ids, probe_log_probs(self.policy, self.token_ids), self.limit)
+        return Probe(self.token_ids, self.log_probs(self.token_ids), self.limit)
 
     def startup(self, engine) -> str:
         """Measure the gap of the engine as started; set the limit of later checks; the line to print."""

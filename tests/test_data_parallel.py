@@ -1,0 +1,212 @@
+"""Data-parallel training (torchrl_grpo/data_parallel.py): two real gloo ranks with the policy (and the
+reference) sharded by FSDP2 take the same update as one process on the same batch and seed: losses, gradient
+norm and the updated weights (gathered by streaming, LoRA merged) within 1e-5 in float32, for every
+aggregation, with a reference model and with LoRA.
+
+One launch of two ranks runs every case (this file is also the ranks' program); each rank is a subprocess
+with its own time limit, and both are killed whatever happens. Then grpo.py as users run it with
+``train_model.num_devices=2`` on a machine without GPUs: it starts the second rank itself.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tensordict import TensorDict
+
+from helpers import LORA, SMALL, finite, metric_rows, needs_vllm, start
+from torchrl_grpo.config import TrainSettings
+from torchrl_grpo.data_parallel import DataParallel, process_group, shard_model
+from torchrl_grpo.models import load_policy, merged_weights
+from torchrl_grpo.objective import GRPOLoss
+from torchrl_grpo.objective_terms import AGGREGATIONS
+from torchrl_grpo.trainer import Trainer
+from torchrl_grpo.weight_check import probe_log_probs
+
+WORLD = 2
+GROUP = 4
+# name -> (loss options, train options); every aggregation appears, with and without a reference, and LoRA
+CASES = {
+    "token_mean_overlong_mask": ({"aggregation": "token_mean", "overlong": "mask"}, {}),
+    "sequence_mean_kl_in_loss": ({"aggregation": "sequence_mean", "kl_to_ref_coeff": 0.1, "entropy_coeff": 0.01},
+                                 {"clip": 0.5}),
+    "constant_sum_kl_in_reward": ({"aggregation": "constant_sum", "aggregation_constant": 8.0}, {"kl_in_reward": 0.05}),
+    "gspo_tis": ({"aggregation": "sequence_mean", "importance_level": "sequence", "tis_cap": 2.0}, {}),
+    "lora_token_mean_kl_in_loss": ({"aggregation": "token_mean", "kl_to_ref_coeff": 0.1}, {"lora": True}),
+}
+COMPARED = ("loss", "loss_objective", "loss_kl_to_ref", "loss_entropy", "grad_norm", "ratio_max", "reward",
+            "advantage_abs_mean")
+
+
+def make_batch(vocab: int) -> TensorDict:
+    """Two groups of four completions shaped like trajectories.build_batch's: prompts and completions of
+    different lengths, right-padded, the engine's log-probs on completion tokens, two truncated."""
+    g = torch.Generator().manual_seed(7)
+    prompt_lens, completion_lens = [3, 5, 4, 6, 3, 5, 4, 6], [7, 2, 5, 4, 6, 3, 1, 5]
+    n, length = len(prompt_lens), max(p + c for p, c in zip(prompt_lens, completion_lens)) + 1
+    tokens = torch.zeros(n, length, dtype=torch.long)
+    attention = torch.zeros(n, length, dtype=torch.bool)
+    completion = torch.zeros(n, length, dtype=torch.bool)
+    for i, (p, c) in enumerate(zip(prompt_lens, completion_lens)):
+        tokens[i, : p + c] = torch.randint(1, vocab, (p + c,), generator=g)
+        attention[i, : p + c] = True
+        completion[i, p: p + c] = True
+    sample = torch.where(completion, -3 * torch.rand(n, length, generator=g), 0.0)
+    return TensorDict({
+        "tokens": tokens, "attention_mask": attention, "completion_mask": completion, "sample_log_probs": sample,
+        "reward": torch.rand(n, generator=g), "truncated": torch.tensor([1, 0, 0, 0, 0, 0, 1, 0]).bool(),
+    }, batch_size=[n])
+
+
+def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to: Path) -> tuple[dict, dict]:
+    """One step of case ``name`` (prepare, then two epochs of two optimizer steps of two micro-batches of
+    two completions): its metrics and the updated weights (LoRA merged; on rank 0 only when parallel); the
+    policy saved as a checkpoint holds it in ``save_to / name``."""
+    loss_options, train_options = CASES[name]
+    torch.manual_seed(0)  # the LoRA initialisation
+    lora = LORA if train_options.get("lora") else None
+    policy = load_policy(model_path, dtype=torch.float32, device="cpu", lora=lora)
+    ref = None
+    if loss_options.get("kl_to_ref_coeff") or train_options.get("kl_in_reward"):
+        ref = load_policy(model_path, dtype=torch.float32, device="cpu", trainable=False)
+    if parallel is not None:
+        policy = shard_model(policy)
+        ref = ref if ref is None else shard_model(ref)
+    loss = GRPOLoss(policy, temperature=0.9, **loss_options)
+    # eps 1e-6, not 1e-8: Adam's first update is lr * g / (|g| + eps), which turns the float rounding of a
+    # near-zero gradient element (the order of the sum over ranks) into up to lr/eps = 1e5 times as much weight
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
+    settings = TrainSettings(group_size=GROUP, micro_batch=2, accumulation=2, epochs=2, temperature=0.9,
+                             recompute_old_log_probs=True, kl_in_reward_coeff=train_options.get("kl_in_reward", 0.0),
+                             reward_scale="group", clip_grad_norm=train_options.get("clip"), mixed_precision=False,
+                             max_nonfinite_updates=3, seed=0)
+    trainer = Trainer(policy, ref, loss, optimizer, settings, torch.device("cpu"), torch.device("cpu"), parallel)
+    batch = make_batch(policy.config.vocab_size)
+    metrics = trainer.prepare(batch)
+    metrics.update(trainer.optimize(batch))
+    trainer.save_pretrained(save_to / name)
+    keep = parallel is None or parallel.rank == 0
+    weights = {}
+    for key, tensor in merged_weights(policy):  # every rank gathers in step; rank 0 keeps
+        if keep:
+            weights[key] = tensor.clone()
+    return metrics, weights
+
+
+def main(rank: int, store: str, model_path: str, out: str) -> None:
+    """A rank's program: every case, results saved by rank 0."""
+    torch.set_num_threads(1)
+    with process_group(rank, WORLD, f"file://{store}", timeout_s=120) as parallel:
+        results = {name: run_case(model_path, name, parallel, Path(out).parent / "ranks") for name in CASES}
+    if rank == 0:
+        torch.save(results, out)
+
+
+def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path):
+    assert set(AGGREGATIONS) <= {case[0]["aggregation"] for case in CASES.values()}
+    out = tmp_path / "ranks.pt"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    started = time.perf_counter()
+    ranks = [subprocess.Popen([sys.executable, __file__, str(r), str(tmp_path / "store"), tiny_model_path, str(out)],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(WORLD)]
+    try:
+        logs = [rank.communicate(timeout=400)[0] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+            rank.wait()
+    print(f"2 ranks, {len(CASES)} cases: {time.perf_counter() - started:.1f}s")
+    for r, rank in enumerate(ranks):
+        assert rank.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
+    results = torch.load(out, weights_only=False)
+    for name in CASES:
+        metrics, weights = run_case(tiny_model_path, name, None, tmp_path / "one")
+        dp_metrics, dp_weights = results[name]
+        for key in COMPARED:
+            if key in metrics:
+                assert abs(dp_metrics[key] - metrics[key]) <= 1e-5, (name, key, dp_metrics[key], metrics[key])
+        assert dp_weights.keys() == weights.keys()
+        gap = max((dp_weights[k] - weights[k]).abs().max().item() for k in weights)
+        moved = max((weights[k] - original).abs().max().item()
+                    for k, original in run_case_initial(tiny_model_path, name).items())
+        print(f"{name}: max |weight diff| {gap:.1e} (the update moved them up to {moved:.1e}), |loss diff| "
+              f"{abs(metrics['loss'] - dp_metrics['loss']):.1e} (loss {metrics['loss']:.4f}), |grad_norm diff| "
+              f"{abs(metrics['grad_norm'] - dp_metrics['grad_norm']):.1e} (grad_norm {metrics['grad_norm']:.4f})")
+        assert gap <= 1e-5, (name, gap)
+        assert moved > 1e-4, (name, moved)  # the update did something
+        saved = sorted(p.name for p in (tmp_path / "one" / name).glob("*.safetensors"))
+        assert saved and saved == sorted(p.name for p in (tmp_path / "ranks" / name).glob("*.safetensors"))
+        for file in saved:  # the checkpoint written from the shards: the whole weights (or adapter)
+            one, ranks = load_file(tmp_path / "one" / name / file), load_file(tmp_path / "ranks" / name / file)
+            assert one.keys() == ranks.keys()
+            assert max((one[k] - ranks[k]).abs().max().item() for k in one) <= 1e-5, (name, file)
+
+
+def run_case_initial(model_path: str, name: str) -> dict:
+    """The weights ``run_case`` starts from (merged), to check the update moved them."""
+    torch.manual_seed(0)
+    lora = LORA if CASES[name][1].get("lora") else None
+    return dict(merged_weights(load_policy(model_path, dtype=torch.float32, device="cpu", lora=lora)))
+
+
+@needs_vllm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs num_devices=2 is the layer split (fsdp: CPU only)")
+def test_grpo_py_starts_two_gloo_ranks_itself(tiny_model_path, tmp_path):
+    """The recipe's ``train_model.num_devices=2`` on a machine without GPUs (train.strategy=auto). Rank 0
+    drives the vLLM engine, the other rank follows; the weights gathered from the shards reach the engine
+    whole (the weight sync check after each push), the trainer's log-probs gathered over the ranks match the
+    engine's, metrics and checkpoint are written once, the checkpoint loads, and no process is left."""
+    from transformers import AutoModelForCausalLM
+
+    run_dir = tmp_path / "run"
+    proc = start([*SMALL, "train.total_dialog_turns=16", "train_model.num_devices=2",
+                  "train.kl_to_ref_coeff=0.05", "loss.old_log_probs=trainer", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    try:
+        out, err = proc.communicate(timeout=400)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err[-3000:]
+    assert "data-parallel training: 2 ranks (FSDP2 over gloo)" in out
+    rows = metric_rows(run_dir)
+    assert [int(float(r["step"])) for r in rows] == [1, 2] and out.count("step 2 | reward") == 1
+    assert all(finite(r["loss_objective"]) and finite(r["kl_to_ref"]) for r in rows)
+    assert all(float(r["weight_sync_gap"]) < 1e-5 for r in rows)
+    assert all(float(r["engine_trainer_logp_gap_max"]) < 1e-4 for r in rows)
+    checkpoint = run_dir / "checkpoints" / "step_000002"
+    trained = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    ids = list(range(1, 40))
+    assert (probe_log_probs(trained, ids) - probe_log_probs(initial, ids)).abs().max() > 1e-4  # trained, whole
+    assert live_in_group(proc.pid) == []  # the follower rank and the engine's process are gone
+
+
+def live_in_group(pgid: int, seconds: float = 10) -> list[str]:
+    """The processes of group ``pgid`` still running (not zombies: nothing reaps orphans in some containers),
+    once they have had ``seconds`` to exit."""
+    deadline = time.time() + seconds
+    while True:
+        live = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):
+                pid, rest = stat.read_text().split(" ", 1)
+                state, _, group = rest.rsplit(")", 1)[1].split()[:3]
+                if int(group) == pgid and state != "Z":
+                    command = (stat.parent / "cmdline").read_bytes().replace(bytes(1), b" ")[:120]
+                    live.append(f"{pid} {command.decode(errors='replace')}")
+        if not live or time.time() > deadline:
+            return live
+        time.sleep(0.5)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
