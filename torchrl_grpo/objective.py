@@ -63,12 +63,6 @@ def _inside(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values.float(), torch.zeros((), dtype=torch.float32, device=values.device))
 
 
-def _inside(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``values`` as float32 with 0 outside ``mask``: whatever a batch holds in prompt or padding positions
-    can then never reach an exp (an inf there would make a NaN even multiplied by zero)."""
-    return torch.where(mask, values.float(), torch.zeros((), dtype=torch.float32, device=values.device))
-
-
 class GRPOLoss(LossModule):
     """The GRPO objective family as one TorchRL loss: clipped surrogate (token or sequence level), the
     surrogate modifiers (truncated importance sampling, off-policy masking), KL to the reference and to the
