@@ -95,6 +95,8 @@ ROWS = [
     (["env.max_steps=2"], r"env.max_steps=2"),
     (["train.total_dialog_turns=8"], r"train.total_dialog_turns=8 is fewer than the 16 completions of one step"),
     (["loss.aggregation=mean"], r"loss.aggregation='mean'"),
+    (["train_model.num_devices=2", "inference_model.engine_process=same"],
+     r"inference_model.engine_process=same with train.strategy=auto \(fsdp\): in rank 0's process vLLM"),
     # the model folder
     (["model.name=/no/such/model"], r"model.name='/no/such/model': no such directory"),
     (["model.name={F}/empty_model"], r"model.name='{F}/empty_model': the directory has no config.json"),

@@ -185,6 +185,10 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
             f"train.optim_batch_size={plan.micro_batch}; pick a multiple of {ranks} (that divides the "
             f"{plan.completions_per_step} completions per step)"
         )
+    if _get(cfg, "inference_model.engine_process") == "same":
+        raise ConfigError(f"inference_model.engine_process=same with train.strategy={_get(cfg, 'train.strategy')} "
+                          "(fsdp): in rank 0's process vLLM would take the ranks' process group and wait for them "
+                          "forever; use auto or own")
     not_yet = [
         (_get(cfg, "mode") == "async", "mode=async (grpo-async.py)", "run grpo.py"),
         (_get(cfg, "inference_model.backend") == "transformers", "inference_model.backend=transformers (it "
