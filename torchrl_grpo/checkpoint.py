@@ -4,9 +4,9 @@ A checkpoint is a directory ``step_<N>/`` holding the policy in HF format (``sav
 weights, or only the adapter for LoRA), the tokenizer, and ``trainer_state.pt`` (optimizer, step, RNG
 states, data position, config), which holds tensors and plain containers only: it is read with
 ``torch.load(weights_only=True)``, and a state file that needs more (any other pickled object, as those of
-checkpoints written before this rule held numpy's RNG key array) counts as damaged. It is written under a temporary name and renamed into place, so a
-run killed at any moment leaves either the complete checkpoint or none: every ``step_*`` directory is
-complete by construction.
+checkpoints written before this rule held numpy's RNG key array) counts as damaged. It is written under a
+temporary name and renamed into place, so a run killed at any moment leaves either the complete checkpoint
+or none: every ``step_*`` directory is complete by construction.
 """
 from __future__ import annotations
 

@@ -2,9 +2,9 @@
 torch, transformers and datasets print while they start (they tell a user nothing they can act on).
 
 Library log records below ERROR go to the run's ``grpo.log`` only (Hydra's file handler; a rollout actor's
-to ``rollout_actor_<i>.log``), as do Python warnings; the libraries' loading progress bars are off. ``logging.verbose=true`` shows everything on the
-console as well. Call :func:`quiet_libraries` first thing in an entry point: vLLM reads
-``VLLM_CONFIGURE_LOGGING`` when it is imported.
+to ``rollout_actor_<i>.log``), as do Python warnings; the libraries' loading progress bars are off.
+``logging.verbose=true`` shows everything on the console as well. Call :func:`quiet_libraries` first thing
+in an entry point: vLLM reads ``VLLM_CONFIGURE_LOGGING`` when it is imported.
 """
 from __future__ import annotations
 
