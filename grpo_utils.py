@@ -294,7 +294,7 @@ def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = N
                           seed=int(cfg.train.seed) + c.state.step)
     if c.state.resume_from is not None:
         c.trainer.push_weights(engine)
-    weight_check = None if getattr(engine, "model", None) is c.trainer.policy else (  # it samples from the policy
+    weight_check = None if c.trainer.samples_with_policy(engine) else (
         build_weight_check(cfg, c.trainer, c.tokenizer, engine_dtype(cfg, c.placement)))
     if weight_check is not None:
         print(weight_check.startup(engine), flush=True)

@@ -178,10 +178,15 @@ class Trainer:
         """:meth:`weights` as CPU tensors, for engines in other processes (``ray.put`` ships them)."""
         return {name: t.detach().to("cpu") for name, t in self.weights().items()}
 
+    def samples_with_policy(self, engine) -> bool:
+        """Whether ``engine`` samples with this very policy object (the transformers engine built on the
+        trained model): it never needs a push, nor a check that one landed."""
+        return getattr(engine, "model", None) is self.policy
+
     def push_weights(self, engine) -> None:
-        """The policy's weights into an in-process ``engine``; nothing to do for an engine that samples with
-        this very policy object (the transformers engine built on the trained model)."""
-        if getattr(engine, "model", None) is not self.policy:
+        """The policy's weights into an in-process ``engine`` (nothing to do for one that
+        :meth:`samples_with_policy`)."""
+        if not self.samples_with_policy(engine):
             engine.push_weights(self.weights())
 
     def state_dict(self) -> dict:
