@@ -71,8 +71,10 @@ def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_fr
     return policy.eval()
 
 
-def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy, tokenizer, seed: int):
-    """The rollout engine: vLLM on its device(s), or the transformers fallback sharing the trained policy."""
+def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy, tokenizer, seed: int,
+                 engine_process: str | None = None):
+    """The rollout engine: vLLM on its device(s) (in the process ``engine_process`` says, default
+    ``inference_model.engine_process``), or the transformers fallback sharing the trained policy."""
     from torchrl_grpo.hf_engine import TransformersEngine
     from torchrl_grpo.rollout import make_engine
 
@@ -84,7 +86,7 @@ def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy,
         gpu_memory_utilization=float(cfg.inference_model.gpu_memory_utilization),
         max_model_len=int(cfg.inference_model.max_model_len), seed=seed,
         trust_remote_code=bool(cfg.model.trust_remote_code),
-        engine_process=str(cfg.inference_model.engine_process),
+        engine_process=engine_process or str(cfg.inference_model.engine_process),
     )
 
 
@@ -178,9 +180,9 @@ def data_parallel_ranks(cfg: DictConfig):
         yield None
         return
     validate(cfg)  # a bad config fails in one line before any rank starts
-    # rank 0's vLLM engine in a fresh process of its own: in this one (or a fork of it) it would take the ranks'
-    # process group for its own world and wait for the followers in its set-up collectives
-    os.environ.update(VLLM_ENABLE_V1_MULTIPROCESSING="1", VLLM_WORKER_MULTIPROC_METHOD="spawn")
+    # rank 0's vLLM engine in a fresh process of its own (build_sync asks for engine_process=own, spawned): in
+    # this one (or a fork of it) it would take the ranks' process group and wait for the followers
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     world, store = int(cfg.train_model.num_devices), Path(tempfile.mkdtemp(prefix="grpo_ranks_"))
     init_method = f"file://{store / 'store'}"
     config = OmegaConf.to_container(cfg, resolve=True)
@@ -291,7 +293,7 @@ def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = N
     with the step a resume starts after); ``parallel``: this is rank 0 of data-parallel ranks."""
     c = build_common(cfg, run_dir, parallel)
     engine = build_engine(cfg, c.model_path, c.placement, c.trainer.policy, c.tokenizer,
-                          seed=int(cfg.train.seed) + c.state.step)
+                          seed=int(cfg.train.seed) + c.state.step, engine_process="own" if parallel is not None else None)
     if c.state.resume_from is not None:
         c.trainer.push_weights(engine)
     weight_check = None if c.trainer.samples_with_policy(engine) else (
