@@ -5,6 +5,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.tasks.arithmetic import build_arithmetic_task
 from torchrl_grpo.tasks.base import Reward, RewardFn, Task, per_task_means
 from torchrl_grpo.tasks.gsm8k import build_gsm8k_task
 from torchrl_grpo.tasks.ifeval import build_ifeval_task
@@ -18,6 +19,7 @@ TASK_BUILDERS: dict[str, Callable[[Any], Task]] = {
     "google/IFEval": build_ifeval_task,
     "ifeval": build_ifeval_task,
     "reasoning_gym": build_reasoning_gym_task,
+    "arithmetic": build_arithmetic_task,
 }
 DEFAULT_DATASET = "openai/gsm8k"
 
