@@ -42,7 +42,7 @@ class Collector:
         tied groups fill the rest so that the step keeps its size. Ties are judged on the task reward plus the
         soft overlong penalty, before any KL penalty (which would untie everything)."""
         s, task = self.settings, self.task
-        kept, spare, rounds, sampled, generation_time = [], [], 0, 0, 0.0
+        kept, spare, rounds, sampled, generation_time, score_time = [], [], 0, 0, 0.0, 0.0
         while len(kept) < s.prompts_per_step and (rounds == 0 or (s.dynamic_sampling and rounds <= s.max_resample_rounds)):
             rows = [task.rows[i] for i in self.sampler.take(s.prompts_per_step - len(kept))]
             prompts = prompt_token_ids(task, self.tokenizer, rows)
@@ -50,15 +50,17 @@ class Collector:
             completions = self.engine.generate(prompts, n=s.group_size, max_tokens=s.max_tokens,
                                                temperature=s.temperature, top_p=s.top_p)
             generation_time += time.perf_counter() - started
+            started = time.perf_counter()
             for j, row in enumerate(rows):
                 mine = completions[j * s.group_size: (j + 1) * s.group_size]
                 group = Group(row, prompts[j], mine, [task.score(c.text, row) for c in mine])
                 rewards = torch.tensor([task.total(c) for c in group.components]) + self._overlong(mine)
                 (spare if s.dynamic_sampling and bool((rewards == rewards[0]).all()) else kept).append(group)
+            score_time += time.perf_counter() - started
             rounds, sampled = rounds + 1, sampled + len(rows)
         dropped = len(spare)
         kept += spare[: s.prompts_per_step - len(kept)]
-        stats = {"generation_time": generation_time}
+        stats = {"generation_time": generation_time, "score_time": score_time}
         if s.dynamic_sampling:
             stats.update({"dropped_group_fraction": dropped / sampled, "sampling_rounds": rounds})
         return kept, stats

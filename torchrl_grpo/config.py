@@ -94,7 +94,7 @@ class TrainSettings:
     kl_in_reward_coeff: float       # train.kl_to_ref_coeff when train.kl_coef_in_loss is false, else 0
     reward_scale: str               # loss.reward_scale
     clip_grad_norm: float | None    # optimizer.clip_grad_norm
-    mixed_precision: bool           # train.mixed_precision (bf16 autocast on CUDA)
+    mixed_precision: bool           # train.mixed_precision (bf16 autocast, CUDA and CPU)
     max_nonfinite_updates: int      # train.max_nonfinite_updates: skipped updates in a row that stop the run
     seed: int                       # train.seed: the micro-batch shuffle
 

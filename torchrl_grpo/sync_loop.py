@@ -73,12 +73,15 @@ def sync_step(run: SyncRun, step: int, prefetch: Prefetch | None) -> tuple[dict,
         metrics["batch_wait_time"] = prefetch.finish()
     push_started = time.perf_counter()
     run.trainer.push_weights(run.collector.engine)
+    metrics["weight_push_time"] = time.perf_counter() - push_started
     if run.weight_check is not None:  # before the next generation (a prefetch starts it in the next step)
+        check_started = time.perf_counter()
         metrics["weight_sync_gap"] = run.weight_check.probe().gap(run.collector.engine)
+        metrics["weight_check_time"] = time.perf_counter() - check_started
     if prefetch:
         prefetch.version = step
     metrics.update({"policy_version": version, "staleness": step - 1 - version,
-                    "weight_push_time": time.perf_counter() - push_started, "step_time": time.perf_counter() - started})
+                    "step_time": time.perf_counter() - started})
     if run.evaluator is not None and run.evaluator.due(step):
         metrics.update(run.evaluator(run.collector.engine))
     return metrics, list(zip(texts, batch["reward"].tolist()))

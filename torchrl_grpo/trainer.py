@@ -44,7 +44,7 @@ class Trainer:
         ratio's denominator is the trainer's), the reference's, the KL penalty in the reward (k1 summed over
         the completion, with ``train.kl_coef_in_loss=false``) and the group advantages; returns metrics."""
         self._everywhere("prepare", batch)
-        s, metrics = self.settings, {}
+        s, metrics, started = self.settings, {}, time.perf_counter()
         if s.recompute_old_log_probs:
             batch["old_log_probs"] = self.log_probs(self.policy, self.device, batch)
             gap = (batch["old_log_probs"] - batch["sample_log_probs"]).abs()[batch["completion_mask"]]
@@ -62,6 +62,7 @@ class Trainer:
             "reward_std": batch["reward"].std().item() if len(batch) > 1 else 0.0,
             "advantage_abs_mean": advantage.abs().mean().item(),
             "tied_group_fraction": tied.float().mean().item(),
+            "prepare_time": time.perf_counter() - started,
         })
         return metrics
 
@@ -73,8 +74,9 @@ class Trainer:
         out = torch.zeros_like(rows["sample_log_probs"])
         for idx in torch.arange(len(rows)).split(self.settings.micro_batch):
             mb = trim_padding(rows[idx]).to(device)
-            logp, _ = token_log_probs(model, mb["tokens"], mb["attention_mask"], self.settings.temperature,
-                                      start=first_completion_column(mb["completion_mask"]))
+            with self._autocast(device):
+                logp, _ = token_log_probs(model, mb["tokens"], mb["attention_mask"], self.settings.temperature,
+                                          start=first_completion_column(mb["completion_mask"]))
             out[idx, : logp.shape[1]] = logp.float().cpu() * mb["completion_mask"].cpu()
         return out if self.parallel is None else self.parallel.gather_shares(out)
 
@@ -87,7 +89,7 @@ class Trainer:
         params = [p for p in self.policy.parameters() if p.requires_grad]
         history: dict[str, list[float]] = {}
         share_weights: list[float] = []  # each micro-batch's accumulation weight (data-parallel metrics)
-        trained_tokens, skipped, started = 0, 0, time.perf_counter()
+        trained_tokens, skipped, optimizer_time, started = 0, 0, 0.0, time.perf_counter()
         self.policy.train()
         for _ in range(s.epochs):
             order = torch.randperm(len(batch), generator=self.shuffle).split(s.micro_batch)
@@ -105,6 +107,7 @@ class Trainer:
                     for key, value in losses.items():
                         history.setdefault(key, []).append(value.detach().float().item())
                     trained_tokens += int(mb["attention_mask"].sum())
+                step_started = time.perf_counter()
                 grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm or math.inf))
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
@@ -113,6 +116,7 @@ class Trainer:
                     skipped += 1
                     self.nonfinite_streak += 1
                 self.optimizer.zero_grad(set_to_none=True)
+                optimizer_time += time.perf_counter() - step_started
                 history.setdefault("grad_norm", []).append(grad_norm.item())
         self.policy.eval()
         elapsed = time.perf_counter() - started
@@ -124,7 +128,7 @@ class Trainer:
         metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
         metrics["ratio_max"] = max(history["ratio_max"])
         metrics.update({"skipped_updates": skipped, "lr": self.optimizer.param_groups[0]["lr"],
-                        "train_time": elapsed, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
+                        "train_time": elapsed, "optimizer_time": optimizer_time, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
         return metrics
 
     def divergence(self) -> str | None:
@@ -139,9 +143,13 @@ class Trainer:
                 "train_model.torch_dtype=float32), or an empty loss mask (e.g. loss.overlong=mask with every "
                 "completion truncated: raise inference_model.max_tokens)")
 
-    def _autocast(self):
-        if self.settings.mixed_precision and self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+    def _autocast(self, device: torch.device | None = None):
+        """``train.mixed_precision``: bf16 compute over the float32 master weights and optimizer state, on
+        CUDA and CPU alike (a CPU with AVX-512 BF16 or AMX runs bf16 matmuls faster). The log-probs the
+        ratio divides by are computed under it too, so a ratio is 1 where the policy has not moved."""
+        device = self.device if device is None else device
+        if self.settings.mixed_precision and device.type in ("cuda", "cpu"):
+            return torch.autocast(device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
     def _everywhere(self, call: str, *args) -> None:

@@ -1,0 +1,60 @@
+"""train.mixed_precision: bf16 autocast over float32 master weights, on the CPU as on CUDA. Against float32 on
+the same small batch: bf16 matmuls really run, the loss and the gradient norm stay within a bound, the
+weights and the optimizer state stay float32, and the ratio's two log-probs are computed alike."""
+import dataclasses
+
+import torch
+from tensordict import TensorDict
+
+from torchrl_grpo.config import TrainSettings
+from torchrl_grpo.models import load_policy
+from torchrl_grpo.objective import GRPOLoss
+from torchrl_grpo.trainer import Trainer
+
+SETTINGS = TrainSettings(group_size=4, micro_batch=4, accumulation=2, epochs=1, temperature=1.0,
+                         recompute_old_log_probs=True, kl_in_reward_coeff=0.0, reward_scale="group",
+                         clip_grad_norm=None, mixed_precision=False, max_nonfinite_updates=3, seed=0)
+
+
+def make_batch(vocab: int, n: int = 8, length: int = 24, prompt: int = 8) -> TensorDict:
+    """``n`` completions after ``prompt`` tokens, of lengths ``length`` minus 0, 4 or 8 (right padding)."""
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, vocab, (n, length), generator=g)
+    attention = torch.zeros(n, length, dtype=torch.bool)
+    completion = torch.zeros(n, length, dtype=torch.bool)
+    for i in range(n):
+        end = length - (i % 3) * 4
+        attention[i, :end] = True
+        completion[i, prompt:end] = True
+    return TensorDict({"tokens": tokens, "attention_mask": attention, "completion_mask": completion,
+                       "sample_log_probs": torch.where(completion, -2.0, 0.0),
+                       "reward": torch.rand(n, generator=g)}, batch_size=[n])
+
+
+def one_step(model_path: str, mixed: bool) -> tuple[dict, TensorDict, torch.nn.Module, list]:
+    policy = load_policy(model_path, dtype=torch.float32, device="cpu")
+    matmul_dtypes = []
+    policy.lm_head.register_forward_hook(lambda module, args, out: matmul_dtypes.append(out.dtype))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
+    trainer = Trainer(policy, None, GRPOLoss(policy, temperature=1.0), optimizer,
+                      dataclasses.replace(SETTINGS, mixed_precision=mixed), torch.device("cpu"), None)
+    batch = make_batch(policy.config.vocab_size)
+    metrics = trainer.prepare(batch)
+    metrics.update(trainer.optimize(batch))
+    return metrics, batch, policy, matmul_dtypes
+
+
+def test_bf16_autocast_on_cpu_stays_close_to_float32(tiny_model_path):
+    full, full_batch, _, full_dtypes = one_step(tiny_model_path, mixed=False)
+    mixed, mixed_batch, policy, mixed_dtypes = one_step(tiny_model_path, mixed=True)
+    assert set(full_dtypes) == {torch.float32} and set(mixed_dtypes) == {torch.bfloat16}
+    # the recomputed old log-probs: close to float32's, and the ratio's numerator matches them at the first
+    # micro-batch (the policy has not moved yet), so no clipping comes from the precision alone
+    mask = full_batch["completion_mask"]
+    gap = (mixed_batch["old_log_probs"] - full_batch["old_log_probs"])[mask].abs()
+    assert 0 < gap.mean() < 0.05, gap.mean()
+    assert mixed["clip_fraction"] == 0.0 and abs(mixed["ratio_mean"] - 1.0) < 1e-3
+    assert abs(mixed["loss"] - full["loss"]) < 0.02 * max(1.0, abs(full["loss"])), (mixed["loss"], full["loss"])
+    assert abs(mixed["grad_norm"] - full["grad_norm"]) < 0.05 * full["grad_norm"], (mixed["grad_norm"], full["grad_norm"])
+    assert mixed["grad_norm"] != full["grad_norm"]  # the bf16 path really ran
+    assert all(p.dtype == torch.float32 for p in policy.parameters())
