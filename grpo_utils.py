@@ -11,6 +11,7 @@ import multiprocessing
 import os
 import random
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,9 @@ def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume
     if parallel is not None:
         policy = shard_model(policy)
         ref_policy = None if ref_policy is None else shard_model(ref_policy)
+    if cfg.train.mixed_precision and placement.train[0] == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
+              "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)
     return Trainer(policy, ref_policy, build_loss(cfg, policy), build_optimizer(cfg, policy),
                    TrainSettings.from_config(cfg), torch.device(placement.train[0]),
                    torch.device(placement.ref[0]) if ref_policy is not None else None, parallel)

@@ -58,3 +58,22 @@ def test_bf16_autocast_on_cpu_stays_close_to_float32(tiny_model_path):
     assert abs(mixed["grad_norm"] - full["grad_norm"]) < 0.05 * full["grad_norm"], (mixed["grad_norm"], full["grad_norm"])
     assert mixed["grad_norm"] != full["grad_norm"]  # the bf16 path really ran
     assert all(p.dtype == torch.float32 for p in policy.parameters())
+
+
+def test_a_cpu_without_native_bf16_is_warned_once(tiny_model_path, monkeypatch, capsys):
+    from helpers import cfg_with
+
+    from grpo_utils import build_trainer
+    from torchrl_grpo.placement import place
+
+    cfg = cfg_with("model=tiny")
+    placement = place(cfg, needs_ref=False, gpu_count=0)
+    build_trainer(cfg, placement, tiny_model_path, None)
+    assert "without native bf16" not in capsys.readouterr().err
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    trainer = build_trainer(cfg, placement, tiny_model_path, None)
+    err = capsys.readouterr().err
+    assert err.count("warning: train.mixed_precision=true on a CPU without native bf16") == 1
+    assert "set train.mixed_precision=false" in err and trainer.settings.mixed_precision
+    build_trainer(cfg_with("model=tiny", "train.mixed_precision=false"), placement, tiny_model_path, None)
+    assert "without native bf16" not in capsys.readouterr().err
