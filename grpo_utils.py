@@ -162,7 +162,7 @@ def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume
     if parallel is not None:
         policy = shard_model(policy)
         ref_policy = None if ref_policy is None else shard_model(ref_policy)
-    if cfg.train.mixed_precision and placement.train[0] == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if cfg.train.mixed_precision is True and placement.train[0] == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
               "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)
     return Trainer(policy, ref_policy, build_loss(cfg, policy), build_optimizer(cfg, policy),

@@ -1,6 +1,7 @@
-"""train.mixed_precision: bf16 autocast over float32 master weights, on the CPU as on CUDA. Against float32 on
-the same small batch: bf16 matmuls really run, the loss and the gradient norm stay within a bound, the
-weights and the optimizer state stay float32, and the ratio's two log-probs are computed alike."""
+"""train.mixed_precision: bf16 autocast over float32 master weights (``auto``: on CUDA only; ``true``: on the CPU
+too). With ``true`` on the CPU, against float32 on the same small batch: bf16 matmuls really run, the loss and
+the gradient norm stay within a bound, the weights stay float32, and the ratio's two log-probs are computed
+alike. ``auto`` on the CPU is float32 exactly."""
 import dataclasses
 
 import torch
@@ -31,7 +32,7 @@ def make_batch(vocab: int, n: int = 8, length: int = 24, prompt: int = 8) -> Ten
                        "reward": torch.rand(n, generator=g)}, batch_size=[n])
 
 
-def one_step(model_path: str, mixed: bool) -> tuple[dict, TensorDict, torch.nn.Module, list]:
+def one_step(model_path: str, mixed: bool | str) -> tuple[dict, TensorDict, torch.nn.Module, list]:
     policy = load_policy(model_path, dtype=torch.float32, device="cpu")
     matmul_dtypes = []
     policy.lm_head.register_forward_hook(lambda module, args, out: matmul_dtypes.append(out.dtype))
@@ -60,13 +61,19 @@ def test_bf16_autocast_on_cpu_stays_close_to_float32(tiny_model_path):
     assert all(p.dtype == torch.float32 for p in policy.parameters())
 
 
+def test_auto_is_float32_on_cpu(tiny_model_path):
+    full, _, _, _ = one_step(tiny_model_path, mixed=False)
+    auto, _, _, dtypes = one_step(tiny_model_path, mixed="auto")
+    assert set(dtypes) == {torch.float32} and auto["grad_norm"] == full["grad_norm"]
+
+
 def test_a_cpu_without_native_bf16_is_warned_once(tiny_model_path, monkeypatch, capsys):
     from helpers import cfg_with
 
     from grpo_utils import build_trainer
     from torchrl_grpo.placement import place
 
-    cfg = cfg_with("model=tiny")
+    cfg = cfg_with("model=tiny", "train.mixed_precision=true")
     placement = place(cfg, needs_ref=False, gpu_count=0)
     build_trainer(cfg, placement, tiny_model_path, None)
     assert "without native bf16" not in capsys.readouterr().err
@@ -74,6 +81,7 @@ def test_a_cpu_without_native_bf16_is_warned_once(tiny_model_path, monkeypatch, 
     trainer = build_trainer(cfg, placement, tiny_model_path, None)
     err = capsys.readouterr().err
     assert err.count("warning: train.mixed_precision=true on a CPU without native bf16") == 1
-    assert "set train.mixed_precision=false" in err and trainer.settings.mixed_precision
-    build_trainer(cfg_with("model=tiny", "train.mixed_precision=false"), placement, tiny_model_path, None)
-    assert "without native bf16" not in capsys.readouterr().err
+    assert "set train.mixed_precision=false" in err and trainer.settings.mixed_precision is True
+    for default_or_off in ("train.mixed_precision=auto", "train.mixed_precision=false"):
+        build_trainer(cfg_with("model=tiny", default_or_off), placement, tiny_model_path, None)
+        assert "without native bf16" not in capsys.readouterr().err

@@ -94,7 +94,7 @@ class TrainSettings:
     kl_in_reward_coeff: float       # train.kl_to_ref_coeff when train.kl_coef_in_loss is false, else 0
     reward_scale: str               # loss.reward_scale
     clip_grad_norm: float | None    # optimizer.clip_grad_norm
-    mixed_precision: bool           # train.mixed_precision (bf16 autocast, CUDA and CPU)
+    mixed_precision: bool | str     # train.mixed_precision: auto (bf16 autocast on CUDA only) | True | False
     max_nonfinite_updates: int      # train.max_nonfinite_updates: skipped updates in a row that stop the run
     seed: int                       # train.seed: the micro-batch shuffle
 
@@ -108,7 +108,7 @@ class TrainSettings:
             recompute_old_log_probs=cfg.loss.old_log_probs == "trainer",
             kl_in_reward_coeff=0.0 if cfg.train.kl_coef_in_loss else float(cfg.train.kl_to_ref_coeff),
             reward_scale=cfg.loss.reward_scale, clip_grad_norm=None if not clip else float(clip),
-            mixed_precision=bool(cfg.train.mixed_precision),
+            mixed_precision=cfg.train.mixed_precision,
             max_nonfinite_updates=int(cfg.train.max_nonfinite_updates), seed=int(cfg.train.seed),
         )
 

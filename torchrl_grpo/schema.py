@@ -95,7 +95,9 @@ class Train:
     optim_batch_size: int = key("int>0", "completions per forward/backward micro-batch")
     gradient_accumulation_steps: int = key("int>0", "micro-batches per optimizer step")
     epochs: int = key("int>0", "passes over each collected batch (mu / num_iterations)")
-    mixed_precision: bool = key("bool", "bf16 autocast over float32 master weights (CUDA and CPU)")
+    mixed_precision: bool | str = key("choice", "bf16 autocast over float32 master weights: auto (on GPU only), "
+                                      "true (on CPU too), false", choices=("auto", True, False),
+                                      hint="choose auto (bf16 autocast on GPU, float32 on CPU), true or false")
     max_nonfinite_updates: int = key("int>=0", "updates in a row skipped for a non-finite gradient that stop the "
                                      "run (with a checkpoint); 0 = never stop")
     weight_sync_check: bool = key("bool", "after every weight push, compare the engine's and the trainer's "
