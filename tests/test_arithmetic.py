@@ -3,7 +3,7 @@ training never sees."""
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import cfg_with
+from helpers import cfg_with, metric_rows, needs_vllm, run
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.tasks import build_task, eval_env_config
 from torchrl_grpo.tasks.arithmetic import split_of
@@ -68,3 +68,21 @@ def test_scores_the_last_number_whatever_the_format():
 def test_bad_settings_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         build_task(env(**overrides))
+
+
+@needs_vllm
+def test_the_readme_first_command_runs_with_the_tiny_model(tmp_path):
+    """`grpo.py --config-name grpo_arithmetic` (the README's first command) end to end, the model swapped for the
+    tiny one and the run cut to 2 steps: per-task metrics, the greedy evaluation on the 70 test questions
+    before and after, the step timings, and the figures."""
+    out = run(["--config-name", "grpo_arithmetic", "model=tiny", "train.total_dialog_turns=32",
+               "logging.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    table = metric_rows(tmp_path / "run")
+    assert [r["step"] for r in table] == ["0", "1", "2"]
+    assert [float(table[i]["eval/responses"]) for i in (0, 2)] == [70.0, 70.0]
+    assert {"score_time", "optimizer_time"} <= set(table[1])
+    tasks = {key.split("/")[1] for r in table[1:] for key, v in r.items() if key.startswith("task/") and v != ""}
+    assert tasks and tasks <= {"products", "chain_sum"}  # the step's 2 questions: either task, or both
+    assert "  eval, step 0 -> step 2: accuracy " in out.stdout
+    assert (tmp_path / "run" / "plots" / "eval.png").is_file()
