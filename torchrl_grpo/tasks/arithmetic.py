@@ -25,7 +25,7 @@ import datasets
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.tasks.base import Task
 from torchrl_grpo.tasks.gsm8k import SYSTEM_PROMPT, gold_answer, gsm8k_rewards
-from torchrl_grpo.tasks.reasoning_gym_tasks import generate
+from torchrl_grpo.tasks.reasoning_gym_tasks import generate, interleaved
 from torchrl_grpo.tasks.sources import env_value
 
 SPLITS = ("train", "test")
@@ -43,30 +43,24 @@ def build_arithmetic_task(env_cfg: Any) -> Task:
     if not specs:
         raise ConfigError("env.tasks is empty: list reasoning-gym datasets with a numeric answer, e.g. "
                           "env.tasks='[{name: products, min_digits: 1, max_digits: 1}]'")
-    size, seed = env_value(env_cfg, "size", 1000), env_value(env_cfg, "seed", 0)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"env.size={size!r}: must be a positive integer (rows per task)")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"env.seed={seed!r}: must be an integer")
     split = env_value(env_cfg, "split", "train")
     if split not in SPLITS:
         raise ConfigError(f"env.split={split!r}: choose train or test")
-    generated = generate(specs, size, seed)
-    questions, answers, names = [], [], []
-    seen: set[str] = set()
-    longest = max(len(g.entries) for g in generated.values())
-    for j in range(longest):  # task by task, so that any first N rows cover every task
-        for name, g in generated.items():
-            if j < len(g.entries) and split_of(g.entries[j]["question"]) == split \
-                    and g.entries[j]["question"] not in seen:
-                seen.add(g.entries[j]["question"])
-                try:
-                    answers.append(gold_answer(str(g.entries[j]["answer"])))
-                except ValueError:
-                    raise ConfigError(f"env.tasks: {name} answers {g.entries[j]['answer']!r}, not a number; "
-                                      "list it under env=reasoning_gym instead") from None
-                questions.append(g.entries[j]["question"])
-                names.append(name)
+    size = env_value(env_cfg, "size", 1000)
+    generated = generate(specs, size, env_value(env_cfg, "seed", 0))
+    questions, answers, names, seen = [], [], [], set()
+    for name, _, entry in interleaved(generated):
+        question = entry["question"]
+        if split_of(question) != split or question in seen:
+            continue
+        seen.add(question)
+        try:
+            answers.append(gold_answer(str(entry["answer"])))
+        except ValueError:
+            raise ConfigError(f"env.tasks: {name} answers {entry['answer']!r}, not a number; "
+                              "list it under env=reasoning_gym instead") from None
+        questions.append(question)
+        names.append(name)
     if not questions:
         raise ConfigError(f"env.size={size}: no {split} question among the generated ones; raise env.size")
     rows = datasets.Dataset.from_dict({"question": questions, "answer": answers, "task": names})

@@ -19,7 +19,7 @@ is ``env.eval.tasks``: the evaluation split is built from the same keys with ``e
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,11 +52,16 @@ class Generated:
     score_answer: Callable[[str | None, dict], float]
 
 
-def generate(specs: list, size: int, seed: int) -> dict[str, Generated]:
-    """Task name -> its generated entries and scorer."""
+def generate(specs: list, size: Any, seed: Any) -> dict[str, Generated]:
+    """Task name -> its generated entries and scorer; ``size`` (``env.size``, rows per task unless an entry
+    gives its own) and ``seed`` (``env.seed``) checked first."""
     import reasoning_gym
     from reasoning_gym.factory import DATASETS
 
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ConfigError(f"env.size={size!r}: must be a positive integer (rows per task)")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ConfigError(f"env.seed={seed!r}: must be an integer")
     out: dict[str, Generated] = {}
     for i, entry in enumerate(specs):
         name, kwargs = _entry_spec(entry, i, size)
@@ -73,6 +78,16 @@ def generate(specs: list, size: int, seed: int) -> dict[str, Generated]:
             raise ConfigError(f"env.tasks[{i}] ({name}): reasoning-gym refused its config ({err})") from None
         out[name] = Generated([gen[j] for j in range(len(gen))], gen.score_answer)
     return out
+
+
+def interleaved(generated: dict[str, Generated]) -> Iterator[tuple[str, int, dict]]:
+    """``(task, index, entry)`` round-robin over the tasks, so that any first N rows (evaluation's
+    ``eval.num_prompts``) cover every task."""
+    longest = max(len(g.entries) for g in generated.values())
+    for j in range(longest):
+        for name, g in generated.items():
+            if j < len(g.entries):
+                yield name, j, g.entries[j]
 
 
 def answer_text(completion: str) -> str | None:
@@ -111,15 +126,8 @@ def build_reasoning_gym_task(env_cfg: Any) -> Task:
     specs = list(env_cfg.get("tasks") or [])
     if not specs:
         raise ConfigError("env.tasks is empty: list reasoning-gym datasets, e.g. env.tasks='[syllogism,maze]'")
-    size, seed = env_cfg.get("size", 200), env_cfg.get("seed", 0)
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ConfigError(f"env.size={size!r}: must be a positive integer (rows per task)")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ConfigError(f"env.seed={seed!r}: must be an integer")
-    generated = generate(specs, size, seed)
-    # round-robin over the tasks, so that any first N rows (evaluation's eval.num_prompts) cover every task
-    longest = max(len(g.entries) for g in generated.values())
-    pooled = [(name, j, g.entries[j]) for j in range(longest) for name, g in generated.items() if j < len(g.entries)]
+    generated = generate(specs, env_cfg.get("size", 200), env_cfg.get("seed", 0))
+    pooled = list(interleaved(generated))
     rows = datasets.Dataset.from_dict({
         "question": [e["question"] for _, _, e in pooled],
         "answer": [str(e["answer"]) for _, _, e in pooled],
