@@ -18,9 +18,13 @@ class TableLM(torch.nn.Module):
     def __init__(self, seed: int):
         super().__init__()
         self.table = torch.nn.Parameter(torch.randn(VOCAB, VOCAB, generator=torch.Generator().manual_seed(seed)))
+        self.head = torch.nn.Identity()  # the "hidden state" is already the logits row
+
+    def get_output_embeddings(self):
+        return self.head
 
     def forward(self, input_ids, attention_mask, logits_to_keep):
-        return type("Out", (), {"logits": self.table[input_ids][:, -logits_to_keep:]})
+        return type("Out", (), {"logits": self.head(self.table[input_ids][:, -logits_to_keep:])})
 
 
 def by_hand(model: TableLM, tokens, mask, temperature):

@@ -24,7 +24,7 @@ from torchrl_grpo.config import TrainSettings
 from torchrl_grpo.data_parallel import DataParallel, full_tensor, gathered
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.models import merged_state_dict, merged_weights
-from torchrl_grpo.objective import GRPOLoss, first_completion_column, token_log_probs, total_loss
+from torchrl_grpo.objective import GRPOLoss, token_log_probs, total_loss
 from torchrl_grpo.objective_terms import group_advantages
 from torchrl_grpo.weight_check import probe_log_probs
 
@@ -72,12 +72,12 @@ class Trainer:
         update), in micro-batches; 0 outside completions. Data-parallel: each rank its share, then gathered."""
         rows = batch if self.parallel is None else batch[self.parallel.share(len(batch))]
         out = torch.zeros_like(rows["sample_log_probs"])
-        for idx in torch.arange(len(rows)).split(self.settings.micro_batch):
+        for idx in by_length(torch.arange(len(rows)), rows["attention_mask"]).split(self.settings.micro_batch):
             mb = trim_padding(rows[idx]).to(device)
             with self._autocast(device):
                 logp, _ = token_log_probs(model, mb["tokens"], mb["attention_mask"], self.settings.temperature,
-                                          start=first_completion_column(mb["completion_mask"]))
-            out[idx, : logp.shape[1]] = logp.float().cpu() * mb["completion_mask"].cpu()
+                                          wanted=mb["completion_mask"])
+            out[idx, : logp.shape[1]] = logp.float().cpu()
         return out if self.parallel is None else self.parallel.gather_shares(out)
 
     def optimize(self, batch) -> dict:
@@ -92,11 +92,13 @@ class Trainer:
         trained_tokens, skipped, optimizer_time, started = 0, 0, 0.0, time.perf_counter()
         self.policy.train()
         for _ in range(s.epochs):
-            order = torch.randperm(len(batch), generator=self.shuffle).split(s.micro_batch)
-            if parallel is not None:
-                order = [idx[parallel.share(len(idx))] for idx in order]
-            for first in range(0, len(order), s.accumulation):
-                micro = [trim_padding(batch[idx]).to(self.device) for idx in order[first: first + s.accumulation]]
+            # each optimizer step's rows (a shuffled window), cut into micro-batches of similar lengths
+            windows = torch.randperm(len(batch), generator=self.shuffle).split(s.micro_batch * s.accumulation)
+            for window in windows:
+                order = by_length(window, batch["attention_mask"]).split(s.micro_batch)
+                if parallel is not None:
+                    order = [idx[parallel.share(len(idx))] for idx in order]
+                micro = [trim_padding(batch[idx]).to(self.device) for idx in order]
                 weights = [self.loss.accumulation_weight(mb) for mb in micro]
                 total = sum(weights) if parallel is None else parallel.sum(sum(weights))
                 share_weights += weights
@@ -211,6 +213,14 @@ class Trainer:
                               "optimizer state yet; start a new run from its weights with model.name=<checkpoint dir>")
         self.optimizer.load_state_dict(state["optimizer"])
         self.shuffle.set_state(state["shuffle_rng"])
+
+
+def by_length(rows: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``rows`` (indices into the batch) sorted by their token count, so that micro-batches cut from them in
+    order hold sequences of similar lengths: less compute on padding, and an optimizer step over a window of
+    micro-batches still sees the same rows (stable sort: ties keep their shuffled order)."""
+    lengths = attention_mask[rows].sum(-1)
+    return rows[torch.sort(lengths, stable=True).indices]
 
 
 def trim_padding(batch):

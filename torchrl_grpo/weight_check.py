@@ -36,7 +36,7 @@ def probe_log_probs(model: torch.nn.Module, token_ids: Sequence[int]) -> torch.T
     """Float32 log-probs of ``token_ids[1:]`` under ``model``, each given the tokens before it."""
     device = next(model.parameters()).device
     ids = torch.tensor([list(token_ids)], device=device)
-    log_probs, _ = token_log_probs(model, ids, torch.ones_like(ids), start=1)
+    log_probs, _ = token_log_probs(model, ids, torch.ones_like(ids))
     return log_probs[0, 1:].float().cpu()
 
 
