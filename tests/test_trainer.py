@@ -3,11 +3,13 @@ trainer's and the reference's log-probs, the KL penalty in the reward and the gr
 recomputed here by hand on a hand-made batch."""
 import dataclasses
 
+import pytest
 import torch
 from tensordict import TensorDict
 
 from torchrl_grpo.config import TrainSettings
-from torchrl_grpo.trainer import Trainer
+from torchrl_grpo.objective import GRPOLoss
+from torchrl_grpo.trainer import Trainer, by_length
 
 VOCAB = 7
 
@@ -135,3 +137,26 @@ def test_a_streak_of_non_finite_updates_is_a_divergence_one_finite_update_resets
     for _ in range(4):
         never.optimize(make_batch())
     assert never.divergence() is None
+
+
+def test_micro_batches_are_cut_from_rows_sorted_by_length():
+    attention = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], dtype=torch.bool)
+    rows = torch.tensor([4, 0, 2, 1, 3])  # a shuffled window
+    assert by_length(rows, attention).tolist() == [1, 3, 4, 0, 2]  # lengths 1, 2, 3, 3 (shuffled order kept), 4
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_an_optimizer_step_does_not_depend_on_how_its_rows_are_cut(aggregation):
+    """One micro-batch of 4 rows, or 2 length-sorted micro-batches accumulated: the same update."""
+    updated = []
+    for micro_batch, accumulation in [(4, 1), (2, 2)]:
+        policy, batch = TableLM(1), make_batch()
+        settings = dataclasses.replace(SETTINGS, micro_batch=micro_batch, accumulation=accumulation)
+        loss = GRPOLoss(policy, aggregation=aggregation, temperature=0.7)
+        trainer = Trainer(policy, None, loss, torch.optim.SGD(policy.parameters(), lr=1.0), settings,
+                          torch.device("cpu"), None)
+        trainer.prepare(batch)
+        trainer.optimize(batch)
+        updated.append(policy.table.detach())
+    assert not torch.equal(updated[0], TableLM(1).table.detach())
+    torch.testing.assert_close(updated[0], updated[1], atol=1e-6, rtol=0)
