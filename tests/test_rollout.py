@@ -102,6 +102,40 @@ def test_vllm_push_weights_changes_outputs_and_matches_new_trainer(vllm_engine, 
     assert [c.token_ids for c in restored] == [c.token_ids for c in greedy_before]
 
 
+def test_vllm_prefix_cache_is_reset_by_a_push(vllm_engine, tiny_model_path, tokenizer):
+    """Prompts over several KV blocks (128 tokens on CPU): their cached blocks would serve the next generate
+    from the old weights if a push did not reset the cache; a trainer forward is the reference."""
+    long_prompts = [(tokenizer(" ".join(QUESTIONS))["input_ids"] * 40)[:300 + 7 * i] for i in range(2)]
+    original, trainer = _policy(tiny_model_path), _policy(tiny_model_path)
+    perturb(trainer, scale=0.2)
+    vllm_engine.generate(long_prompts, n=4, max_tokens=4)  # fills the cache with the old weights' blocks
+    try:
+        vllm_engine.push_weights(merged_state_dict(trainer))
+        after = vllm_engine.generate(long_prompts, n=4, max_tokens=4)
+        assert max_logprob_gap(trainer, long_prompts, after, 1.0) < LOGPROB_TOL
+    finally:
+        vllm_engine.push_weights(merged_state_dict(original))
+
+
+def test_vllm_cpu_kv_cache_holds_the_tokens_asked_for(tiny_model_path):
+    """``kv_cache_tokens``: a key and a value per layer and KV head per token, in whole blocks."""
+    from transformers import AutoConfig
+
+    from torchrl_grpo.vllm_engine import kv_cache_bytes
+
+    config = AutoConfig.from_pretrained(tiny_model_path)
+    head_dim = config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # float32
+    assert kv_cache_bytes(tiny_model_path, "float32", 1000) == 1000 * per_token
+    assert kv_cache_bytes(tiny_model_path, "bfloat16", 1000) == 500 * per_token
+    engine = VLLMEngine(tiny_model_path, dtype="float32", device="cpu", max_model_len=512, seed=0, kv_cache_tokens=3000)
+    try:
+        cache = engine.llm.llm_engine.vllm_config.cache_config
+        assert cache.num_gpu_blocks == 3000 // cache.block_size
+    finally:
+        engine.close()
+
+
 @needs_vllm
 def test_vllm_push_weights_tied_embeddings_smollm2():
     """SmolLM2 ties lm_head to the embedding: after a push the engine must not keep the old head."""

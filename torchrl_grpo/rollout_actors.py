@@ -53,7 +53,7 @@ class RolloutActor:
         from torchrl_grpo.collector import Collector
         from torchrl_grpo.model_sources import resolve_model
         from torchrl_grpo.models import load_tokenizer
-        from torchrl_grpo.rollout import make_engine
+        from torchrl_grpo.rollout import kv_cache_tokens, make_engine
         from torchrl_grpo.tasks import build_task
         from torchrl_grpo.trajectories import PromptSampler
 
@@ -68,7 +68,8 @@ class RolloutActor:
         device = actor_device(cfg)
         kwargs = {"dtype": dtype, "device": device, "seed": engine_seed,  # vLLM-only ones: make_engine drops them
                   "gpu_memory_utilization": float(inference.gpu_memory_utilization),
-                  "max_model_len": int(inference.max_model_len), "trust_remote_code": trust,
+                  "max_model_len": int(inference.max_model_len), "kv_cache_tokens": kv_cache_tokens(cfg),
+                  "trust_remote_code": trust,
                   "engine_process": str(inference.engine_process)}
         sampler = PromptSampler(len(task.rows), int(cfg.env.seed) + index)
         if sampler_state is not None:

