@@ -33,6 +33,9 @@ def test_batch_arithmetic():
     assert plan.total_steps == 5  # ceil(100 / 24)
     table = plan.table()
     assert "train.gradient_accumulation_steps" in table and "24" in table
+    # null (the default): all of a step's micro-batches make one optimizer step, per epoch
+    plan = batch_plan(cfg_with("env.num_envs=4", "env.repeats=6", "train.epochs=2", "train.total_dialog_turns=100"))
+    assert (plan.micro_batch, plan.accumulation, plan.optimizer_steps_per_step) == (4, 6, 2)
 
 
 def test_nucleus_sampling_is_accepted_with_recomputed_old_log_probs():
@@ -77,7 +80,7 @@ def test_prompt_sampler_covers_each_epoch_and_resumes_exactly():
 
 def test_fsdp_ranks_must_divide_the_micro_batch_and_what_is_not_built_is_refused():
     with pytest.raises(ConfigError, match=r"^train.strategy=fsdp \(fsdp\) with train_model.num_devices=3: .* do not "
-                                          r"divide train.optim_batch_size=16; pick a multiple of 3"):
+                                          r"divide train.optim_batch_size=4; pick a multiple of 3"):
         validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=3"))
     validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2"))
     for override, what in [("mode=async", "mode=async"), ("inference_model.backend=transformers", "inference_model"),

@@ -22,8 +22,8 @@ def digit_share(completion: str, row) -> float:
 
 def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path):
     cfg = cfg_with("model=tiny", "env.num_envs=4", "env.repeats=8", "train.optim_batch_size=16",
-                   "train.total_dialog_turns=640", "inference_model.max_tokens=8", "optimizer.lr=3e-3",
-                   "loss.aggregation=token_mean", "logging.progress_bar=false", "logging.checkpoint_frequency=0",
+                   "train.gradient_accumulation_steps=1", "train.total_dialog_turns=640", "inference_model.max_tokens=8",
+                   "optimizer.lr=3e-3", "loss.aggregation=token_mean", "logging.progress_bar=false", "logging.checkpoint_frequency=0",
                    "logging.keep_checkpoints=1")
     torch.manual_seed(0)
     rows = datasets.Dataset.from_dict({"question": [f"Say some numbers, {i}." for i in range(32)],

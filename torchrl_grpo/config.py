@@ -7,7 +7,7 @@ The batch vocabulary (see README.md):
 
 * a *step* collects ``env.num_envs`` prompts x ``env.repeats`` completions (= ``train.dialog_turns_per_batch``);
 * the step's completions are cut into micro-batches of ``train.optim_batch_size`` completions;
-* ``train.gradient_accumulation_steps`` micro-batches make one optimizer step;
+* ``train.gradient_accumulation_steps`` micro-batches make one optimizer step (null: all of a step's);
 * ``train.epochs`` passes are made over each step's completions;
 * the run lasts ``train.total_dialog_turns`` completions.
 """
@@ -144,7 +144,8 @@ def batch_plan(cfg: DictConfig) -> BatchPlan:
             f"(env.num_envs x env.repeats): pick a divisor of {per_step}"
         )
     micro_batches = per_step // micro
-    accumulation = _positive_int(cfg, "train.gradient_accumulation_steps")
+    accumulation = _get(cfg, "train.gradient_accumulation_steps")
+    accumulation = micro_batches if accumulation is None else _positive_int(cfg, "train.gradient_accumulation_steps")
     if micro_batches % accumulation:
         raise ConfigError(
             f"train.gradient_accumulation_steps={accumulation} does not divide the {micro_batches} micro-batches "

@@ -93,7 +93,8 @@ class Train:
     total_dialog_turns: int = key("int>0", "completions over the whole run; steps = total / completions per step")
     dialog_turns_per_batch: int = key("int>0", "completions per step; null = env.num_envs x env.repeats", null=True)
     optim_batch_size: int = key("int>0", "completions per forward/backward micro-batch")
-    gradient_accumulation_steps: int = key("int>0", "micro-batches per optimizer step")
+    gradient_accumulation_steps: int = key("int>0", "micro-batches per optimizer step; null = all of a step's",
+                                           null=True)
     epochs: int = key("int>0", "passes over each collected batch (mu / num_iterations)")
     mixed_precision: bool | str = key("choice", "bf16 autocast over float32 master weights: auto (on GPU only), "
                                       "true (on CPU too), false", choices=("auto", True, False),
