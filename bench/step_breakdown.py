@@ -2,8 +2,9 @@
 
 Runs ``grpo.py`` on the comparison workload of README "Speed" (GSM8K train questions from
 ``env.data_path``, 2 prompts x 8 completions x 24 tokens, SmolLM2-135M-Instruct, lr 2e-5, no KL), then reads
-its ``metrics.csv`` and prints the median split of a step (steps after the first) into generate, score, log-probs
-(``prepare``), forward+backward, optimizer, weight push, weight check and the rest. Then, in this process, the
+its ``metrics.csv`` and prints the completions per second and the median split of a step (steps after the
+first) into generate, score, log-probs (``prepare``), forward+backward, optimizer, weight push, weight check and
+the rest, and the run's peak resident set (of its largest process). Then, in this process, the
 two ceilings on the same model, prompts and sizes:
 
 * rollout efficiency: a bare ``vllm.LLM.generate`` (the very engine, without our wrapper) in tokens/s
@@ -18,6 +19,7 @@ two ceilings on the same model, prompts and sizes:
 import argparse
 import csv
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -107,6 +109,9 @@ def main() -> None:
     rows = run([f"env.data_path={opts.data}", *opts.overrides], opts.steps, opts.out)[1:]
     parts = split(rows)
     step = parts.pop("step")
+    completions = 16 * len(rows) / sum(r["step_time"] for r in rows)
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20  # KiB -> GiB: the run's largest process
+    print(f"{completions:.2f} completions/s over steps 2-{opts.steps}; peak RSS of the run {peak:.2f} GiB")
     print(f"median step {step:.2f} s over steps 2-{opts.steps}:")
     for name, seconds in parts.items():
         print(f"  {name:<22}{seconds:>8.2f} s {100 * seconds / step:>6.1f}%")

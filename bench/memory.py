@@ -1,0 +1,121 @@
+"""Where the memory of a run goes (issue "Performance", point 2). Not a test.
+
+Builds the sync run of the comparison workload (``bench/step_breakdown.py``: GSM8K train questions, 2 prompts x 8
+completions x 24 tokens, SmolLM2-135M-Instruct) in this process, piece by piece, and reads the resident set
+(``VmRSS``) and its peak (``VmHWM``, reset between pieces through ``/proc/self/clear_refs``) after each: imports,
+policy, engine (its weights and KV cache), then a few steps (generate, log-probs, forward/backward and optimizer,
+weight push). Prints each piece's growth, the tensors' own sizes (weights, gradients, optimizer state, KV cache)
+and the peak of the whole process.
+
+    .venv/bin/python bench/memory.py                                     # the default config, 3 steps
+    .venv/bin/python bench/memory.py train.optim_batch_size=4 train.gradient_accumulation_steps=4
+"""
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+GiB = 2 ** 30
+
+
+def status() -> dict[str, float]:
+    """This process's resident set now and its peak since the last :func:`reset_peak`, in GiB."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, value = line.split(":", 1)
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(value.split()[0]) * 1024 / GiB
+    return out
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+class Ledger:
+    """Each piece's growth of the resident set and the peak reached while it ran."""
+
+    def __init__(self):
+        reset_peak()
+        self.last, self.top, self.rows = status()["VmRSS"], 0.0, []
+
+    def mark(self, piece: str) -> None:
+        now = status()
+        self.rows.append((piece, now["VmRSS"] - self.last, now["VmHWM"], now["VmRSS"]))
+        self.top = max(self.top, now["VmHWM"])
+        self.last = now["VmRSS"]
+        reset_peak()
+
+    def print(self) -> None:
+        print(f"{'piece':<34}{'growth GiB':>11}{'peak GiB':>10}{'after GiB':>10}")
+        for piece, growth, peak, after in self.rows:
+            print(f"{piece:<34}{growth:>11.2f}{peak:>10.2f}{after:>10.2f}")
+        print(f"peak RSS of the process: {self.top:.2f} GiB")
+
+
+def tensor_bytes(tensors) -> float:
+    return sum(t.numel() * t.element_size() for t in tensors) / GiB
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "gsm8k"), help="env.data_path")
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides")
+    opts = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    ledger = Ledger()
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+    import vllm  # noqa: F401
+    ledger.mark("imports (torch, transformers, vllm)")
+
+    from hydra import compose, initialize_config_dir
+
+    from grpo_utils import build_common, build_engine, build_weight_check, engine_dtype
+    from step_breakdown import WORKLOAD
+    from torchrl_grpo.collector import CollectSettings, Collector
+    from torchrl_grpo.trajectories import PromptSampler
+
+    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base="1.3"):
+        cfg = compose("grpo_gsm8k", [*WORKLOAD, f"env.data_path={opts.data}", *opts.overrides])
+    run_dir = ROOT / "outputs" / "bench-memory"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    common = build_common(cfg, run_dir)
+    trainer = common.trainer
+    ledger.mark("policy (and reference)")
+    engine = build_engine(cfg, common.model_path, common.placement, trainer.policy, common.tokenizer, seed=0)
+    ledger.mark("engine (weights, KV cache)")
+    check = build_weight_check(cfg, trainer, common.tokenizer, engine_dtype(cfg, common.placement))
+    collector = Collector(common.task, common.tokenizer, engine, PromptSampler(len(common.task.rows), 0),
+                          CollectSettings.from_config(cfg))
+    try:
+        for step in range(1, opts.steps + 1):
+            batch, _, _ = collector.collect(step - 1, None)
+            ledger.mark(f"step {step}: generate")
+            trainer.prepare(batch)
+            ledger.mark(f"step {step}: log-probs, advantages")
+            trainer.optimize(batch)
+            ledger.mark(f"step {step}: forward/backward, optimizer")
+            trainer.push_weights(engine)
+            if check is not None:
+                check.probe().gap(engine)
+            ledger.mark(f"step {step}: weight push and check")
+        kv = (engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes or float("nan")) / GiB
+    finally:
+        engine.close()
+    ledger.print()
+    params = [p for p in trainer.policy.parameters()]
+    state = [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    print(f"tensors: policy weights {tensor_bytes(params):.2f} GiB, gradients {tensor_bytes(params):.2f} GiB "
+          f"(freed after each step), optimizer state {tensor_bytes(state):.2f} GiB, engine KV cache {kv:.2f} GiB")
+
+
+if __name__ == "__main__":
+    main()
