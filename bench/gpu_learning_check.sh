@@ -10,7 +10,8 @@ mkdir -p outputs
 export HF_HUB_OFFLINE=1 PYTHONPATH="$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device here')"
 LEARN=(model=tiny env=gsm8k env.data_path=../shared/data/gsm8k env.num_envs=4 env.repeats=8
-       train.optim_batch_size=16 train.total_dialog_turns=640 inference_model.max_tokens=8 optimizer.lr=3e-3
+       train.optim_batch_size=16 train.gradient_accumulation_steps=1 train.total_dialog_turns=640
+       inference_model.max_tokens=8 optimizer.lr=3e-3
        loss.aggregation=token_mean inference_model.temperature=1.0 logging.progress_bar=false
        logging.checkpoint_frequency=0 "env.rewards=[{_target_:test_learning.digit_share,weight:1.0,name:digits}]")
 for variant in "bf16:" "fp32_weights_bf16_autocast:train_model.torch_dtype=float32" \

@@ -172,8 +172,8 @@ class VLLMEngine(Engine):
     GPU unless the engine should use the process's first visible GPU: an in-process engine cannot be moved
     by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
 
-    Prefix caching is on: the G completions of a prompt share its KV blocks (one prefill instead of G: a
-    step's generation took 2.3x less time here) and a push resets the cache.
+    Prefix caching is on (vLLM's own default): the G completions of a prompt share its full KV blocks (128
+    tokens on CPU; a shorter prompt shares nothing) and a push resets the cache.
 
     Extra keyword arguments go to ``vllm.LLM`` unchanged (e.g. ``enforce_eager=False`` on a GPU).
     """
