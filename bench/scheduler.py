@@ -1,0 +1,107 @@
+"""Does ``train.sync_iter=false`` overlap generation with training (issue "Performance", point 6)? Not a test.
+
+On this machine generation and training share two cores, so overlap cannot show in a real run. Here the
+engine is a stand-in whose ``generate`` is a fixed wait that uses no CPU (``time.sleep``) and returns fixed
+completions; training is the real trainer on the comparison workload (``bench/step_breakdown.py``). The
+wait is set to the measured training time of a step, the case where overlap pays most: sync mode takes
+wait + train a step, ``sync_iter=false`` max(wait, train), so the ideal ratio is 2x. Prints both runs'
+completions per second and their ratio. ``grpo-async.py`` builds its engines inside Ray actors from the
+config, so this stand-in cannot reach it: not measured here.
+
+    .venv/bin/python bench/scheduler.py                # 6 steps each mode
+"""
+import argparse
+import csv
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+class FixedWaitEngine:
+    """An engine that waits ``seconds`` per ``generate`` (no CPU) and answers every prompt with the same
+    ``max_tokens`` tokens at log-prob -1; it takes pushes and ignores them."""
+
+    def __init__(self, seconds: float, token_id: int):
+        self.seconds, self.token_id = seconds, token_id
+
+    def generate(self, prompt_token_ids, *, n, max_tokens, temperature=1.0, top_p=1.0):
+        from torchrl_grpo.rollout import Completion
+
+        time.sleep(self.seconds)
+        return [Completion(i, [self.token_id] * max_tokens, [-1.0] * max_tokens, "length", "42")
+                for i in range(len(prompt_token_ids)) for _ in range(n)]
+
+    def push_weights(self, state_dict) -> None:
+        pass
+
+    def sampling_state(self):
+        return None
+
+    def close(self) -> None:
+        pass
+
+
+def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[float, float]:
+    """(completions/s over the steps after the first, median train time) of a sync run on the stand-in."""
+    from grpo_utils import build_common
+    from torchrl_grpo.collector import CollectSettings, Collector
+    from torchrl_grpo.sync_loop import SyncRun, run_sync
+    from torchrl_grpo.trajectories import PromptSampler
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    run_dir.mkdir(parents=True)
+    c = build_common(cfg, run_dir)
+    token = c.tokenizer(" 42", add_special_tokens=False)["input_ids"][0]
+    collector = Collector(c.task, c.tokenizer, FixedWaitEngine(wait, token), PromptSampler(len(c.task.rows), 0),
+                          CollectSettings.from_config(cfg))
+    started = []
+    original = collector.collect
+
+    def collect(*args, **kwargs):  # each step's start, to time the steps after the first
+        started.append(time.perf_counter())
+        return original(*args, **kwargs)
+
+    collector.collect = collect
+    run_sync(SyncRun(collector, c.trainer, c.state, c.plan.total_steps, overlap=overlap))
+    finished = time.perf_counter()
+    with open(run_dir / "metrics.csv", newline="") as f:
+        train = statistics.median(float(r["train_time"]) for r in csv.DictReader(f) if r.get("train_time"))
+    steps = len(started) - 1
+    return c.plan.completions_per_step * steps / (finished - started[1]), train
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "gsm8k"), help="env.data_path")
+    parser.add_argument("--wait", type=float, default=None, help="seconds a generate takes (default: a step's training)")
+    opts = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from hydra import compose, initialize_config_dir
+
+    from step_breakdown import WORKLOAD
+
+    def cfg(*extra):
+        with initialize_config_dir(config_dir=str(ROOT / "config"), version_base="1.3"):
+            return compose("grpo_gsm8k", [*WORKLOAD, f"env.data_path={opts.data}", "train.weight_sync_check=false",
+                                          f"train.total_dialog_turns={16 * opts.steps}", *extra])
+
+    out = ROOT / "outputs" / "bench-scheduler"
+    wait = opts.wait
+    if wait is None:  # a step's training time, measured with a generation that takes no time
+        _, wait = completions_per_s(cfg(), out / "probe", 0.0, overlap=False)
+    sync, _ = completions_per_s(cfg(), out / "sync", wait, overlap=False)
+    overlapped, _ = completions_per_s(cfg("train.sync_iter=false"), out / "overlap", wait, overlap=True)
+    print(f"generation: a fixed wait of {wait:.2f} s (a step's training time)")
+    print(f"sync: {sync:.2f} completions/s; sync_iter=false: {overlapped:.2f} completions/s -> {overlapped / sync:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
