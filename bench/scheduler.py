@@ -99,7 +99,7 @@ def main() -> None:
         _, wait = completions_per_s(cfg(), out / "probe", 0.0, overlap=False)
     sync, _ = completions_per_s(cfg(), out / "sync", wait, overlap=False)
     overlapped, _ = completions_per_s(cfg("train.sync_iter=false"), out / "overlap", wait, overlap=True)
-    print(f"generation: a fixed wait of {wait:.2f} s (a step's training time)")
+    print(f"generation: a fixed wait of {wait:.2f} s" + ("" if opts.wait else " (a step's training time)"))
     print(f"sync: {sync:.2f} completions/s; sync_iter=false: {overlapped:.2f} completions/s -> {overlapped / sync:.2f}x")
 
 
