@@ -77,18 +77,16 @@ def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy,
     """The rollout engine: vLLM on its device(s) (in the process ``engine_process`` says, default
     ``inference_model.engine_process``), or the transformers fallback sharing the trained policy."""
     from torchrl_grpo.hf_engine import TransformersEngine
-    from torchrl_grpo.rollout import kv_cache_tokens, make_engine
+    from torchrl_grpo.rollout import engine_options, make_engine
 
     backend = cfg.inference_model.backend
     if backend == "transformers":
         return TransformersEngine(policy, tokenizer, seed=seed)
-    return make_engine(
-        backend, model_path, dtype=str(engine_dtype(cfg, placement)).removeprefix("torch."), device=placement.inference,
-        gpu_memory_utilization=float(cfg.inference_model.gpu_memory_utilization),
-        max_model_len=int(cfg.inference_model.max_model_len), kv_cache_tokens=kv_cache_tokens(cfg), seed=seed,
-        trust_remote_code=bool(cfg.model.trust_remote_code),
-        engine_process=engine_process or str(cfg.inference_model.engine_process),
-    )
+    options = engine_options(cfg)
+    if engine_process:
+        options["engine_process"] = engine_process
+    return make_engine(backend, model_path, dtype=str(engine_dtype(cfg, placement)).removeprefix("torch."),
+                       device=placement.inference, seed=seed, **options)
 
 
 def engine_dtype(cfg: DictConfig, placement: Placement) -> torch.dtype:

@@ -144,8 +144,8 @@ def batch_plan(cfg: DictConfig) -> BatchPlan:
             f"(env.num_envs x env.repeats): pick a divisor of {per_step}"
         )
     micro_batches = per_step // micro
-    accumulation = _get(cfg, "train.gradient_accumulation_steps")
-    accumulation = micro_batches if accumulation is None else _positive_int(cfg, "train.gradient_accumulation_steps")
+    accumulation = (micro_batches if _get(cfg, "train.gradient_accumulation_steps") is None
+                    else _positive_int(cfg, "train.gradient_accumulation_steps"))
     if micro_batches % accumulation:
         raise ConfigError(
             f"train.gradient_accumulation_steps={accumulation} does not divide the {micro_batches} micro-batches "

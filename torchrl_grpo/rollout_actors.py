@@ -53,7 +53,7 @@ class RolloutActor:
         from torchrl_grpo.collector import Collector
         from torchrl_grpo.model_sources import resolve_model
         from torchrl_grpo.models import load_tokenizer
-        from torchrl_grpo.rollout import kv_cache_tokens, make_engine
+        from torchrl_grpo.rollout import engine_options, make_engine
         from torchrl_grpo.tasks import build_task
         from torchrl_grpo.trajectories import PromptSampler
 
@@ -63,19 +63,14 @@ class RolloutActor:
         task = build_task(cfg.env)
         trust = bool(cfg.model.trust_remote_code)
         model_path = resolve_model(str(cfg.model.name), trust)
-        inference = cfg.inference_model
         dtype = str(actor_dtype(cfg)).removeprefix("torch.")
-        device = actor_device(cfg)
-        kwargs = {"dtype": dtype, "device": device, "seed": engine_seed,  # vLLM-only ones: make_engine drops them
-                  "gpu_memory_utilization": float(inference.gpu_memory_utilization),
-                  "max_model_len": int(inference.max_model_len), "kv_cache_tokens": kv_cache_tokens(cfg),
-                  "trust_remote_code": trust,
-                  "engine_process": str(inference.engine_process)}
+        # the vLLM-only options: make_engine drops them for the transformers backend
+        kwargs = {"dtype": dtype, "device": actor_device(cfg), "seed": engine_seed, **engine_options(cfg)}
         sampler = PromptSampler(len(task.rows), int(cfg.env.seed) + index)
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
-        self.collector = Collector(task, load_tokenizer(model_path, trust), make_engine(inference.backend, model_path, **kwargs),
-                                   sampler, CollectSettings.from_config(cfg))
+        engine = make_engine(cfg.inference_model.backend, model_path, **kwargs)
+        self.collector = Collector(task, load_tokenizer(model_path, trust), engine, sampler, CollectSettings.from_config(cfg))
 
     def collect(self):
         """One scored batch at the current weights: (batch, metrics, first texts, sampler state)."""

