@@ -19,6 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
 GiB = 2 ** 30
 
 
@@ -66,7 +67,7 @@ def tensor_bytes(tensors) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "gsm8k"), help="env.data_path")
+    parser.add_argument("--data", default=GSM8K_DATA, help="env.data_path")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides")
     opts = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -76,15 +77,11 @@ def main() -> None:
     import vllm  # noqa: F401
     ledger.mark("imports (torch, transformers, vllm)")
 
-    from hydra import compose, initialize_config_dir
-
     from grpo_utils import build_common, build_engine, build_weight_check, engine_dtype
-    from step_breakdown import WORKLOAD
     from torchrl_grpo.collector import CollectSettings, Collector
     from torchrl_grpo.trajectories import PromptSampler
 
-    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base="1.3"):
-        cfg = compose("grpo_gsm8k", [*WORKLOAD, f"env.data_path={opts.data}", *opts.overrides])
+    cfg = workload_config(opts.data, *opts.overrides)
     run_dir = ROOT / "outputs" / "bench-memory"
     shutil.rmtree(run_dir, ignore_errors=True)
     common = build_common(cfg, run_dir)

@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
+from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
 
 
 class FixedWaitEngine:
@@ -80,18 +81,13 @@ def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[f
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "gsm8k"), help="env.data_path")
+    parser.add_argument("--data", default=GSM8K_DATA, help="env.data_path")
     parser.add_argument("--wait", type=float, default=None, help="seconds a generate takes (default: a step's training)")
     opts = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from hydra import compose, initialize_config_dir
-
-    from step_breakdown import WORKLOAD
-
     def cfg(*extra):
-        with initialize_config_dir(config_dir=str(ROOT / "config"), version_base="1.3"):
-            return compose("grpo_gsm8k", [*WORKLOAD, f"env.data_path={opts.data}", "train.weight_sync_check=false",
-                                          f"train.total_dialog_turns={16 * opts.steps}", *extra])
+        return workload_config(opts.data, "train.weight_sync_check=false", f"train.total_dialog_turns={16 * opts.steps}",
+                               *extra)
 
     out = ROOT / "outputs" / "bench-scheduler"
     wait = opts.wait

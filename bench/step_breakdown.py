@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SYSTEM_PROMPT = "Solve the math problem. Reply with only the final answer in the form '#### <number>' and nothing else."
+GSM8K_DATA = str(ROOT.parent / "shared" / "data" / "gsm8k")  # the real GSM8K rows beside the repo
 WORKLOAD = ["env=gsm8k", f"env.system_prompt={SYSTEM_PROMPT!r}", "env.num_envs=2", "env.repeats=8",
             "inference_model.max_tokens=24", "optimizer.lr=2e-5", "train.kl_to_ref_coeff=0",
             "logging.progress_bar=false", "logging.checkpoint_frequency=0", "logging.samples_frequency=0"]
@@ -41,6 +42,14 @@ PARTS = {  # label -> how to read it from a metrics row
     "weight push": lambda r: r["weight_push_time"],
     "weight check": lambda r: r.get("weight_check_time", 0.0),
 }
+
+
+def workload_config(data: str, *overrides: str):
+    """The comparison workload as Hydra composes it (for the benches that build a run in their process)."""
+    from hydra import compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base="1.3"):
+        return compose("grpo_gsm8k", [*WORKLOAD, f"env.data_path={data}", *overrides])
 
 
 def run(overrides: list[str], steps: int, out: Path) -> list[dict]:
@@ -102,7 +111,7 @@ def bare_train_step_s(model_path: str, prompts: list[list[int]], repeats: int) -
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "gsm8k"), help="env.data_path")
+    parser.add_argument("--data", default=GSM8K_DATA, help="env.data_path")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-step-breakdown")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the run")
     opts = parser.parse_args()
