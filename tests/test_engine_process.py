@@ -1,6 +1,6 @@
 """vLLM's engine in a process of its own (``inference_model.engine_process=own``), on CPU: the topology GPUs
-use, where weights reach the engine through a safetensors file in /dev/shm and vLLM functions through pickled
-rpc. One engine serves the module's engine tests (it takes 20-30 s to start on 2 cores) and the last of them
+use, where weights reach the engine streamed through a bounded buffer in /dev/shm and vLLM functions through
+pickled rpc. One engine serves the module's engine tests (it takes 20-30 s to start on 2 cores) and the last of them
 closes it; then grpo.py runs two steps with its engine in its own process.
 
 It runs on a variant of the tiny model with tied embeddings, the case where a push that leaves the head's
@@ -22,7 +22,7 @@ from helpers import (
 )
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.models import load_policy, merged_state_dict
-from torchrl_grpo import vllm_engine
+from torchrl_grpo import vllm_engine, weight_stream
 from torchrl_grpo.vllm_engine import MULTIPROCESSING_ENV, VLLMEngine, wants_own_process
 
 SHM = "/dev/shm"
@@ -161,19 +161,28 @@ def test_own_process_generates_g_completions_with_trainers_logprobs(own, tied_mo
 
 
 @needs_vllm
-def test_own_process_push_goes_through_shm_and_the_engine_then_holds_the_new_weights(own, tied_model_path, prompts):
+def test_own_process_push_streams_through_shm_and_the_engine_then_holds_the_new_weights(
+        own, tied_model_path, prompts, monkeypatch):
     _, ids = prompts
     old, new = _policy(tied_model_path), _policy(tied_model_path)
     perturb(new, scale=0.2)  # the tied head moves with the embedding: a stale head is off by far more than TOL
+    weights = merged_state_dict(new)
+    largest = max(t.numel() * t.element_size() for t in weights.values())
+    # buckets of at most 16 KiB: most of a decoder layer's tensors arrive in different buckets
+    monkeypatch.setattr(weight_stream, "BUCKET_BYTES", 16 * 1024)
     before = _push_dirs()
-    own.engine.push_weights(merged_state_dict(new))
+    own.engine.push_weights(weights)
     made = sorted(_push_dirs() - before)
-    assert len(made) == 1 and os.listdir(os.path.join(SHM, made[0])) == ["model.safetensors"]
+    assert len(made) == 1
+    push_dir = os.path.join(SHM, made[0])
+    assert sorted(os.listdir(push_dir)) == ["done.0.fifo", "ready.0.fifo", "weights.buffer"]
+    assert os.path.getsize(os.path.join(push_dir, "weights.buffer")) <= max(largest, 16 * 1024) < sum(
+        t.numel() * t.element_size() for t in weights.values()) / 4  # never a copy of the weights
     own.push_dirs = made
     completions = own.engine.generate(ids, n=3, max_tokens=16, temperature=1.0)
     assert max_logprob_gap(new, ids, completions, 1.0) < LOGPROB_TOL
     assert max_logprob_gap(old, ids, completions, 1.0) > 100 * LOGPROB_TOL  # a push that did nothing fails here
-    own.engine.push_weights(merged_state_dict(old))  # a second push overwrites the same file
+    own.engine.push_weights(merged_state_dict(old))  # a second push reuses the same buffer
     assert sorted(_push_dirs() - before) == made
     again = own.engine.generate(ids, n=3, max_tokens=16, temperature=1.0)
     assert max_logprob_gap(old, ids, again, 1.0) < LOGPROB_TOL

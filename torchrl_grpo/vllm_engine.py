@@ -18,6 +18,7 @@ import torch
 from torchrl_grpo import vllm_cpu_fixes
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.rollout import Completion, Engine
+from torchrl_grpo.weight_stream import WeightStream, receive_weights
 
 log = logging.getLogger(__name__)
 
@@ -166,9 +167,9 @@ class VLLMEngine(Engine):
     it by setting ``CUDA_VISIBLE_DEVICES`` to that one GPU while the engine starts (vLLM always uses the
     first visible device; an existing ``CUDA_VISIBLE_DEVICES`` list is honoured, K indexes into it). A
     list of devices shows them all and shards the model over them (``tensor_parallel_size``).
-    ``gpu_memory_utilization`` is the fraction of that GPU vLLM may take. Weight pushes then go through a
-    safetensors file in /dev/shm (tensors cannot be handed to another process by reference), as they do on
-    CPU with ``engine_process=own`` (tests/test_engine_process.py). Do not use ``engine_process=same`` on a
+    ``gpu_memory_utilization`` is the fraction of that GPU vLLM may take. Weight pushes then are streamed
+    through a bounded buffer in /dev/shm (:mod:`torchrl_grpo.weight_stream`; each tensor-parallel worker reads
+    it), as they are on CPU with ``engine_process=own`` (tests/test_engine_process.py). CUDA IPC is not built. Do not use ``engine_process=same`` on a
     GPU unless the engine should use the process's first visible GPU: an in-process engine cannot be moved
     by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
 
@@ -204,7 +205,7 @@ class VLLMEngine(Engine):
         own_process = wants_own_process(engine_process, self._on_cpu)
         self._in_process = not own_process
         vllm_cpu_fixes.quiet_expected_reload_warnings()
-        if self._on_cpu and own_process:
+        if own_process:  # the weight stream's worker side is a function sent through collective_rpc
             vllm_cpu_fixes.allow_pickled_rpc()
         vllm = import_vllm()
         if self._on_cpu:
@@ -246,6 +247,7 @@ class VLLMEngine(Engine):
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
         self._push_dir: str | None = None
+        self._weight_stream: WeightStream | None = None
         log.info("vLLM engine on %s started in %.1f s (%s, %s)", self.device, self.start_s, self.model_path, dtype)
 
     # -- sampling ------------------------------------------------------------------------------------
@@ -320,7 +322,8 @@ class VLLMEngine(Engine):
         of the embedding-like modules are rebuilt (tied-embedding trap, see
         ``vllm_cpu_fixes.redispatch_cpu_gemm``) and the prefix cache is reset. With tied embeddings a
         ``lm_head.weight`` entry is dropped (the embedding is the head). In one process the tensors are
-        read in place; otherwise they go through a safetensors file in /dev/shm.
+        read in place; otherwise they are streamed through a bounded buffer in /dev/shm
+        (:mod:`torchrl_grpo.weight_stream`).
         """
         if self.llm is None:
             raise RuntimeError("VLLMEngine.push_weights after close()")
@@ -332,24 +335,20 @@ class VLLMEngine(Engine):
         if self._in_process:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
         else:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._write_push_file(items)})
+            counts = self._stream().push(items, lambda wire: self.llm.collective_rpc(receive_weights, args=(wire,)))
+            if any(count != len(items) for count in counts):
+                raise RuntimeError(f"weight push: the engine's workers loaded {counts} of {len(items)} tensors")
         if self._on_cpu:
             self.llm.collective_rpc(vllm_cpu_fixes.redispatch_cpu_gemm)
         self.llm.reset_prefix_cache()
 
-    def _write_push_file(self, items: list[tuple[str, torch.Tensor]]) -> str:
-        """Overwrite ``model.safetensors`` in this engine's push folder (vLLM keeps the folder as its model path)."""
-        from safetensors.torch import save_file
-
-        if self._push_dir is None:
+    def _stream(self) -> WeightStream:
+        """This engine's weight stream (its buffer and FIFOs in a folder of /dev/shm), made at the first push."""
+        if self._weight_stream is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._push_dir = tempfile.mkdtemp(prefix="torchrl_grpo_push_", dir=shm)
-        # clone: safetensors refuses tensors that share storage, and must not alias live parameters
-        tensors = {name: t.to("cpu", copy=True).contiguous() for name, t in items}
-        tmp = os.path.join(self._push_dir, "model.safetensors.tmp")
-        save_file(tensors, tmp)
-        os.replace(tmp, os.path.join(self._push_dir, "model.safetensors"))
-        return self._push_dir
+            self._weight_stream = WeightStream(self._push_dir, workers=1 if self._on_cpu else len(self.devices))
+        return self._weight_stream
 
     # -- lifetime ------------------------------------------------------------------------------------
 
@@ -368,6 +367,9 @@ class VLLMEngine(Engine):
             gc.collect()
             if self.device.type == "cuda" and torch.cuda.is_available():
                 torch.cuda.empty_cache()
+        if self._weight_stream is not None:
+            self._weight_stream.close()
+            self._weight_stream = None
         if self._push_dir is not None:
             shutil.rmtree(self._push_dir, ignore_errors=True)
             self._push_dir = None

@@ -1,0 +1,77 @@
+"""Time and memory of a weight push (issue "Performance", point 4). Not a test.
+
+Builds the comparison workload's policy (SmolLM2-135M-Instruct, float32, ``bench/step_breakdown.py``) and its vLLM
+engine, in this process (``--engine-process same``, the CPU default) or in its own (``own``, the topology GPUs
+use), then pushes the policy's weights ``--pushes`` times and prints the median time of a push and how far each
+process's resident set rose above where it was before the push (its peak during the pushes): this process's
+and, with ``own``, the engine's worker's.
+
+    .venv/bin/python bench/push.py --engine-process own
+    .venv/bin/python bench/push.py --engine-process same
+"""
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from memory import GiB, ROOT, reset_peak  # noqa: E402
+from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
+
+
+def resident(pid: int | str = "self") -> tuple[float, float]:
+    """(VmRSS, VmHWM) of process ``pid`` in GiB."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = dict(line.split(":", 1) for line in f)
+    return tuple(int(fields[k].split()[0]) * 1024 / GiB for k in ("VmRSS", "VmHWM"))
+
+
+def clear_peak(pid: int | str) -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine-process", choices=("same", "own"), default="own")
+    parser.add_argument("--pushes", type=int, default=5)
+    opts = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import psutil
+
+    from grpo_utils import build_common, build_engine
+
+    cfg = workload_config(GSM8K_DATA)
+    run_dir = ROOT / "outputs" / "bench-push"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    common = build_common(cfg, run_dir)
+    trainer = common.trainer
+    engine = build_engine(cfg, common.model_path, common.placement, trainer.policy, common.tokenizer, seed=0,
+                          engine_process=opts.engine_process)
+    workers = [p.pid for p in psutil.Process().children(recursive=True) if "Worker" in p.name()]
+    watched = {"trainer process": "self", **{f"engine worker {pid}": pid for pid in workers}}
+    weights = sum(p.numel() * p.element_size() for p in trainer.policy.parameters()) / GiB
+    try:
+        trainer.push_weights(engine)  # the first push makes the push folder or file
+        before = {name: resident(pid)[0] for name, pid in watched.items()}
+        for pid in watched.values():
+            clear_peak(pid)
+        times = []
+        for _ in range(opts.pushes):
+            started = time.perf_counter()
+            trainer.push_weights(engine)
+            times.append(time.perf_counter() - started)
+        rises = {name: resident(pid)[1] - before[name] for name, pid in watched.items()}
+    finally:
+        engine.close()
+    print(f"engine process {opts.engine_process}: weights {weights:.2f} GiB, push median {statistics.median(times):.3f} s "
+          f"(of {opts.pushes}: {', '.join(f'{t:.3f}' for t in times)})")
+    for name, rise in rises.items():
+        print(f"  {name}: resident set rose by up to {rise:.2f} GiB during the pushes")
+
+
+if __name__ == "__main__":
+    reset_peak()
+    main()

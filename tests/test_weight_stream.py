@@ -1,0 +1,139 @@
+"""The weight stream's protocol (torchrl_grpo/weight_stream.py) against workers in real processes: every tensor
+arrives bit for bit through buckets far smaller than the weights, at every worker, and a failure on either side
+ends the push with an error instead of a hang. The vLLM engine's use of it: tests/test_engine_process.py."""
+import io
+import multiprocessing
+import os
+import queue
+
+import pytest
+import torch
+
+from torchrl_grpo import weight_stream
+from torchrl_grpo.weight_stream import ALIGN, WeightStream, bucket_size, plan_buckets, receive_weights
+
+JOIN_S = 60
+
+
+class FakeWorker:
+    """What :func:`receive_weights` needs of a vLLM worker: a rank and a reload that consumes the weights."""
+
+    def __init__(self, rank: int, fail_after: int | None):
+        self.rank, self.fail_after, self.loaded = rank, fail_after, {}
+
+    def reload_weights(self, weights_iterator):
+        for name, tensor in weights_iterator:
+            if self.fail_after is not None and len(self.loaded) == self.fail_after:
+                raise RuntimeError("loader failed")
+            self.loaded[name] = tensor
+
+
+def _worker(wire: bytes, rank: int, fail_after: int | None, results) -> None:
+    worker = FakeWorker(rank, fail_after)
+    try:
+        count = receive_weights(worker, wire)
+        buf = io.BytesIO()  # bytes: tensors put on the queue would be shared through this process, about to exit
+        torch.save(worker.loaded, buf)
+        results.put((rank, count, buf.getvalue()))
+    except Exception as e:
+        results.put((rank, None, f"{type(e).__name__}: {e}"))
+
+
+def _run_workers(wire: bytes, ranks: int, fail_after: int | None = None) -> dict:
+    """Start ``ranks`` worker processes on the pickled channel ``wire``, wait for them, return each rank's (count, loaded)."""
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(wire, r, fail_after, results)) for r in range(ranks)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in procs:
+            rank, count, loaded = results.get(timeout=JOIN_S)
+            out[rank] = (count, torch.load(io.BytesIO(loaded)) if count is not None else loaded)
+    except queue.Empty:
+        pytest.fail("a worker did not answer: the stream hangs")
+    finally:
+        for p in procs:
+            p.join(JOIN_S)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def _weights(scale: int = 1) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(scale)
+    return [
+        ("embed.weight", torch.randn(64 * scale, 33, generator=g)),  # larger than a bucket: a bucket of its own
+        ("layers.0.q.weight", torch.randn(7, 5, generator=g).to(torch.bfloat16)),
+        ("layers.0.k.weight", torch.randn(5, 7, generator=g).t()),  # not contiguous
+        ("layers.0.norm.weight", torch.randn(3, generator=g).to(torch.float16)),
+        ("layers.0.scale", torch.tensor(2.5)),  # 0-d
+        ("layers.0.steps", torch.arange(9, dtype=torch.int64)),
+        ("head.weight", torch.randn(11, 13, generator=g)),
+    ]
+
+
+def test_plan_keeps_order_aligns_offsets_and_bounds_buckets():
+    items = _weights()
+    buckets = plan_buckets(items, bucket_bytes=1024)
+    assert [e.name for b in buckets for e in b] == [name for name, _ in items]
+    sizes = {name: t.numel() * t.element_size() for name, t in items}
+    for bucket in buckets:
+        assert bucket[0].offset == 0 and all(e.offset % ALIGN == 0 for e in bucket)
+        ends = [e.offset + sizes[e.name] for e in bucket]
+        assert all(end <= nxt.offset for end, nxt in zip(ends, bucket[1:]))  # no overlap
+        assert bucket_size(bucket) == ends[-1]
+        assert bucket_size(bucket) <= 1024 or len(bucket) == 1
+    assert [e.name for e in buckets[0]] == ["embed.weight"]  # 8448 bytes alone
+    assert len(buckets) > 2
+
+
+def test_every_worker_gets_every_tensor_bit_for_bit_over_pushes(tmp_path):
+    stream = WeightStream(str(tmp_path), workers=2, bucket_bytes=512)
+    try:
+        for scale in (1, 3, 2):  # the second push needs a larger buffer, the third fits the same one
+            items = _weights(scale)
+            got = stream.push(items, lambda wire: _run_workers(wire, 2))
+            assert set(got) == {0, 1}
+            for count, loaded in got.values():
+                assert count == len(items) and list(loaded) == [name for name, _ in items]
+                for name, tensor in items:
+                    assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+        assert os.path.getsize(stream.buffer_path) == 64 * 3 * 33 * 4  # the largest bucket, never the weights
+    finally:
+        stream.close()
+
+
+def test_a_trainer_failure_reaches_the_workers_and_the_next_push_works(tmp_path, monkeypatch):
+    stream = WeightStream(str(tmp_path), workers=1, bucket_bytes=512)
+    real_view, calls = weight_stream._view, []
+
+    def failing_view(buffer, entry):
+        calls.append(entry.name)
+        if entry.name == "layers.0.scale":
+            raise ValueError("no such tensor")
+        return real_view(buffer, entry)
+
+    monkeypatch.setattr(weight_stream, "_view", failing_view)
+    try:
+        seen = {}
+        with pytest.raises(ValueError, match="no such tensor"):
+            stream.push(_weights(), lambda wire: seen.update(_run_workers(wire, 1)))
+        assert seen[0][0] is None and "trainer failed" in seen[0][1]  # told, not left waiting
+        monkeypatch.setattr(weight_stream, "_view", real_view)
+        [(count, loaded)] = stream.push(_weights(), lambda wire: _run_workers(wire, 1)).values()
+        assert count == len(_weights()) and torch.equal(loaded["head.weight"], _weights()[-1][1])
+    finally:
+        stream.close()
+
+
+def test_a_worker_failure_ends_the_push_and_the_next_push_works(tmp_path):
+    stream = WeightStream(str(tmp_path), workers=1, bucket_bytes=512)
+    try:
+        [(count, error)] = stream.push(_weights(), lambda wire: _run_workers(wire, 1, fail_after=2)).values()
+        assert count is None and "loader failed" in error  # and the feeder, left waiting, was released
+        [(count, loaded)] = stream.push(_weights(2), lambda wire: _run_workers(wire, 1)).values()
+        assert count == len(_weights()) and torch.equal(loaded["embed.weight"], _weights(2)[0][1])
+    finally:
+        stream.close()
