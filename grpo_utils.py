@@ -103,12 +103,18 @@ def build_weight_check(cfg: DictConfig, trainer: Trainer, tokenizer, dtype: torc
 
 
 def build_optimizer(cfg: DictConfig, policy) -> torch.optim.Optimizer:
+    """``optimizer.name`` over the trainable parameters. Adam(W) runs torch's fused kernel on plain CPU or CUDA
+    tensors, where on CPU torch would pick its per-tensor loop (SmolLM2: 0.24 -> 0.09 s a step,
+    ``bench/step_breakdown.py``); sharded (DTensor) parameters keep torch's default."""
+    from torch.distributed.tensor import DTensor
+
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = cfg.optimizer
     if opt.name == "SGD":
         return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
     cls = torch.optim.AdamW if opt.name == "AdamW" else torch.optim.Adam
-    return cls(params, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay)
+    fused = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in params) or None
+    return cls(params, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, fused=fused)
 
 
 def build_loss(cfg: DictConfig, policy) -> GRPOLoss:

@@ -160,3 +160,30 @@ def test_an_optimizer_step_does_not_depend_on_how_its_rows_are_cut(aggregation):
         updated.append(policy.table.detach())
     assert not torch.equal(updated[0], TableLM(1).table.detach())
     torch.testing.assert_close(updated[0], updated[1], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Adam"])
+def test_adam_runs_torchs_fused_kernel_on_cpu_with_the_per_tensor_loops_update(name):
+    """build_optimizer picks the fused kernel (on CPU torch would loop tensor by tensor): same update to float
+    rounding."""
+    from grpo_utils import build_optimizer
+    from helpers import cfg_with
+
+    cfg = cfg_with(f"optimizer.name={name}", "optimizer.lr=0.1", "optimizer.weight_decay=0.1")
+    torch.manual_seed(0)
+    fused_model, loop_model = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
+    loop_model.load_state_dict(fused_model.state_dict())
+    initial = fused_model.weight.detach().clone()
+    fused = build_optimizer(cfg, fused_model)
+    assert fused.param_groups[0]["fused"] is True
+    cls = torch.optim.AdamW if name == "AdamW" else torch.optim.Adam
+    loop = cls(loop_model.parameters(), lr=0.1, eps=cfg.optimizer.eps, weight_decay=0.1, foreach=False)
+    for step in range(3):
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+        for model, opt in ((fused_model, fused), (loop_model, loop)):
+            opt.zero_grad()
+            model(x).pow(2).sum().backward()
+            opt.step()
+    for a, b in zip(fused_model.parameters(), loop_model.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert (fused_model.weight - initial).abs().min() > 1e-3  # every weight took the three steps
