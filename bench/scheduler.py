@@ -4,9 +4,9 @@ On this machine generation and training share two cores, so overlap cannot show 
 engine is a stand-in whose ``generate`` is a fixed wait that uses no CPU (``time.sleep``) and returns fixed
 completions; training is the real trainer on the comparison workload (``bench/step_breakdown.py``). The
 wait is set to the measured training time of a step, the case where overlap pays most: sync mode takes
-wait + train a step, ``sync_iter=false`` max(wait, train), so the ideal ratio is 2x. Prints both runs'
-completions per second and their ratio. ``grpo-async.py`` builds its engines inside Ray actors from the
-config, so this stand-in cannot reach it: not measured here.
+wait + train a step, ``sync_iter=false`` and ``grpo-async.py`` max(wait, train), so the ideal ratio is 2x.
+``grpo-async.py`` runs as a subprocess; its Ray rollout actor builds the stand-in through a Ray worker setup hook
+(:func:`stand_in_hook`, bench only). Prints each run's completions per second and its ratio to sync.
 
     .venv/bin/python bench/scheduler.py                # 6 steps each mode
 """
@@ -15,6 +15,7 @@ import csv
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +23,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
-from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
+from step_breakdown import GSM8K_DATA, WORKLOAD, workload_config  # noqa: E402
+WAIT_ENV = "BENCH_STAND_IN_WAIT_S"
 
 
 class FixedWaitEngine:
@@ -47,6 +49,36 @@ class FixedWaitEngine:
 
     def close(self) -> None:
         pass
+
+
+def stand_in_hook() -> None:
+    """Ray worker setup hook: in this worker, engines are the stand-in waiting ``$BENCH_STAND_IN_WAIT_S``."""
+    import torchrl_grpo.rollout as rollout
+    from torchrl_grpo.models import load_tokenizer
+
+    def make_engine(backend, model_path, **kwargs):
+        token = load_tokenizer(model_path)(" 42", add_special_tokens=False)["input_ids"][0]
+        return FixedWaitEngine(float(os.environ[WAIT_ENV]), token)
+
+    rollout.make_engine = make_engine
+
+
+def async_completions_per_s(data: str, steps: int, wait: float, run_dir: Path) -> float:
+    """Completions/s over the steps after the first of ``grpo-async.py`` with one actor on the stand-in."""
+    shutil.rmtree(run_dir, ignore_errors=True)
+    args = [sys.executable, str(ROOT / "grpo-async.py"), *WORKLOAD, f"env.data_path={data}",
+            "train.weight_sync_check=false", f"train.total_dialog_turns={16 * steps}", "ray.init.num_cpus=2",
+            "+ray.init.runtime_env.worker_process_setup_hook=scheduler.stand_in_hook",
+            f"+ray.init.runtime_env.env_vars.{WAIT_ENV}='{wait}'", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1",  # the actors import this module's hook
+           "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT / "bench"), os.environ.get("PYTHONPATH")) if p)}
+    with open(f"{run_dir}.log", "w") as log:
+        done = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
+    if done.returncode != 0:
+        sys.exit(f"error: grpo-async.py failed (exit {done.returncode}); see {run_dir}.log")
+    with open(run_dir / "metrics.csv", newline="") as f:
+        step_times = [float(r["step_time"]) for r in csv.DictReader(f) if r.get("step_time")]
+    return 16 * (len(step_times) - 1) / sum(step_times[1:])
 
 
 def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[float, float]:
@@ -95,8 +127,10 @@ def main() -> None:
         _, wait = completions_per_s(cfg(), out / "probe", 0.0, overlap=False)
     sync, _ = completions_per_s(cfg(), out / "sync", wait, overlap=False)
     overlapped, _ = completions_per_s(cfg("train.sync_iter=false"), out / "overlap", wait, overlap=True)
+    in_ray = async_completions_per_s(opts.data, opts.steps, wait, out / "async")
     print(f"generation: a fixed wait of {wait:.2f} s" + ("" if opts.wait else " (a step's training time)"))
-    print(f"sync: {sync:.2f} completions/s; sync_iter=false: {overlapped:.2f} completions/s -> {overlapped / sync:.2f}x")
+    print(f"sync: {sync:.2f} completions/s; sync_iter=false: {overlapped:.2f} completions/s -> {overlapped / sync:.2f}x; "
+          f"grpo-async.py: {in_ray:.2f} completions/s -> {in_ray / sync:.2f}x")
 
 
 if __name__ == "__main__":

@@ -7,10 +7,10 @@ first) into generate, score, log-probs (``prepare``), forward+backward, optimize
 the rest, and the run's peak resident set (of its largest process). Then, in this process, the
 two ceilings on the same model, prompts and sizes:
 
-* rollout efficiency: a bare ``vllm.LLM.generate`` (the very engine, without our wrapper) in tokens/s
-  against the run's ``generation_tokens_per_s`` (target >= 90%);
-* trainer overhead: a bare forward + log-softmax + backward + AdamW step on a batch of the run's shape
-  against the run's ``prepare_time + train_time``, and the share of a step spent outside generation and
+* rollout efficiency: a bare ``vllm.LLM.generate`` (the very engine, without our wrapper, in the run's
+  ``inference_model.torch_dtype``) in tokens/s against the run's ``generation_tokens_per_s`` (target >= 90%);
+* trainer overhead: a bare forward + log-softmax + backward + AdamW step on a batch of the run's shape (bf16
+  autocast with ``train.mixed_precision=true``) against the run's ``prepare_time + train_time``, and the share of a step spent outside generation and
   training (target <= 10%).
 
     .venv/bin/python bench/step_breakdown.py                                 # 10 steps, float32
@@ -85,21 +85,22 @@ def bare_generate_tokens_per_s(engine, prompts: list[list[int]], repeats: int) -
     return tokens / seconds
 
 
-def bare_train_step_s(model_path: str, prompts: list[list[int]], repeats: int) -> float:
+def bare_train_step_s(model_path: str, prompts: list[list[int]], repeats: int, bf16_autocast: bool) -> float:
     """Median seconds of forward (completion logits only) + log-softmax + backward + AdamW step, 16 sequences."""
     import torch
 
     from torchrl_grpo.models import load_policy
 
     model = load_policy(model_path, dtype=torch.float32, device="cpu")
-    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=True)
     times = []
     for i in range(repeats + 1):
         pair = prompts[2 * i: 2 * i + 2]
         length = max(len(p) for p in pair) + 24
         ids = torch.tensor([(p + [0] * 24 + [0] * length)[:length] for p in pair for _ in range(8)])
         started = time.perf_counter()
-        logits = model(input_ids=ids, logits_to_keep=25).logits[:, :-1].float()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
+            logits = model(input_ids=ids, logits_to_keep=25).logits[:, :-1].float()
         taken = torch.log_softmax(logits, -1).gather(-1, ids[:, -24:].unsqueeze(-1))
         taken.sum().backward()
         optimizer.step()
@@ -133,11 +134,13 @@ def main() -> None:
     from torchrl_grpo.trajectories import prompt_token_ids
     from torchrl_grpo.vllm_engine import VLLMEngine
 
+    cfg = workload_config(opts.data, *opts.overrides)  # the ceilings take the run's dtypes
+    engine_dtype = "float32" if cfg.inference_model.torch_dtype == "auto" else str(cfg.inference_model.torch_dtype)
     model_path = resolve_model("smollm2-135m-instruct")
     task = build_task(OmegaConf.create({"dataset": "gsm8k", "data_path": opts.data, "split": "train",
                                         "system_prompt": SYSTEM_PROMPT}))
     prompts = prompt_token_ids(task, load_tokenizer(model_path), [task.rows[i] for i in range(2 * (opts.steps + 1))])
-    engine = VLLMEngine(model_path, dtype="float32", device="cpu", max_model_len=1024, seed=0)
+    engine = VLLMEngine(model_path, dtype=engine_dtype, device="cpu", max_model_len=1024, seed=0)
     try:
         bare_generate_tokens_per_s(engine, prompts, 1)  # warm-up
         bare = bare_generate_tokens_per_s(engine, prompts, opts.steps)
@@ -145,7 +148,7 @@ def main() -> None:
         engine.close()
     ours = statistics.median(r["generation_tokens_per_s"] for r in rows)
     print(f"rollout efficiency: {ours:.0f} tokens/s in the run, bare vllm generate {bare:.0f} -> {100 * ours / bare:.0f}%")
-    bare_step = bare_train_step_s(model_path, prompts, opts.steps - 1)
+    bare_step = bare_train_step_s(model_path, prompts, opts.steps - 1, cfg.train.mixed_precision is True)
     trained = statistics.median(r["prepare_time"] + r["train_time"] for r in rows)
     outside = step - parts["generate"] - parts["log-probs (prepare)"] - parts["forward+backward"] - parts["optimizer"]
     print(f"trainer: log-probs + train {trained:.2f} s per step, bare forward+backward+step {bare_step:.2f} s "

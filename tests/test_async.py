@@ -5,6 +5,8 @@ import os
 import signal
 import time
 
+import numpy as np
+import torch
 from omegaconf import OmegaConf
 
 from helpers import (CONFIG_DIR, ROOT, SMALL, finite, metric_rows, needs_ray_and_vllm, ray_processes, run_async,
@@ -137,3 +139,17 @@ def test_a_local_ray_has_no_dashboard_and_binds_an_asked_for_one_to_localhost():
     assert asked["include_dashboard"] is True and asked["dashboard_host"] == "127.0.0.1"
     cfg.ray.init.dashboard_host = "0.0.0.0"  # the user's own choice wins
     assert ray_init_kwargs(cfg)["dashboard_host"] == "0.0.0.0"
+
+
+def test_weights_travel_to_actors_as_arrays_bit_for_bit():
+    """The push's wire form (numpy arrays Ray hands over without a copy) gives back every tensor exactly."""
+    from torchrl_grpo.rollout_actors import as_arrays, from_arrays
+
+    weights = {"w": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "h": torch.randn(2, 2).half(),
+               "t": torch.randn(4, 3).t()}
+    arrays = as_arrays(weights)
+    assert all(isinstance(a, np.ndarray) for a, _ in arrays.values())
+    back = from_arrays(arrays)
+    assert list(back) == list(weights)
+    for name, t in weights.items():
+        assert back[name].dtype == t.dtype and torch.equal(back[name], t), name

@@ -21,8 +21,10 @@ import logging
 import os
 import sys
 import time
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,6 +37,23 @@ from torchrl_grpo.weight_check import Probe
 # Test-only fault injection: an actor calls os._exit(1) at the start of its N-th collect (1-based). Read by
 # the trainer (not the actor) and handed to every actor's constructor; tests/test_async.py uses it.
 EXIT_AT_ENV = "TORCHRL_GRPO_TEST_ACTOR_EXIT_AT"
+
+
+def as_arrays(weights: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
+    """CPU tensors as (numpy array, torch dtype) for ``ray.put``: Ray hands numpy arrays to actors straight from its
+    object store, while pickled tensors are copied and unpickled in every actor, which took seconds for SmolLM2
+    while the trainer computed (bench/scheduler.py). bfloat16, which numpy lacks, travels as int16."""
+    def array(t: torch.Tensor) -> np.ndarray:
+        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+    return {name: (array(t.detach()), str(t.dtype).removeprefix("torch.")) for name, t in weights.items()}
+
+
+def from_arrays(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Tensor]:
+    """:func:`as_arrays` undone, without a copy (the tensors are read-only views of Ray's object store)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {name: torch.from_numpy(a).view(getattr(torch, dtype)) for name, (a, dtype) in arrays.items()}
 
 
 class ActorFault(Exception):
@@ -80,10 +99,10 @@ class RolloutActor:
         batch, metrics, texts = self.collector.collect(version=self.version)
         return batch, metrics, texts[:4], self.collector.sampler.state_dict()
 
-    def push_weights(self, state_dict, version: int, probe: Probe | None = None) -> float | None:
-        """New weights into the engine; the version changes only once they are in. With ``probe`` (the weight
+    def push_weights(self, arrays: dict, version: int, probe: Probe | None = None) -> float | None:
+        """New weights (:func:`as_arrays`) into the engine; the version changes only once they are in. With ``probe`` (the weight
         sync check), the engine's gap to the trainer's probe log-probs, or a RunError when it is too large."""
-        self.collector.engine.push_weights(state_dict)
+        self.collector.engine.push_weights(from_arrays(arrays))
         gap = probe.verify(self.collector.engine) if probe is not None else None
         self.version = version
         return gap
@@ -243,7 +262,7 @@ class ActorPool:
     def push(self, weights: dict, version: int, probe: Probe | None = None) -> None:
         """``weights`` (CPU tensors) to every actor, as policy ``version``, each checking itself against
         ``probe`` afterwards; kept for actors started later."""
-        self.weights_ref, self.version, self.probe = self.ray.put(weights), version, probe
+        self.weights_ref, self.version, self.probe = self.ray.put(as_arrays(weights)), version, probe
         self.pushes.update({a.push_weights.remote(self.weights_ref, version, probe): i
                             for i, a in enumerate(self.actors)})
 
