@@ -56,6 +56,8 @@ def from_arrays(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Te
         return {name: torch.from_numpy(a).view(getattr(torch, dtype)) for name, (a, dtype) in arrays.items()}
 
 
+EXIT_GRACE_S = 5  # an actor asked to exit (after its collect in flight) is killed after this long
+
 class ActorFault(Exception):
     """A Ray-side failure: the run cannot go on."""
 
@@ -304,6 +306,17 @@ class ActorPool:
         return self
 
     def __exit__(self, *exc) -> None:
+        """Each actor is asked to exit, so that its process runs its exit handlers (multiprocessing unlinks the
+        named semaphores it made in /dev/shm, which a killed process leaves behind); one still there after
+        ``EXIT_GRACE_S`` is killed."""
+        exits = []
+        for actor in self.actors:
+            try:
+                exits.append(actor.__ray_terminate__.remote())
+            except Exception:  # already dead
+                pass
+        if exits:
+            self.ray.wait(exits, num_returns=len(exits), timeout=EXIT_GRACE_S)
         for actor in self.actors:
             try:
                 self.ray.kill(actor, no_restart=True)
