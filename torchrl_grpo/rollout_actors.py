@@ -34,6 +34,7 @@ from torchrl_grpo.errors import ConfigError, one_line
 from torchrl_grpo.placement import resolve_dtype
 from torchrl_grpo.weight_check import Probe
 
+EXIT_GRACE_S = 5  # an actor asked to exit (after its collect in flight) is killed after this long
 # Test-only fault injection: an actor calls os._exit(1) at the start of its N-th collect (1-based). Read by
 # the trainer (not the actor) and handed to every actor's constructor; tests/test_async.py uses it.
 EXIT_AT_ENV = "TORCHRL_GRPO_TEST_ACTOR_EXIT_AT"
@@ -55,8 +56,6 @@ def from_arrays(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Te
         warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
         return {name: torch.from_numpy(a).view(getattr(torch, dtype)) for name, (a, dtype) in arrays.items()}
 
-
-EXIT_GRACE_S = 5  # an actor asked to exit (after its collect in flight) is killed after this long
 
 class ActorFault(Exception):
     """A Ray-side failure: the run cannot go on."""
@@ -102,8 +101,9 @@ class RolloutActor:
         return batch, metrics, texts[:4], self.collector.sampler.state_dict()
 
     def push_weights(self, arrays: dict, version: int, probe: Probe | None = None) -> float | None:
-        """New weights (:func:`as_arrays`) into the engine; the version changes only once they are in. With ``probe`` (the weight
-        sync check), the engine's gap to the trainer's probe log-probs, or a RunError when it is too large."""
+        """New weights (:func:`as_arrays`) into the engine; the version changes only once they are in. With
+        ``probe`` (the weight sync check), the engine's gap to the trainer's probe log-probs, or a RunError when
+        it is too large."""
         self.collector.engine.push_weights(from_arrays(arrays))
         gap = probe.verify(self.collector.engine) if probe is not None else None
         self.version = version

@@ -169,8 +169,8 @@ class VLLMEngine(Engine):
     list of devices shows them all and shards the model over them (``tensor_parallel_size``).
     ``gpu_memory_utilization`` is the fraction of that GPU vLLM may take. Weight pushes then are streamed
     through a bounded buffer in /dev/shm (:mod:`torchrl_grpo.weight_stream`; each tensor-parallel worker reads
-    it), as they are on CPU with ``engine_process=own`` (tests/test_engine_process.py). CUDA IPC is not built. Do not use ``engine_process=same`` on a
-    GPU unless the engine should use the process's first visible GPU: an in-process engine cannot be moved
+    it), as they are on CPU with ``engine_process=own`` (tests/test_engine_process.py); CUDA IPC is not built.
+    Do not use ``engine_process=same`` on a GPU unless the engine should use the process's first visible GPU: an in-process engine cannot be moved
     by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
 
     Prefix caching is on (vLLM's own default): the G completions of a prompt share its full KV blocks (128
@@ -246,8 +246,7 @@ class VLLMEngine(Engine):
         hf_config = self.llm.llm_engine.model_config.hf_config
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
-        self._push_dir: str | None = None
-        self._weight_stream: WeightStream | None = None
+        self._weight_stream: WeightStream | None = None  # made at the first push to an engine in its own process
         log.info("vLLM engine on %s started in %.1f s (%s, %s)", self.device, self.start_s, self.model_path, dtype)
 
     # -- sampling ------------------------------------------------------------------------------------
@@ -346,8 +345,8 @@ class VLLMEngine(Engine):
         """This engine's weight stream (its buffer and FIFOs in a folder of /dev/shm), made at the first push."""
         if self._weight_stream is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            self._push_dir = tempfile.mkdtemp(prefix="torchrl_grpo_push_", dir=shm)
-            self._weight_stream = WeightStream(self._push_dir, workers=1 if self._on_cpu else len(self.devices))
+            push_dir = tempfile.mkdtemp(prefix="torchrl_grpo_push_", dir=shm)
+            self._weight_stream = WeightStream(push_dir, workers=1 if self._on_cpu else len(self.devices))
         return self._weight_stream
 
     # -- lifetime ------------------------------------------------------------------------------------
@@ -369,7 +368,5 @@ class VLLMEngine(Engine):
                 torch.cuda.empty_cache()
         if self._weight_stream is not None:
             self._weight_stream.close()
+            shutil.rmtree(self._weight_stream.directory, ignore_errors=True)
             self._weight_stream = None
-        if self._push_dir is not None:
-            shutil.rmtree(self._push_dir, ignore_errors=True)
-            self._push_dir = None
