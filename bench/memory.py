@@ -23,10 +23,10 @@ from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
 GiB = 2 ** 30
 
 
-def status() -> dict[str, float]:
-    """This process's resident set now and its peak since the last :func:`reset_peak`, in GiB."""
+def status(pid: int | str = "self") -> dict[str, float]:
+    """Process ``pid``'s resident set now and its peak since the last :func:`reset_peak`, in GiB."""
     out = {}
-    with open("/proc/self/status") as f:
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
             key, value = line.split(":", 1)
             if key in ("VmRSS", "VmHWM"):
@@ -34,8 +34,8 @@ def status() -> dict[str, float]:
     return out
 
 
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
+def reset_peak(pid: int | str = "self") -> None:
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
         f.write("5")
 
 

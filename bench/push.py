@@ -17,20 +17,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memory import GiB, ROOT, reset_peak  # noqa: E402
+from memory import GiB, ROOT, reset_peak, status  # noqa: E402
 from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
-
-
-def resident(pid: int | str = "self") -> tuple[float, float]:
-    """(VmRSS, VmHWM) of process ``pid`` in GiB."""
-    with open(f"/proc/{pid}/status") as f:
-        fields = dict(line.split(":", 1) for line in f)
-    return tuple(int(fields[k].split()[0]) * 1024 / GiB for k in ("VmRSS", "VmHWM"))
-
-
-def clear_peak(pid: int | str) -> None:
-    with open(f"/proc/{pid}/clear_refs", "w") as f:
-        f.write("5")
 
 
 def main() -> None:
@@ -55,15 +43,15 @@ def main() -> None:
     weights = sum(p.numel() * p.element_size() for p in trainer.policy.parameters()) / GiB
     try:
         trainer.push_weights(engine)  # the first push makes the push folder or file
-        before = {name: resident(pid)[0] for name, pid in watched.items()}
+        before = {name: status(pid)["VmRSS"] for name, pid in watched.items()}
         for pid in watched.values():
-            clear_peak(pid)
+            reset_peak(pid)
         times = []
         for _ in range(opts.pushes):
             started = time.perf_counter()
             trainer.push_weights(engine)
             times.append(time.perf_counter() - started)
-        rises = {name: resident(pid)[1] - before[name] for name, pid in watched.items()}
+        rises = {name: status(pid)["VmHWM"] - before[name] for name, pid in watched.items()}
     finally:
         engine.close()
     print(f"engine process {opts.engine_process}: weights {weights:.2f} GiB, push median {statistics.median(times):.3f} s "

@@ -51,14 +51,18 @@ class FixedWaitEngine:
         pass
 
 
+def stand_in(tokenizer, seconds: float) -> FixedWaitEngine:
+    """The stand-in answering " 42" in ``tokenizer``'s ids after ``seconds``."""
+    return FixedWaitEngine(seconds, tokenizer(" 42", add_special_tokens=False)["input_ids"][0])
+
+
 def stand_in_hook() -> None:
     """Ray worker setup hook: in this worker, engines are the stand-in waiting ``$BENCH_STAND_IN_WAIT_S``."""
     import torchrl_grpo.rollout as rollout
     from torchrl_grpo.models import load_tokenizer
 
     def make_engine(backend, model_path, **kwargs):
-        token = load_tokenizer(model_path)(" 42", add_special_tokens=False)["input_ids"][0]
-        return FixedWaitEngine(float(os.environ[WAIT_ENV]), token)
+        return stand_in(load_tokenizer(model_path), float(os.environ[WAIT_ENV]))
 
     rollout.make_engine = make_engine
 
@@ -91,8 +95,7 @@ def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[f
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
     c = build_common(cfg, run_dir)
-    token = c.tokenizer(" 42", add_special_tokens=False)["input_ids"][0]
-    collector = Collector(c.task, c.tokenizer, FixedWaitEngine(wait, token), PromptSampler(len(c.task.rows), 0),
+    collector = Collector(c.task, c.tokenizer, stand_in(c.tokenizer, wait), PromptSampler(len(c.task.rows), 0),
                           CollectSettings.from_config(cfg))
     started = []
     original = collector.collect

@@ -130,12 +130,13 @@ def main() -> None:
 
     from torchrl_grpo.model_sources import resolve_model
     from torchrl_grpo.models import load_tokenizer
+    from torchrl_grpo.placement import resolve_dtype
     from torchrl_grpo.tasks import build_task
     from torchrl_grpo.trajectories import prompt_token_ids
     from torchrl_grpo.vllm_engine import VLLMEngine
 
     cfg = workload_config(opts.data, *opts.overrides)  # the ceilings take the run's dtypes
-    engine_dtype = "float32" if cfg.inference_model.torch_dtype == "auto" else str(cfg.inference_model.torch_dtype)
+    engine_dtype = str(resolve_dtype(cfg.inference_model.torch_dtype, "cpu")).removeprefix("torch.")
     model_path = resolve_model("smollm2-135m-instruct")
     task = build_task(OmegaConf.create({"dataset": "gsm8k", "data_path": opts.data, "split": "train",
                                         "system_prompt": SYSTEM_PROMPT}))

@@ -39,16 +39,16 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+from step_breakdown import GSM8K_DATA, SYSTEM_PROMPT  # noqa: E402  (the workload is defined there)
 INSTALL = "pip install trl==1.16.0 in a venv on top of .venv (bench/trl_baseline.py's docstring says how)"
-SYSTEM_PROMPT = "Solve the math problem. Reply with only the final answer in the form '#### <number>' and nothing else."
-DATA = ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 PER_STEP = 16  # 2 prompts x 8 completions
 ANSWER_RE = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
 
 
 def rows(n: int) -> list[dict]:
     """The first n GSM8K questions as chat prompts, with their reference number."""
-    with open(DATA) as f:
+    with open(Path(GSM8K_DATA) / "train.jsonl") as f:
         lines = [json.loads(line) for _, line in zip(range(n), f)]
     return [{"prompt": [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": r["question"]}],
              "answer": r["answer"].rpartition("####")[2].strip().replace(",", "")} for r in lines]
