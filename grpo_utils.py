@@ -27,8 +27,9 @@ from torchrl_grpo.data_parallel import DataParallel, process_group, shard_model
 from torchrl_grpo.errors import RunError
 from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.objective import GRPOLoss
-from torchrl_grpo.placement import Placement, place, resolve_dtype, train_strategy
-from torchrl_grpo.rollout_actors import actor_dtype
+from torchrl_grpo.placement import Placement, place, train_strategy
+from torchrl_grpo.precision import autocast_bf16, describe, engine_dtype_on, native_bf16, resolve_dtype
+from torchrl_grpo.rollout_actors import actor_device, actor_dtype
 from torchrl_grpo.run_state import RunState
 from torchrl_grpo.sync_loop import SyncRun
 from torchrl_grpo.tasks import Task, build_task, eval_env_config
@@ -91,7 +92,7 @@ def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy,
 
 def engine_dtype(cfg: DictConfig, placement: Placement) -> torch.dtype:
     """The inference engine's dtype: ``inference_model.torch_dtype`` on its first device."""
-    return resolve_dtype(cfg.inference_model.torch_dtype, placement.inference[0])
+    return engine_dtype_on(cfg, placement.inference[0], placement.train[0])
 
 
 def build_weight_check(cfg: DictConfig, trainer: Trainer, tokenizer, dtype: torch.dtype) -> WeightCheck | None:
@@ -166,11 +167,11 @@ def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume
     if parallel is not None:
         policy = shard_model(policy)
         ref_policy = None if ref_policy is None else shard_model(ref_policy)
-    if cfg.train.mixed_precision is True and placement.train[0] == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    if autocast_bf16(cfg, placement.train[0]) and not native_bf16(placement.train[0]):
         print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
               "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)
     return Trainer(policy, ref_policy, build_loss(cfg, policy), build_optimizer(cfg, policy),
-                   TrainSettings.from_config(cfg), torch.device(placement.train[0]),
+                   TrainSettings.from_config(cfg, placement.train[0]), torch.device(placement.train[0]),
                    torch.device(placement.ref[0]) if ref_policy is not None else None, parallel)
 
 
@@ -300,6 +301,7 @@ def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = N
     """The sync run: the common pieces and a collector over an engine holding the policy's weights (seeded
     with the step a resume starts after); ``parallel``: this is rank 0 of data-parallel ranks."""
     c = build_common(cfg, run_dir, parallel)
+    print(f"precision: {describe(cfg, c.placement.train[0], c.placement.inference[0])}", flush=True)
     engine = build_engine(cfg, c.model_path, c.placement, c.trainer.policy, c.tokenizer,
                           seed=int(cfg.train.seed) + c.state.step, engine_process="own" if parallel is not None else None)
     if c.state.resume_from is not None:
@@ -317,6 +319,7 @@ def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = N
 def build_async(cfg: DictConfig, run_dir: Path) -> AsyncRun:
     """The async run: the common pieces; the Ray actors (with their engines and collectors) start in the loop."""
     c = build_common(cfg, run_dir)
+    print(f"precision: {describe(cfg, c.placement.train[0], actor_device(cfg))}", flush=True)
     weight_check = build_weight_check(cfg, c.trainer, c.tokenizer, actor_dtype(cfg))
     return AsyncRun(c.trainer, c.state, c.tokenizer, c.task.reward_names, c.plan.total_steps, int(cfg.ray.num_actors),
                     int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), c.evaluator, weight_check)

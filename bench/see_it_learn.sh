@@ -3,7 +3,7 @@
 # the base model and each run's final checkpoint evaluated by sampling as in training (temperature 1, 8
 # completions per test question: accuracy = pass@1). Prints, per seed: wall time, the greedy evaluation
 # accuracy before / after (from the run), the sampled one before / after.
-# Usage: bench/see_it_learn.sh 0 1 2 [Hydra overrides for the runs, e.g. train.mixed_precision=true]
+# Usage: bench/see_it_learn.sh 0 1 2 [Hydra overrides for the runs, e.g. train.mixed_precision=false]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1

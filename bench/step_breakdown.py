@@ -8,13 +8,13 @@ the rest, and the run's peak resident set (of its largest process). Then, in thi
 two ceilings on the same model, prompts and sizes:
 
 * rollout efficiency: a bare ``vllm.LLM.generate`` (the very engine, without our wrapper, in the run's
-  ``inference_model.torch_dtype``) in tokens/s against the run's ``generation_tokens_per_s`` (target >= 90%);
+  engine dtype) in tokens/s against the run's ``generation_tokens_per_s`` (target >= 90%);
 * trainer overhead: a bare forward + log-softmax + backward + AdamW step on a batch of the run's shape (bf16
-  autocast with ``train.mixed_precision=true``) against the run's ``prepare_time + train_time``, and the share of a step spent outside generation and
-  training (target <= 10%).
+  autocast when the run's ``train.mixed_precision`` resolves to it) against the run's ``prepare_time +
+  train_time``, and the share of a step spent outside generation and training (target <= 10%).
 
-    .venv/bin/python bench/step_breakdown.py                                 # 10 steps, float32
-    .venv/bin/python bench/step_breakdown.py train.mixed_precision=true      # extra args: Hydra overrides
+    .venv/bin/python bench/step_breakdown.py                                 # 10 steps, the defaults
+    .venv/bin/python bench/step_breakdown.py train.mixed_precision=false     # extra args: Hydra overrides
 """
 import argparse
 import csv
@@ -130,13 +130,13 @@ def main() -> None:
 
     from torchrl_grpo.model_sources import resolve_model
     from torchrl_grpo.models import load_tokenizer
-    from torchrl_grpo.placement import resolve_dtype
+    from torchrl_grpo.precision import autocast_bf16, engine_dtype_on
     from torchrl_grpo.tasks import build_task
     from torchrl_grpo.trajectories import prompt_token_ids
     from torchrl_grpo.vllm_engine import VLLMEngine
 
     cfg = workload_config(opts.data, *opts.overrides)  # the ceilings take the run's dtypes
-    engine_dtype = str(resolve_dtype(cfg.inference_model.torch_dtype, "cpu")).removeprefix("torch.")
+    engine_dtype = str(engine_dtype_on(cfg, "cpu", "cpu")).removeprefix("torch.")
     model_path = resolve_model("smollm2-135m-instruct")
     task = build_task(OmegaConf.create({"dataset": "gsm8k", "data_path": opts.data, "split": "train",
                                         "system_prompt": SYSTEM_PROMPT}))
@@ -149,7 +149,7 @@ def main() -> None:
         engine.close()
     ours = statistics.median(r["generation_tokens_per_s"] for r in rows)
     print(f"rollout efficiency: {ours:.0f} tokens/s in the run, bare vllm generate {bare:.0f} -> {100 * ours / bare:.0f}%")
-    bare_step = bare_train_step_s(model_path, prompts, opts.steps - 1, cfg.train.mixed_precision is True)
+    bare_step = bare_train_step_s(model_path, prompts, opts.steps - 1, autocast_bf16(cfg, "cpu"))
     trained = statistics.median(r["prepare_time"] + r["train_time"] for r in rows)
     outside = step - parts["generate"] - parts["log-probs (prepare)"] - parts["forward+backward"] - parts["optimizer"]
     print(f"trainer: log-probs + train {trained:.2f} s per step, bare forward+backward+step {bare_step:.2f} s "

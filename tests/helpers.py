@@ -125,6 +125,10 @@ def check_completions(completions, n_prompts, n, max_tokens, tokenizer):
 SMALL = ["model=tiny", "env=gsm_symbolic", "env.size=64", "env.num_envs=2", "env.repeats=4",
          "train.optim_batch_size=4", "train.gradient_accumulation_steps=2", "inference_model.max_tokens=8",
          "logging.progress_bar=false", "optimizer.lr=1e-3"]
+# float32 end to end (the trainer, and so the engine and the ratio's denominator): for the tests that check that
+# the engine holds the trainer's exact weights (log-prob gaps of 1e-4); train.mixed_precision=auto runs bf16 on
+# a CPU with native bf16 (tests/test_train_e2e.py runs that default)
+FLOAT32 = ["train.mixed_precision=false"]
 SCRIPT_ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 

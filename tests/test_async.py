@@ -9,15 +9,15 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from helpers import (CONFIG_DIR, ROOT, SMALL, finite, metric_rows, needs_ray_and_vllm, ray_processes, run_async,
+from helpers import (CONFIG_DIR, FLOAT32, ROOT, SMALL, finite, metric_rows, needs_ray_and_vllm, ray_processes, run_async,
                      start, wait_until)
 
 
 @needs_ray_and_vllm
 def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*SMALL, "logging.checkpoint_frequency=2", "train.kl_to_ref_coeff=0.05", "loss.old_log_probs=trainer",
-            f"hydra.run.dir={run_dir}"]
+    args = [*SMALL, *FLOAT32, "logging.checkpoint_frequency=2", "train.kl_to_ref_coeff=0.05",
+            "loss.old_log_probs=trainer", f"hydra.run.dir={run_dir}"]
     started = time.time()
     first = run_async([*args, "train.total_dialog_turns=32"], cwd=tmp_path)
     print(f"async e2e run: {time.time() - started:.1f} s")

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from helpers import LORA, SMALL, finite, metric_rows, needs_vllm, start
+from helpers import FLOAT32, LORA, SMALL, finite, metric_rows, needs_vllm, start
 from torchrl_grpo.config import TrainSettings
 from torchrl_grpo.data_parallel import DataParallel, process_group, shard_model
 from torchrl_grpo.models import load_policy, merged_weights
@@ -168,7 +168,7 @@ def test_grpo_py_starts_two_gloo_ranks_itself(tiny_model_path, tmp_path):
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    proc = start([*SMALL, "train.total_dialog_turns=16", "train_model.num_devices=2",
+    proc = start([*SMALL, *FLOAT32, "train.total_dialog_turns=16", "train_model.num_devices=2",
                   "train.kl_to_ref_coeff=0.05", "loss.old_log_probs=trainer",
                   # the tiny model scores 0 here (no advantage): the entropy bonus is the update's signal
                   "train.entropy_coeff=0.01", f"hydra.run.dir={run_dir}"], cwd=tmp_path)

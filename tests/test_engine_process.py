@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import (
-    LOGPROB_TOL, SMALL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb, run,
+    FLOAT32, LOGPROB_TOL, SMALL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb, run,
 )
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.models import load_policy, merged_state_dict
@@ -227,7 +227,7 @@ def test_grpo_py_with_its_engine_in_its_own_process(tmp_path):
     and its engine log-probs agree with the trainer's updated weights; no engine process outlives the run."""
     tag = uuid.uuid4().hex  # in the environment of the run and of every process it starts
     run_dir, push_dirs_before = tmp_path / "run", _push_dirs()
-    done = run([*SMALL, "train.total_dialog_turns=16", "inference_model.engine_process=own",
+    done = run([*SMALL, *FLOAT32, "train.total_dialog_turns=16", "inference_model.engine_process=own",
                 "loss.old_log_probs=trainer", "train.entropy_coeff=0.01", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
                env_extra={"TORCHRL_GRPO_TEST_RUN": tag})
     assert done.returncode == 0, done.stderr[-3000:]

@@ -32,7 +32,7 @@ def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path
     tokenizer = load_tokenizer(tiny_model_path)
     policy = build_policy(cfg, tiny_model_path, ["cpu"], None)
     original = {k: v.clone() for k, v in merged_state_dict(policy).items()}
-    trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), TrainSettings.from_config(cfg),
+    trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), TrainSettings.from_config(cfg, "cpu"),
                       torch.device("cpu"), None)
     collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
     check = WeightCheck(policy, tokenizer, torch.float32, None)  # every real push must pass it

@@ -736,7 +736,7 @@ def test_preset_values():
 @pytest.mark.parametrize("overrides, key", [
     (["loss.importance_level=seq"], "loss.importance_level='seq'"),
     (["loss=gspo", "loss.aggregation=token_mean"], "loss.aggregation=token_mean with loss.importance_level=sequence"),
-    (["loss.tis_cap=2"], "loss.tis_cap=2 with loss.old_log_probs=engine"),
+    (["loss.tis_cap=2", "loss.old_log_probs=engine"], "loss.tis_cap=2 with loss.old_log_probs=engine: "),
     (["loss.tis_cap=0", "loss.old_log_probs=trainer"], "loss.tis_cap=0"),
     (["loss.overlong=cut"], "loss.overlong='cut'"),
     (["loss=dapo", "loss.overlong_buffer=24"], "loss.overlong_buffer=24 with inference_model.max_tokens=24"),

@@ -2,11 +2,11 @@
 subprocess, Hydra, the tiny model and the vLLM CPU engine, then a resume; and the key's validation."""
 import pytest
 
-from helpers import SMALL as BASE, cfg_with, finite, metric_rows, needs_vllm, run
+from helpers import FLOAT32, SMALL as BASE, cfg_with, finite, metric_rows, needs_vllm, run
 from torchrl_grpo.config import validate
 from torchrl_grpo.errors import ConfigError
 
-SMALL = [*BASE, "train.sync_iter=false"]
+SMALL = [*BASE, *FLOAT32, "train.sync_iter=false"]
 
 
 @needs_vllm

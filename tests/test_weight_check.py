@@ -104,7 +104,7 @@ def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(
     rows = datasets.Dataset.from_dict({"question": [f"Say some numbers, {i}." for i in range(16)], "answer": ["0"] * 16})
     task = Task("digits", rows, system_prompt=None, rewards=[Reward("digits", digit_share)])
     policy = build_policy(cfg, tiny_model_path, ["cpu"], None)
-    trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), TrainSettings.from_config(cfg),
+    trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), TrainSettings.from_config(cfg, "cpu"),
                       torch.device("cpu"), None)
     engine = IgnoresPushes(copy.deepcopy(policy), tokenizer, seed=0)
     check = WeightCheck(policy, tokenizer, torch.float32, None)

@@ -22,6 +22,7 @@ from omegaconf import DictConfig
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.models import check_lora
 from torchrl_grpo.placement import train_strategy
+from torchrl_grpo.precision import autocast_bf16, recompute_old_log_probs, train_device
 from torchrl_grpo.schema import check_schema, require
 
 
@@ -90,25 +91,26 @@ class TrainSettings:
     accumulation: int               # train.gradient_accumulation_steps
     epochs: int                     # train.epochs
     temperature: float              # inference_model.temperature: the log-probs' distribution
-    recompute_old_log_probs: bool   # loss.old_log_probs == "trainer"
+    recompute_old_log_probs: bool   # loss.old_log_probs resolved (precision.recompute_old_log_probs)
     kl_in_reward_coeff: float       # train.kl_to_ref_coeff when train.kl_coef_in_loss is false, else 0
     reward_scale: str               # loss.reward_scale
     clip_grad_norm: float | None    # optimizer.clip_grad_norm
-    mixed_precision: bool | str     # train.mixed_precision: auto (bf16 autocast on CUDA only) | True | False
+    mixed_precision: bool           # train.mixed_precision resolved: bf16 autocast (precision.autocast_bf16)
     max_nonfinite_updates: int      # train.max_nonfinite_updates: skipped updates in a row that stop the run
     seed: int                       # train.seed: the micro-batch shuffle
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> TrainSettings:
+    def from_config(cls, cfg: DictConfig, device: str) -> TrainSettings:
+        """The settings of a trainer on ``device`` (its ``auto`` precision keys resolved there)."""
         plan = batch_plan(cfg)
         clip = cfg.optimizer.clip_grad_norm
         return cls(
             group_size=plan.group_size, micro_batch=plan.micro_batch, accumulation=plan.accumulation,
             epochs=plan.epochs, temperature=float(cfg.inference_model.temperature),
-            recompute_old_log_probs=cfg.loss.old_log_probs == "trainer",
+            recompute_old_log_probs=recompute_old_log_probs(cfg, device),
             kl_in_reward_coeff=0.0 if cfg.train.kl_coef_in_loss else float(cfg.train.kl_to_ref_coeff),
             reward_scale=cfg.loss.reward_scale, clip_grad_norm=None if not clip else float(clip),
-            mixed_precision=cfg.train.mixed_precision,
+            mixed_precision=autocast_bf16(cfg, device),
             max_nonfinite_updates=int(cfg.train.max_nonfinite_updates), seed=int(cfg.train.seed),
         )
 
@@ -221,11 +223,14 @@ def validate(cfg: DictConfig) -> BatchPlan:
             "policy itself, which cannot generate while it is optimized; use inference_model.backend=vllm or "
             "train.sync_iter=true"
         )
-    top_p = _get(cfg, "inference_model.top_p")
-    if _get(cfg, "loss.old_log_probs") == "engine" and top_p < 1:
+    top_p, trainer_old_log_probs = _get(cfg, "inference_model.top_p"), recompute_old_log_probs(cfg, train_device())
+    old_log_probs = f"loss.old_log_probs={_get(cfg, 'loss.old_log_probs')}"
+    if _get(cfg, "loss.old_log_probs") == "auto":
+        old_log_probs += " (the engine's, as training runs in float32 here)"
+    if not trainer_old_log_probs and top_p < 1:
         raise ConfigError(
-            f"inference_model.top_p={top_p} with loss.old_log_probs=engine: the engine's log-probs are then "
-            "renormalised over the nucleus and the ratio is biased; set loss.old_log_probs=trainer (or top_p=1)"
+            f"inference_model.top_p={top_p} with {old_log_probs}: the engine's log-probs are then renormalised "
+            "over the nucleus and the ratio is biased; set loss.old_log_probs=trainer (or top_p=1)"
         )
     # loss variants (docs/objective.md): the combinations that need each other
     aggregation = _get(cfg, "loss.aggregation")
@@ -235,11 +240,10 @@ def validate(cfg: DictConfig) -> BatchPlan:
             "loss per completion, averaged per completion; set loss.aggregation=sequence_mean"
         )
     tis_cap = _get(cfg, "loss.tis_cap")
-    if tis_cap is not None and _get(cfg, "loss.old_log_probs") != "trainer":
+    if tis_cap is not None and not trainer_old_log_probs:
         raise ConfigError(
-            f"loss.tis_cap={tis_cap} with loss.old_log_probs={_get(cfg, 'loss.old_log_probs')}: the TIS weight "
-            "exp(old - sample) is 1 unless the old log-probs are the trainer's; set loss.old_log_probs=trainer "
-            "(or loss.tis_cap=null)"
+            f"loss.tis_cap={tis_cap} with {old_log_probs}: the TIS weight exp(old - sample) is 1 unless the old "
+            "log-probs are the trainer's; set loss.old_log_probs=trainer (or loss.tis_cap=null)"
         )
     buffer = _get(cfg, "loss.overlong_buffer")
     if _get(cfg, "loss.overlong") == "soft" and buffer is not None and buffer >= plan.max_tokens:

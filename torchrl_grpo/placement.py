@@ -85,12 +85,3 @@ def train_strategy(cfg: DictConfig, gpu_count: int | None = None) -> str:
     gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
     return "fsdp" if int(cfg.train_model.get("num_devices", 1)) > 1 and gpus == 0 else "layer_split"
 
-
-def resolve_dtype(name: str, device: str) -> torch.dtype:
-    """``auto`` is bfloat16 on GPUs and float32 on the CPU (where bf16 matmuls are slow and log-probs drift)."""
-    if name in (None, "auto"):
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    dtype = getattr(torch, str(name), None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"torch_dtype={name!r}: use auto, float32, bfloat16 or float16")
-    return dtype

@@ -31,7 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from torchrl_grpo.config import CollectSettings
 from torchrl_grpo.console import quiet_libraries
 from torchrl_grpo.errors import ConfigError, one_line
-from torchrl_grpo.placement import resolve_dtype
+from torchrl_grpo.precision import engine_dtype_on, train_device
 from torchrl_grpo.weight_check import Probe
 
 EXIT_GRACE_S = 5  # an actor asked to exit (after its collect in flight) is killed after this long
@@ -123,7 +123,7 @@ def actor_device(cfg: DictConfig) -> str:
 
 def actor_dtype(cfg: DictConfig) -> torch.dtype:
     """The actors' engine dtype (``inference_model.torch_dtype`` on :func:`actor_device`)."""
-    return resolve_dtype(cfg.inference_model.torch_dtype, actor_device(cfg))
+    return engine_dtype_on(cfg, actor_device(cfg), train_device())
 
 
 def actor_error(err: Exception) -> str:

@@ -96,9 +96,10 @@ class Train:
     gradient_accumulation_steps: int = key("int>0", "micro-batches per optimizer step; null = all of a step's",
                                            null=True)
     epochs: int = key("int>0", "passes over each collected batch (mu / num_iterations)")
-    mixed_precision: bool | str = key("choice", "bf16 autocast over float32 master weights: auto (on GPU only), "
-                                      "true (on CPU too), false", choices=("auto", True, False),
-                                      hint="choose auto (bf16 autocast on GPU, float32 on CPU), true or false")
+    mixed_precision: bool | str = key("choice", "bf16 autocast over float32 master weights: auto (where bf16 is "
+                                      "native: GPUs, CPUs with AVX-512 BF16 or AMX), true, false",
+                                      choices=("auto", True, False),
+                                      hint="choose auto (bf16 autocast where bf16 is native), true or false")
     max_nonfinite_updates: int = key("int>=0", "updates in a row skipped for a non-finite gradient that stop the "
                                      "run (with a checkpoint); 0 = never stop")
     weight_sync_check: bool = key("bool", "after every weight push, compare the engine's and the trainer's "
@@ -189,7 +190,8 @@ class Loss:
     aggregation: str = key("choice", "how token losses become one number", choices=AGGREGATIONS)
     reward_scale: str = key("choice", "the std dividing the centred rewards", choices=REWARD_SCALES)
     kl_estimator: str = key("choice", "estimator of the KL terms", choices=KL_ESTIMATORS)
-    old_log_probs: str = key("choice", "the ratio's denominator", choices=("engine", "trainer"))
+    old_log_probs: str = key("choice", "the ratio's denominator: engine, trainer, auto (trainer when it computes in "
+                             "bf16)", choices=("auto", "engine", "trainer"))
     importance_level: str = key("choice", "one ratio per token, or per completion (GSPO)", choices=IMPORTANCE_LEVELS)
     overlong: str = key("choice", "truncated completions: kept, masked, or penalised in the reward", choices=OVERLONG)
     overlong_buffer: int = key("int>0", "soft overlong ramp in tokens; null = max_tokens // 5", null=True,

@@ -146,13 +146,11 @@ class Trainer:
                 "completion truncated: raise inference_model.max_tokens)")
 
     def _autocast(self, device: torch.device | None = None):
-        """``train.mixed_precision``: bf16 compute over the float32 master weights and optimizer state; ``auto``
-        on CUDA only, ``true`` on the CPU too (a CPU with AVX-512 BF16 or AMX runs it 2.3x faster, but there
-        it learned worse: README "Speed"). The log-probs the ratio divides by are computed under it too, so a
+        """``train.mixed_precision`` (resolved: :mod:`torchrl_grpo.precision`): bf16 compute over the float32
+        master weights and optimizer state. The log-probs the ratio divides by are computed under it too, so a
         ratio is 1 where the policy has not moved."""
         device = self.device if device is None else device
-        mode = self.settings.mixed_precision
-        if (mode is True and device.type in ("cuda", "cpu")) or (mode == "auto" and device.type == "cuda"):
+        if self.settings.mixed_precision and device.type in ("cuda", "cpu"):
             return torch.autocast(device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 

@@ -1,0 +1,60 @@
+"""What ``auto`` resolves to for the precision keys (torchrl_grpo/precision.py), on a CPU with native bf16, one
+without (torch's check made to answer no) and a GPU; explicit values always win; validate() refuses what the
+resolved values cannot do."""
+import pytest
+import torch
+from helpers import cfg_with
+
+from torchrl_grpo.config import TrainSettings, validate
+from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.precision import autocast_bf16, engine_dtype_on, recompute_old_log_probs
+
+
+@pytest.fixture(params=[True, False], ids=["native-bf16-cpu", "emulated-bf16-cpu"])
+def native(request, monkeypatch):
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: request.param)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    return request.param
+
+
+def resolved(cfg, device="cpu"):
+    return autocast_bf16(cfg, device), engine_dtype_on(cfg, device, device), recompute_old_log_probs(cfg, device)
+
+
+def test_auto_follows_the_hardware(native):
+    cfg = cfg_with()
+    assert (cfg.train.mixed_precision, cfg.inference_model.torch_dtype, cfg.loss.old_log_probs) == ("auto",) * 3
+    low = torch.bfloat16 if native else torch.float32
+    assert resolved(cfg) == (native, low, native)
+    assert resolved(cfg, "cuda:0") == (True, torch.bfloat16, True)  # a GPU, whatever the CPU
+    settings = TrainSettings.from_config(cfg, "cpu")
+    assert (settings.mixed_precision, settings.recompute_old_log_probs) == (native, native)
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["train.mixed_precision=false"], (False, torch.float32, False)),
+    (["train.mixed_precision=true"], (True, torch.bfloat16, True)),
+    (["train.mixed_precision=true", "inference_model.torch_dtype=float32", "loss.old_log_probs=engine"],
+     (True, torch.float32, False)),
+    (["train.mixed_precision=false", "loss.old_log_probs=trainer"], (False, torch.float32, True)),
+    # pure bf16 weights: the trainer computes in bf16 without autocast
+    (["train.mixed_precision=false", "train_model.torch_dtype=bfloat16"], (False, torch.bfloat16, True)),
+])
+def test_explicit_values_win(native, overrides, expected):
+    assert resolved(cfg_with(*overrides)) == expected
+
+
+def test_engine_on_a_gpu_is_bf16_even_beside_a_float32_trainer(native):
+    cfg = cfg_with("train.mixed_precision=false")
+    assert engine_dtype_on(cfg, "cuda:0", "cpu") == torch.bfloat16
+
+
+def test_validate_checks_the_resolved_denominator(native):
+    cfg = cfg_with("inference_model.top_p=0.9")
+    if native:
+        validate(cfg)  # the trainer recomputes the old log-probs: nucleus sampling is fine
+        return
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert str(err.value).startswith("inference_model.top_p=0.9 with loss.old_log_probs=auto (the engine's, as "
+                                     "training runs in float32 here): ")
