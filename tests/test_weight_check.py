@@ -19,7 +19,7 @@ from torchrl_grpo.sync_loop import SyncRun, run_sync
 from torchrl_grpo.tasks import Reward, Task
 from torchrl_grpo.trainer import Trainer
 from torchrl_grpo.trajectories import PromptSampler
-from torchrl_grpo.weight_check import Probe, WeightCheck, probe_ids, probe_log_probs, sync_problem, tolerance
+from torchrl_grpo.weight_check import MOVED, Probe, WeightCheck, probe_ids, probe_log_probs, sync_problem, tolerance
 
 
 class FixedScores:
@@ -32,11 +32,34 @@ class FixedScores:
 
 def test_gap_is_the_mean_absolute_difference_and_the_limit_stops_nan_too():
     probe = Probe([7, 8, 9, 10], torch.tensor([-1.0, -2.0, -0.5]), limit=0.3)
-    assert probe.gap(FixedScores([-1.5, -1.75, -0.5])) == pytest.approx((0.5 + 0.25 + 0.0) / 3)
-    assert probe.verify(FixedScores([-1.5, -1.75, -0.5])) == pytest.approx(0.25)
+    assert probe.gap(torch.tensor([-1.5, -1.75, -0.5])) == pytest.approx((0.5 + 0.25 + 0.0) / 3)
+    gap, scores = probe.verify(FixedScores([-1.5, -1.75, -0.5]), before=None)
+    assert gap == pytest.approx(0.25) and scores.tolist() == [-1.5, -1.75, -0.5]
     with pytest.raises(RunError, match=r"differ from the trainer's by 0\.333 on average \(limit 0\.3\)"):
-        probe.verify(FixedScores([-2.0, -2.0, -0.5]))
+        probe.verify(FixedScores([-2.0, -2.0, -0.5]), before=None)
     assert sync_problem(float("nan"), 0.3) and sync_problem(0.3, 0.3) is None
+
+
+def test_a_push_that_changes_nothing_is_caught_within_the_gap_limit():
+    """The engine's scores bit for bit those before the push while the trainer's moved: caught, though the gap
+    (0.02) is far inside a bf16 engine's limit (0.1)."""
+    before = torch.tensor([-1.0, -2.0, -0.5])
+    moved = Probe([1, 2, 3, 4], before + 0.02, limit=0.1, trainer_moved=0.02)
+    with pytest.raises(RunError, match=r"^weight sync check failed: after the push the engine's log-probs of the probe "
+                                       r"text are unchanged, bit for bit, while the trainer's moved by 0\.02 on average"):
+        moved.verify(FixedScores(before.tolist()), before)
+    nudged = (before + torch.tensor([0.0, 0.0, 1e-6])).tolist()  # any change at all: the push landed somewhere
+    assert moved.verify(FixedScores(nudged), before)[0] == pytest.approx(0.02, abs=1e-6)
+    assert moved.verify(FixedScores(before.tolist()), None)[0] == pytest.approx(0.02)  # nothing to compare with
+    # the trainer barely moved: its update may have left every bf16 weight as it was
+    still = Probe([1, 2, 3, 4], before + MOVED / 2, limit=0.1, trainer_moved=MOVED / 2)
+    assert still.verify(FixedScores(before.tolist()), before)[0] == pytest.approx(MOVED / 2, rel=1e-4)
+
+
+def test_each_probe_knows_how_far_the_trainer_moved_since_the_last_one(tokenizer):
+    series = iter([torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -2.0]), torch.tensor([-1.5, -2.0])])
+    check = WeightCheck(torch.nn.Linear(1, 1), tokenizer, torch.float32, None, log_probs=lambda ids: next(series))
+    assert [check.probe().trainer_moved for _ in range(3)] == [0.0, 0.25, 0.0]
 
 
 def test_tolerance_is_the_less_precise_dtypes_unless_configured():
@@ -69,7 +92,7 @@ def test_vllm_engine_score_matches_the_trainer_before_and_after_a_push(vllm_engi
     check = WeightCheck(original, tokenizer, torch.float32, None)
     line = check.startup(vllm_engine)
     assert line.startswith("weight sync check: engine and trainer log-probs of a ") and "tolerance 0.005" in line
-    assert check.probe().gap(vllm_engine) < 1e-4 and check.limit == 5e-3
+    assert check.after_push(vllm_engine) < 1e-4 and check.fault is None and check.limit == 5e-3
     sampling = vllm_engine.sampling_state()["torch"].clone()
     caller = torch.get_rng_state()
     vllm_engine.score(check.token_ids)
@@ -77,10 +100,10 @@ def test_vllm_engine_score_matches_the_trainer_before_and_after_a_push(vllm_engi
 
     trained = _noisy(copy.deepcopy(original))
     moved = WeightCheck(trained, tokenizer, torch.float32, None).probe()
-    assert check.problem(moved.gap(vllm_engine))  # the engine still holds the old weights: caught
+    assert sync_problem(moved.gap(moved.scores(vllm_engine)), check.limit)  # the engine holds the old weights: caught
     try:
         vllm_engine.push_weights(merged_state_dict(trained))
-        assert moved.verify(vllm_engine) < 1e-4
+        assert moved.verify(vllm_engine, None)[0] < 1e-4
     finally:  # the session engine goes back to the original weights for the other tests
         vllm_engine.push_weights(merged_state_dict(original))
 
@@ -96,9 +119,15 @@ class IgnoresPushes(TransformersEngine):
         pass
 
 
-def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(tiny_model_path, tokenizer, tmp_path):
+@pytest.mark.parametrize("engine_dtype, why", [
+    (torch.float32, "differ from the trainer's by"),  # the gap is above float32's limit at once
+    (torch.bfloat16, "are unchanged, bit for bit"),  # far inside bf16's limit (0.1): the engine did not change
+])
+def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(tiny_model_path, tokenizer, tmp_path,
+                                                                                 engine_dtype, why):
+    """At the first push, whatever the engine's dtype."""
     cfg = cfg_with("model=tiny", "env.num_envs=4", "env.repeats=4", "train.optim_batch_size=16",
-                   "train.total_dialog_turns=320", "inference_model.max_tokens=8", "optimizer.lr=3e-3",
+                   "train.total_dialog_turns=320", "inference_model.max_tokens=8", "optimizer.lr=3e-4",
                    "logging.progress_bar=false", "logging.checkpoint_frequency=0")
     torch.manual_seed(0)
     rows = datasets.Dataset.from_dict({"question": [f"Say some numbers, {i}." for i in range(16)], "answer": ["0"] * 16})
@@ -107,16 +136,16 @@ def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(
     trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), TrainSettings.from_config(cfg, "cpu"),
                       torch.device("cpu"), None)
     engine = IgnoresPushes(copy.deepcopy(policy), tokenizer, seed=0)
-    check = WeightCheck(policy, tokenizer, torch.float32, None)
+    check = WeightCheck(policy, tokenizer, engine_dtype, None)
     assert "warning" not in check.startup(engine)
     collector = Collector(task, tokenizer, engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
     run = SyncRun(collector, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps, weight_check=check)
     with pytest.raises(RunError) as stopped:
         run_sync(run)
     message = str(stopped.value)
-    assert message.startswith("weight sync check failed: after the push") and "\n" not in message
+    assert message.startswith(f"weight sync check failed: after the push the engine's log-probs of the probe text {why}")
+    assert "\n" not in message
     logged = metric_rows(tmp_path)
-    assert 1 <= len(logged) < 20 and f"checkpoint of step {len(logged)} saved" in message
-    gaps = [float(r["weight_sync_gap"]) for r in logged]
-    assert gaps[-1] > 5e-3 and all(g <= 5e-3 for g in gaps[:-1])  # stopped at the first push that missed
-    assert (tmp_path / "checkpoints" / f"step_{len(logged):06d}" / "trainer_state.pt").is_file()
+    assert len(logged) == 1 and "checkpoint of step 1 saved" in message  # stopped at the first push
+    assert 5e-3 < float(logged[0]["weight_sync_gap"]) < 0.1
+    assert (tmp_path / "checkpoints" / "step_000001" / "trainer_state.pt").is_file()

@@ -80,6 +80,7 @@ class RolloutActor:
         cfg = OmegaConf.create(cfg)
         quiet_libraries(cfg.logging.verbose is True, log_file)
         self.exit_at, self.calls, self.version = exit_at, 0, 0
+        self.probe_scores = None  # the engine's weight sync probe log-probs at the last push
         task = build_task(cfg.env)
         trust = bool(cfg.model.trust_remote_code)
         model_path = resolve_model(str(cfg.model.name), trust)
@@ -105,7 +106,9 @@ class RolloutActor:
         ``probe`` (the weight sync check), the engine's gap to the trainer's probe log-probs, or a RunError when
         it is too large."""
         self.collector.engine.push_weights(from_arrays(arrays))
-        gap = probe.verify(self.collector.engine) if probe is not None else None
+        gap = None
+        if probe is not None:
+            gap, self.probe_scores = probe.verify(self.collector.engine, self.probe_scores)
         self.version = version
         return gap
 

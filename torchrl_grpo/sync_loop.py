@@ -48,7 +48,7 @@ def run_sync(run: SyncRun) -> dict:
                     except RunError as cause:  # a reward function raised: the last finished step is kept
                         raise state.stopped_by(cause, step - 1, start, trainer, collector.tokenizer, position) from None
                     telemetry.log(step, metrics, samples)
-                    fault = run.weight_check.problem(metrics["weight_sync_gap"]) if run.weight_check else None
+                    fault = run.weight_check.fault if run.weight_check else None
                     stopped = state.after_step(step, run.total_steps, trainer, collector.tokenizer,
                                                prefetch.position if prefetch else collector.sampler, stop.requested,
                                                exact_engine, fault)
@@ -76,7 +76,7 @@ def sync_step(run: SyncRun, step: int, prefetch: Prefetch | None) -> tuple[dict,
     metrics["weight_push_time"] = time.perf_counter() - push_started
     if run.weight_check is not None:  # before the next generation (a prefetch starts it in the next step)
         check_started = time.perf_counter()
-        metrics["weight_sync_gap"] = run.weight_check.probe().gap(run.collector.engine)
+        metrics["weight_sync_gap"] = run.weight_check.after_push(run.collector.engine)
         metrics["weight_check_time"] = time.perf_counter() - check_started
     if prefetch:
         prefetch.version = step

@@ -5,8 +5,10 @@ tolerance for the lower of the two precisions.
 At start-up the gap is measured and printed in one line (a warning above the tolerance: an engine that does
 not reproduce the trainer's model, e.g. another dtype or a kernel that differs, makes every importance ratio
 off). After every weight push it is measured again and a gap above ``max(tolerance, 2 x the start-up gap)``
-stops the run: the push did not (fully) land. A push that changes nothing is caught as soon as the policy has
-moved further than that from the weights the engine still holds.
+stops the run: the push did not (fully) land. A push that changes nothing is caught at once, whatever the
+dtypes: the engine's probe log-probs stay bit for bit what they were while the trainer's moved (by more than
+``MOVED`` on average). With a bf16 engine the gap alone would only catch it once the policy has moved 0.1 per
+token away from the weights the engine still holds, which can take a whole run.
 
 Tolerances of the mean |difference| (measured on SmolLM2-135M, CPU, this probe, against float32:
 bfloat16 0.035, float16 0.0043; vLLM float32 against transformers float32 ~1e-5): ``DEFAULT_TOLERANCE``.
@@ -25,6 +27,9 @@ PROBE_TEXT = ("Natalia sold clips to 48 of her friends in April, and then she so
               "How many clips did Natalia sell altogether in April and May? In May she sold 48 / 2 = 24 clips, "
               "so 48 + 24 = 72 clips in all.")
 DEFAULT_TOLERANCE = {torch.float32: 5e-3, torch.float16: 0.02, torch.bfloat16: 0.1}
+# the trainer's probe log-probs moved by more than this (mean |change|) since the last push: the engine's must
+# change too. Below it an update may leave every weight's bf16 rounding as it was (e.g. LoRA's first steps).
+MOVED = 1e-3
 
 
 def probe_ids(tokenizer) -> list[int]:
@@ -55,19 +60,38 @@ class Probe:
     token_ids: list[int]
     trainer_log_probs: torch.Tensor
     limit: float
+    trainer_moved: float = 0.0  # mean |change| of the trainer's log-probs since the previous probe
 
-    def gap(self, engine) -> float:
+    def scores(self, engine) -> torch.Tensor:
+        return torch.tensor(engine.score(self.token_ids), dtype=torch.float32)
+
+    def gap(self, scores: torch.Tensor) -> float:
         """Mean |engine - trainer| log-prob over the probe's tokens."""
-        engine_log_probs = torch.tensor(engine.score(self.token_ids), dtype=torch.float32)
-        return (engine_log_probs - self.trainer_log_probs).abs().mean().item()
+        return (scores - self.trainer_log_probs).abs().mean().item()
 
-    def verify(self, engine) -> float:
-        """The gap after a push, or a RunError when the engine does not hold the trainer's weights."""
-        gap = self.gap(engine)
-        problem = sync_problem(gap, self.limit)
+    def problem(self, scores: torch.Tensor, before: torch.Tensor | None) -> str | None:
+        """Why the engine (its probe ``scores`` now, ``before`` this push) does not hold the trainer's
+        weights, or None."""
+        return sync_problem(self.gap(scores), self.limit) or unchanged_problem(scores, before, self.trainer_moved)
+
+    def verify(self, engine, before: torch.Tensor | None) -> tuple[float, torch.Tensor]:
+        """After a push: the gap and the engine's scores (the next push's ``before``), or a RunError when the
+        engine does not hold the trainer's weights."""
+        scores = self.scores(engine)
+        problem = self.problem(scores, before)
         if problem:
             raise RunError(problem)
-        return gap
+        return self.gap(scores), scores
+
+
+def unchanged_problem(scores: torch.Tensor, before: torch.Tensor | None, trainer_moved: float) -> str | None:
+    """A push that changed nothing: the engine's probe scores are ``before``'s bit for bit while the trainer's
+    moved by more than ``MOVED``."""
+    if before is None or trainer_moved <= MOVED or not torch.equal(scores, before):
+        return None
+    return (f"weight sync check failed: after the push the engine's log-probs of the probe text are unchanged, bit "
+            f"for bit, while the trainer's moved by {trainer_moved:.3g} on average: the engine did not take the new "
+            "weights (check the weight names its loader takes)")
 
 
 def sync_problem(gap: float, limit: float) -> str | None:
@@ -93,17 +117,30 @@ class WeightCheck:
         self.engine_dtype = engine_dtype
         self.tolerance = tolerance(engine_dtype, self.trainer_dtype, configured)
         self.limit = self.tolerance
-
-    def problem(self, gap: float) -> str | None:
-        return sync_problem(gap, self.limit)
+        self.trainer_before: torch.Tensor | None = None  # the previous probe's trainer log-probs
+        self.engine_before: torch.Tensor | None = None  # the engine's scores at the last check (this process's)
+        self.fault: str | None = None  # why the last check found the engine without the trainer's weights
 
     def probe(self) -> Probe:
-        """The probe for the trainer's current weights."""
-        return Probe(self.token_ids, self.log_probs(self.token_ids), self.limit)
+        """The probe for the trainer's current weights (and how far they moved since the previous probe)."""
+        now = self.log_probs(self.token_ids)
+        moved = 0.0 if self.trainer_before is None else (now - self.trainer_before).abs().mean().item()
+        self.trainer_before = now
+        return Probe(self.token_ids, now, self.limit, moved)
+
+    def after_push(self, engine) -> float:
+        """Check ``engine`` after a push: returns the gap (``weight_sync_gap``) and sets :attr:`fault`."""
+        probe = self.probe()
+        scores = probe.scores(engine)
+        self.fault = probe.problem(scores, self.engine_before)
+        self.engine_before = scores
+        return probe.gap(scores)
 
     def startup(self, engine) -> str:
         """Measure the gap of the engine as started; set the limit of later checks; the line to print."""
-        gap = self.probe().gap(engine)
+        probe = self.probe()
+        self.engine_before = probe.scores(engine)
+        gap = probe.gap(self.engine_before)
         self.limit = max(self.tolerance, 2 * gap)
         dtypes = f"engine {str(self.engine_dtype).removeprefix('torch.')}, trainer " \
                  f"{str(self.trainer_dtype).removeprefix('torch.')}"
