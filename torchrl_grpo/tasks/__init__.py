@@ -7,6 +7,7 @@ from typing import Any
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.tasks.arithmetic import build_arithmetic_task
 from torchrl_grpo.tasks.base import Reward, RewardFn, Task, per_task_means
+from torchrl_grpo.tasks.competition_math import HUB_DATASET as MATH_HUB, build_math_task
 from torchrl_grpo.tasks.gsm8k import build_gsm8k_task
 from torchrl_grpo.tasks.ifeval import build_ifeval_task
 from torchrl_grpo.tasks.reasoning_gym_tasks import build_reasoning_gym_task
@@ -20,6 +21,9 @@ TASK_BUILDERS: dict[str, Callable[[Any], Task]] = {
     "ifeval": build_ifeval_task,
     "reasoning_gym": build_reasoning_gym_task,
     "arithmetic": build_arithmetic_task,
+    "math": build_math_task,
+    MATH_HUB: build_math_task,
+    "HuggingFaceH4/MATH-500": build_math_task,
 }
 DEFAULT_DATASET = "openai/gsm8k"
 
