@@ -32,7 +32,7 @@ def make_batch(vocab: int, n: int = 8, length: int = 24, prompt: int = 8) -> Ten
                        "reward": torch.rand(n, generator=g)}, batch_size=[n])
 
 
-def one_step(model_path: str, mixed: bool) -> tuple[dict, TensorDict, torch.nn.Module, list]:
+def one_step(model_path: str, mixed: bool) -> tuple[dict, torch.Tensor, torch.nn.Module, list]:
     policy = load_policy(model_path, dtype=torch.float32, device="cpu")
     matmul_dtypes = []
     policy.lm_head.register_forward_hook(lambda module, args, out: matmul_dtypes.append(out.dtype))
@@ -40,21 +40,23 @@ def one_step(model_path: str, mixed: bool) -> tuple[dict, TensorDict, torch.nn.M
     trainer = Trainer(policy, None, GRPOLoss(policy, temperature=1.0), optimizer,
                       dataclasses.replace(SETTINGS, mixed_precision=mixed), torch.device("cpu"), None)
     batch = make_batch(policy.config.vocab_size)
+    before = trainer.log_probs(policy, torch.device("cpu"), batch)  # the policy's, before its update
+    matmul_dtypes.clear()
     metrics = trainer.prepare(batch)
     metrics.update(trainer.optimize(batch))
-    return metrics, batch, policy, matmul_dtypes
+    return metrics, before, policy, matmul_dtypes
 
 
 def test_bf16_autocast_on_cpu_stays_close_to_float32(tiny_model_path):
-    full, full_batch, _, full_dtypes = one_step(tiny_model_path, mixed=False)
-    mixed, mixed_batch, policy, mixed_dtypes = one_step(tiny_model_path, mixed=True)
+    full, full_before, _, full_dtypes = one_step(tiny_model_path, mixed=False)
+    mixed, mixed_before, policy, mixed_dtypes = one_step(tiny_model_path, mixed=True)
     assert set(full_dtypes) == {torch.float32} and set(mixed_dtypes) == {torch.bfloat16}
-    # the recomputed old log-probs: close to float32's, and the ratio's numerator matches them at the first
-    # micro-batch (the policy has not moved yet), so no clipping comes from the precision alone
-    mask = full_batch["completion_mask"]
-    gap = (mixed_batch["old_log_probs"] - full_batch["old_log_probs"])[mask].abs()
+    # the log-probs before the update under autocast: close to float32's; the step makes one update, so the
+    # ratio's denominator is the training forward's own (Trainer.prepare): exactly 1, never clipped
+    mask = make_batch(policy.config.vocab_size)["completion_mask"]
+    gap = (mixed_before - full_before)[mask].abs()
     assert 0 < gap.mean() < 0.05, gap.mean()
-    assert mixed["clip_fraction"] == 0.0 and abs(mixed["ratio_mean"] - 1.0) < 1e-3
+    assert mixed["clip_fraction"] == 0.0 and mixed["ratio_mean"] == 1.0 and mixed["ratio_max"] == 1.0
     assert abs(mixed["loss"] - full["loss"]) < 0.02 * max(1.0, abs(full["loss"])), (mixed["loss"], full["loss"])
     assert abs(mixed["grad_norm"] - full["grad_norm"]) < 0.05 * full["grad_norm"], (mixed["grad_norm"], full["grad_norm"])
     assert mixed["grad_norm"] != full["grad_norm"]  # the bf16 path really ran

@@ -162,6 +162,42 @@ def test_an_optimizer_step_does_not_depend_on_how_its_rows_are_cut(aggregation):
     torch.testing.assert_close(updated[0], updated[1], atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_a_single_update_takes_its_old_log_probs_from_the_training_forward(aggregation, monkeypatch):
+    """One epoch, one optimizer step: no forward of its own for the old log-probs (the batch carries none), the
+    update the recomputed ones give (to float rounding), a ratio of exactly 1 and the same engine gap."""
+    runs = {}
+    for own in (True, False):
+        policy, batch = TableLM(1), make_batch()
+        settings = dataclasses.replace(SETTINGS, micro_batch=2, accumulation=2, kl_in_reward_coeff=0.0)
+        trainer = Trainer(policy, None, GRPOLoss(policy, aggregation=aggregation, temperature=0.7),
+                          torch.optim.SGD(policy.parameters(), lr=1.0), settings, torch.device("cpu"), None)
+        if not own:
+            monkeypatch.setattr(trainer, "single_update", lambda rows: False)
+        metrics = trainer.prepare(batch)
+        assert ("old_log_probs" in batch.keys()) is not own
+        metrics.update(trainer.optimize(batch))
+        runs[own] = policy.table.detach(), metrics
+    (fast, fast_metrics), (slow, slow_metrics) = runs[True], runs[False]
+    assert not torch.equal(fast, TableLM(1).table.detach())
+    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=0)
+    assert fast_metrics["ratio_mean"] == fast_metrics["ratio_max"] == 1.0 and fast_metrics["clip_fraction"] == 0.0
+    assert abs(slow_metrics["ratio_max"] - 1.0) < 1e-6
+    assert fast_metrics["loss_objective"] == pytest.approx(slow_metrics["loss_objective"], abs=1e-6)
+    mask = make_batch()["completion_mask"]
+    gap = (by_hand(TableLM(1), make_batch()["tokens"], mask, 0.7) - make_batch()["sample_log_probs"]).abs()[mask].max()
+    assert fast_metrics["engine_trainer_logp_gap_max"] == pytest.approx(gap.item(), abs=1e-6)
+    assert slow_metrics["engine_trainer_logp_gap_max"] == pytest.approx(gap.item(), abs=1e-6)
+
+
+def test_several_updates_a_step_recompute_the_old_log_probs_first():
+    for settings in (dataclasses.replace(SETTINGS, micro_batch=2, accumulation=1),  # two optimizer steps
+                     dataclasses.replace(SETTINGS, micro_batch=4, accumulation=1, epochs=2)):  # two epochs
+        policy, batch = TableLM(1), make_batch()
+        Trainer(policy, None, None, None, settings, torch.device("cpu"), None).prepare(batch)
+        torch.testing.assert_close(batch["old_log_probs"], by_hand(policy, batch["tokens"], batch["completion_mask"], 0.7))
+
+
 @pytest.mark.parametrize("name", ["AdamW", "Adam"])
 def test_adam_runs_torchs_fused_kernel_on_cpu_with_the_per_tensor_loops_update(name):
     """build_optimizer picks the fused kernel (on CPU torch would loop tensor by tensor): same update to float

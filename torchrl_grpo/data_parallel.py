@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from torchrl_grpo.errors import RunError
+from torchrl_grpo.objective import MAX_METRICS
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,9 @@ class DataParallel:
     def global_history(self, history: dict[str, list[float]], weights: list[float]) -> dict[str, list[float]]:
         """Per-micro-batch metrics of this rank's shares -> those of the whole micro-batches: each value
         averaged over ranks weighted by the shares' accumulation ``weights`` (plain mean where every weight
-        is 0), which makes the ``loss_*`` terms exactly the whole micro-batch's; ``ratio_max`` the max over
-        ranks. Per-step entries (``grad_norm``) are already global and kept."""
-        keys = [k for k, v in history.items() if len(v) == len(weights) and k not in ("grad_norm", "ratio_max")]
+        is 0), which makes the ``loss_*`` terms exactly the whole micro-batch's; :data:`MAX_METRICS` the max
+        over ranks. Per-step entries (``grad_norm``) are already global and kept."""
+        keys = [k for k, v in history.items() if len(v) == len(weights) and k != "grad_norm" and k not in MAX_METRICS]
         w = torch.tensor(weights, dtype=torch.float64, device=self.device)
         values = torch.tensor([history[k] for k in keys], dtype=torch.float64, device=self.device)
         values = values.reshape(len(keys), -1)
@@ -93,10 +94,10 @@ class DataParallel:
         merged = torch.where(total > 0, weighted / total.clamp(min=1e-300), plain / self.world_size)
         out = dict(history)
         out.update({k: merged[i].tolist() for i, k in enumerate(keys)})
-        if "ratio_max" in history:
-            top = torch.tensor(history["ratio_max"], dtype=torch.float64, device=self.device)
+        for key in (k for k in MAX_METRICS if k in history):
+            top = torch.tensor(history[key], dtype=torch.float64, device=self.device)
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
-            out["ratio_max"] = top.tolist()
+            out[key] = top.tolist()
         return out
 
 

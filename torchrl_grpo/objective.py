@@ -77,6 +77,10 @@ def head_only_at(model, window: torch.Tensor):
         handle.remove()
 
 
+# the loss's diagnostics that are a maximum over the step's micro-batches (the others are means)
+MAX_METRICS = ("ratio_max", "engine_trainer_logp_gap_max")
+
+
 def _inside(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``values`` as float32 with 0 outside ``mask``: whatever a batch holds in prompt or padding positions
     can then never reach an exp (an inf there would make a NaN even multiplied by zero)."""
@@ -193,8 +197,11 @@ class GRPOLoss(LossModule):
         )
         logp = _inside(logp, completion)
         sample = _inside(batch["sample_log_probs"], completion)
+        # no old log-probs: this forward's own are the policy's before its update (Trainer.prepare)
+        own_old = "old_log_probs" not in batch.keys()
         inputs = SurrogateInputs(
-            logp=logp, logp_old=_inside(batch["old_log_probs"], completion), logp_sample=sample,
+            logp=logp, logp_old=logp.detach() if own_old else _inside(batch["old_log_probs"], completion),
+            logp_sample=sample,
             advantages=batch["advantage"].to(logp.dtype), mask=mask, importance_level=self.importance_level,
             eps_low=self.clip_epsilon_low, eps_high=self.clip_epsilon_high,
         )
@@ -222,6 +229,8 @@ class GRPOLoss(LossModule):
         out.update(self._diagnostics(mask, unit, ratio.detach(), clipped_low, clipped_high, entropy,
                                      kl_inference, logp.detach(), sample, ref))
         out.update(extra)
+        if own_old:  # the trainer's log-probs against the engine's, as Trainer.prepare reports them otherwise
+            out["engine_trainer_logp_gap_max"] = (logp.detach() - sample).abs().max()
         return TensorDict(out, batch_size=[])
 
     def _diagnostics(self, mask, unit, ratio, clipped_low, clipped_high, entropy, kl_inference, logp, sample, ref):

@@ -24,7 +24,7 @@ from torchrl_grpo.config import TrainSettings
 from torchrl_grpo.data_parallel import DataParallel, full_tensor, gathered
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.models import merged_state_dict, merged_weights
-from torchrl_grpo.objective import GRPOLoss, token_log_probs, total_loss
+from torchrl_grpo.objective import MAX_METRICS, GRPOLoss, token_log_probs, total_loss
 from torchrl_grpo.objective_terms import group_advantages
 from torchrl_grpo.weight_check import probe_log_probs
 
@@ -42,10 +42,16 @@ class Trainer:
     def prepare(self, batch) -> dict:
         """Make a collected batch trainable, in place: the policy's own log-probs before its update (when the
         ratio's denominator is the trainer's), the reference's, the KL penalty in the reward (k1 summed over
-        the completion, with ``train.kl_coef_in_loss=false``) and the group advantages; returns metrics."""
+        the completion, with ``train.kl_coef_in_loss=false``) and the group advantages; returns metrics.
+
+        When the step makes a single update (one epoch, one optimizer step) every training forward runs on the
+        weights the batch's old log-probs would be computed with: the batch then carries none, and the loss
+        takes its forward's own, detached (a ratio of exactly 1), saving that forward."""
         self._everywhere("prepare", batch)
         s, metrics, started = self.settings, {}, time.perf_counter()
-        if s.recompute_old_log_probs:
+        if s.recompute_old_log_probs and self.single_update(len(batch)):
+            batch.pop("old_log_probs", None)
+        elif s.recompute_old_log_probs:
             batch["old_log_probs"] = self.log_probs(self.policy, self.device, batch)
             gap = (batch["old_log_probs"] - batch["sample_log_probs"]).abs()[batch["completion_mask"]]
             metrics["engine_trainer_logp_gap_max"] = gap.max().item()
@@ -65,6 +71,10 @@ class Trainer:
             "prepare_time": time.perf_counter() - started,
         })
         return metrics
+
+    def single_update(self, rows: int) -> bool:
+        """A step of ``rows`` completions makes one optimizer step, from the weights it was prepared with."""
+        return self.settings.epochs == 1 and self.settings.micro_batch * self.settings.accumulation >= rows
 
     @torch.no_grad()
     def log_probs(self, model: torch.nn.Module, device: torch.device, batch) -> torch.Tensor:
@@ -128,7 +138,7 @@ class Trainer:
         metrics = {key: sum(v) / len(v) for key, v in history.items()}
         metrics["loss"] = sum(metrics[k] for k in metrics if k.startswith("loss_"))
         metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
-        metrics["ratio_max"] = max(history["ratio_max"])
+        metrics.update({key: max(history[key]) for key in MAX_METRICS if key in history})
         metrics.update({"skipped_updates": skipped, "lr": self.optimizer.param_groups[0]["lr"],
                         "train_time": elapsed, "optimizer_time": optimizer_time, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
         return metrics
