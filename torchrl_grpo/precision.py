@@ -7,10 +7,10 @@ trainer computes in bf16:
 
 * ``inference_model.torch_dtype=auto`` samples in bf16 too: on the CPU, a float32 engine would be the slow
   half of a step, and it would not sample the policy the trainer scores;
-* ``loss.old_log_probs=auto`` is ``trainer``: the ratio's denominator is recomputed by the trainer's bf16
-  forward, so that a ratio is 1 where the policy has not moved. The engine's bf16 kernels differ from the
-  trainer's by more than one update moves the policy; with that denominator float32 training learned worse
-  (README, "See it learn").
+* ``loss.old_log_probs=auto`` is ``trainer``: the ratio's denominator is the trainer's own bf16 log-probs
+  (``Trainer.prepare``), so that a ratio is 1 where the policy has not moved. The engine's kernels differ from
+  the trainer's by more than one update moves the policy: with the engine's log-probs as the denominator, bf16
+  training collapsed (README, "Speed").
 """
 from __future__ import annotations
 

@@ -69,19 +69,20 @@ class Probe:
         """Mean |engine - trainer| log-prob over the probe's tokens."""
         return (scores - self.trainer_log_probs).abs().mean().item()
 
-    def problem(self, scores: torch.Tensor, before: torch.Tensor | None) -> str | None:
-        """Why the engine (its probe ``scores`` now, ``before`` this push) does not hold the trainer's
-        weights, or None."""
-        return sync_problem(self.gap(scores), self.limit) or unchanged_problem(scores, before, self.trainer_moved)
+    def problem(self, gap: float, scores: torch.Tensor, before: torch.Tensor | None) -> str | None:
+        """Why the engine (its probe ``scores`` now, at ``gap`` from the trainer's; ``before`` this push) does
+        not hold the trainer's weights, or None."""
+        return sync_problem(gap, self.limit) or unchanged_problem(scores, before, self.trainer_moved)
 
     def verify(self, engine, before: torch.Tensor | None) -> tuple[float, torch.Tensor]:
         """After a push: the gap and the engine's scores (the next push's ``before``), or a RunError when the
         engine does not hold the trainer's weights."""
         scores = self.scores(engine)
-        problem = self.problem(scores, before)
+        gap = self.gap(scores)
+        problem = self.problem(gap, scores, before)
         if problem:
             raise RunError(problem)
-        return self.gap(scores), scores
+        return gap, scores
 
 
 def unchanged_problem(scores: torch.Tensor, before: torch.Tensor | None, trainer_moved: float) -> str | None:
@@ -132,9 +133,10 @@ class WeightCheck:
         """Check ``engine`` after a push: returns the gap (``weight_sync_gap``) and sets :attr:`fault`."""
         probe = self.probe()
         scores = probe.scores(engine)
-        self.fault = probe.problem(scores, self.engine_before)
+        gap = probe.gap(scores)
+        self.fault = probe.problem(gap, scores, self.engine_before)
         self.engine_before = scores
-        return probe.gap(scores)
+        return gap
 
     def startup(self, engine) -> str:
         """Measure the gap of the engine as started; set the limit of later checks; the line to print."""
