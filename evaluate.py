@@ -46,7 +46,8 @@ def main(cfg: DictConfig) -> None:
 
         engine, tokenizer = build_eval_engine(cfg)
         try:
-            metrics, records = evaluate_with_engine(engine, task, tokenizer, cfg.eval, int(cfg.inference_model.max_tokens))
+            metrics, records = evaluate_with_engine(engine, task, tokenizer, cfg.eval, int(cfg.inference_model.max_tokens),
+                                                   int(cfg.inference_model.max_model_len))
         finally:
             engine.close()
         source = str(cfg.model.name)

@@ -292,7 +292,8 @@ def build_common(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None =
     i = read_inputs(cfg, run_dir)
     print(f"batch plan:\n{i.plan.table()}\nplacement: {i.placement.describe()}", flush=True)
     evaluator = None if i.eval_task is None else Evaluator(
-        i.eval_task, i.tokenizer, cfg.eval, i.plan.max_tokens, int(cfg.logging.eval_frequency), i.plan.total_steps)
+        i.eval_task, i.tokenizer, cfg.eval, i.plan.max_tokens, int(cfg.logging.eval_frequency), i.plan.total_steps,
+        int(cfg.inference_model.max_model_len))
     trainer = build_trainer(cfg, i.placement, i.model_path, i.state.resume_from, parallel)
     return Common(i.plan, i.state, i.task, i.tokenizer, i.model_path, i.placement, trainer, evaluator)
 

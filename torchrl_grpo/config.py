@@ -66,6 +66,7 @@ class CollectSettings:
     max_tokens: int              # inference_model.max_tokens
     temperature: float           # inference_model.temperature
     top_p: float                 # inference_model.top_p
+    max_model_len: int           # inference_model.max_model_len: a multi-turn episode ends before passing it
     dynamic_sampling: bool       # loss.dynamic_sampling
     max_resample_rounds: int     # loss.max_resample_rounds
     soft_overlong: bool          # loss.overlong == "soft"
@@ -77,6 +78,7 @@ class CollectSettings:
         return cls(
             prompts_per_step=plan.prompts_per_step, group_size=plan.group_size, max_tokens=plan.max_tokens,
             temperature=float(cfg.inference_model.temperature), top_p=float(cfg.inference_model.top_p),
+            max_model_len=int(cfg.inference_model.max_model_len),
             dynamic_sampling=bool(cfg.loss.dynamic_sampling), max_resample_rounds=int(cfg.loss.max_resample_rounds),
             soft_overlong=cfg.loss.overlong == "soft", overlong_buffer=cfg.loss.overlong_buffer,
         )
@@ -215,8 +217,9 @@ def validate(cfg: DictConfig) -> BatchPlan:
     lora = _get(cfg, "train_model.lora")
     if hasattr(lora, "get") and lora.get("enabled"):
         check_lora(lora)
-    if _get(cfg, "env.max_steps") != 1:
-        raise ConfigError(f"env.max_steps={_get(cfg, 'env.max_steps')}: only single-turn tasks exist yet; set env.max_steps=1")
+    if _get(cfg, "env.max_steps") > 1 and _get(cfg, "loss.overlong") == "soft":
+        raise ConfigError(f"loss.overlong=soft with env.max_steps={_get(cfg, 'env.max_steps')}: the soft overlong "
+                          "penalty is defined on one completion's length; set loss.overlong=none or mask")
     if not _get(cfg, "train.sync_iter") and _get(cfg, "mode") == "sync" and _get(cfg, "inference_model.backend") == "transformers":
         raise ConfigError(
             "train.sync_iter=false with inference_model.backend=transformers: that engine samples with the trained "

@@ -11,12 +11,14 @@ new messages (feedback, tool results) and the next generation prompt, tokenized 
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from torchrl_grpo.errors import RunError
 
 # stands for the assistant's text when the template renders the conversation: only what follows it is used
 _CONTENT = "\u2063assistant turn\u2063"
+ENDINGS = ("answer", "max_steps", "length", "context")  # why an episode ended: see Played
 
 
 @dataclass
@@ -70,3 +72,71 @@ def inserted_ids(tokenizer, conversation: list[dict], added: list[dict], sampled
         raise RunError("the chat template's end of an assistant turn is not a token of its own (the ids after it "
                        "depend on the text before): multi-turn episodes cannot insert turns token by token")
     return tail[1:] if sampled and sampled[-1] == tail[0] else tail
+
+
+@dataclass
+class Played:
+    """An episode played out: its ids (:class:`Episode`), the conversation as messages (the assistant's turns as
+    the engine's text), how its last engine turn finished ("stop" or "length"), why it ended ("answer": the
+    environment had nothing to add, "length": the same after a turn cut at max_tokens, "max_steps", "context":
+    the next turn would not fit max_model_len) and the environment's counts (e.g. tool calls)."""
+
+    episode: Episode
+    prompt_length: int
+    conversation: list[dict]
+    finish_reason: str = "stop"
+    ended: str = "answer"
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        """The assistant's last turn: what the reward judges by default."""
+        return self.conversation[-1]["content"]
+
+
+def play(engine, tokenizer, task, rows: list[dict], prompts: list[list[int]], *, n: int, max_tokens: int,
+         temperature: float, top_p: float, max_model_len: int | None) -> tuple[list[Played], float]:
+    """``n`` episodes of each row (prompt-major, as ``Engine.generate``) of up to ``task.max_turns`` engine turns,
+    and the seconds spent in the engine. Between turns ``task.turn_env`` answers (tool results, feedback) or ends
+    the episode; its messages enter the ids through :func:`inserted_ids`. The first turn of the ``n`` episodes of
+    a row is one request (they share the prompt's cache); later turns are one request per episode still going."""
+    played = [Played(Episode.start(p), len(p), task.messages(row)) for row, p in zip(rows, prompts) for _ in range(n)]
+    going, generating = list(range(len(played))), 0.0
+    for turn in range(1, task.max_turns + 1):
+        started = time.perf_counter()
+        if turn == 1:
+            completions = engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        else:
+            completions = engine.generate([played[i].episode.tokens for i in going], n=1, max_tokens=max_tokens,
+                                          temperature=temperature, top_p=top_p)
+        generating += time.perf_counter() - started
+        for i, c in zip(going, completions):
+            played[i].episode.add_sampled(list(c.token_ids), list(c.log_probs))
+            played[i].conversation.append({"role": "assistant", "content": c.text})
+            played[i].finish_reason = c.finish_reason
+        if turn == task.max_turns:
+            for i in going:
+                played[i].ended = "max_steps" if played[i].finish_reason == "stop" else "length"
+            break
+        going = [i for i in going if _goes_on(played[i], rows[i // n], task, tokenizer, max_tokens, max_model_len)]
+        if not going:
+            break
+    return played, generating
+
+
+def _goes_on(p: Played, row: dict, task, tokenizer, max_tokens: int, max_model_len: int | None) -> bool:
+    """Let the environment answer the episode's last turn (a turn cut at max_tokens too: a retry environment
+    hears a wrong answer, a tool finds no complete call); True when a new engine turn follows."""
+    reply = task.turn_env.step(task, row, p.conversation)
+    for name, count in reply.counts.items():
+        p.counts[name] = p.counts.get(name, 0) + int(count)
+    if reply.done:
+        p.ended = "length" if p.finish_reason == "length" else "answer"
+        return False
+    ids = inserted_ids(tokenizer, p.conversation, reply.messages, p.episode.tokens[-1:])
+    if max_model_len is not None and len(p.episode.tokens) + len(ids) + max_tokens > max_model_len:
+        p.ended = "context"
+        return False
+    p.episode.add_inserted(ids)
+    p.conversation.extend(reply.messages)
+    return True

@@ -75,13 +75,17 @@ def score_responses(task: Task, rows: Sequence[Mapping[str, Any]], responses: Se
 
 
 def generate_responses(engine, task: Task, tokenizer, rows: Sequence[Mapping[str, Any]], *, samples: int,
-                       max_tokens: int, temperature: float, top_p: float = 1.0) -> list[list[str]]:
-    """``samples`` completions of each row's prompt from ``engine`` (greedy when ``temperature`` is 0)."""
+                       max_tokens: int, temperature: float, top_p: float = 1.0,
+                       max_model_len: int | None = None) -> list[list[str]]:
+    """``samples`` completions of each row's prompt from ``engine`` (greedy when ``temperature`` is 0); for a
+    multi-turn task, ``samples`` episodes each and their last assistant turn (what the rewards judge)."""
+    from torchrl_grpo.episodes import play
     from torchrl_grpo.trajectories import prompt_token_ids
 
-    completions = engine.generate(prompt_token_ids(task, tokenizer, list(rows)), n=samples, max_tokens=max_tokens,
-                                  temperature=temperature, top_p=top_p)
-    return [[c.text for c in completions[i * samples: (i + 1) * samples]] for i in range(len(rows))]
+    rows = list(rows)
+    played, _ = play(engine, tokenizer, task, rows, prompt_token_ids(task, tokenizer, rows), n=samples,
+                     max_tokens=max_tokens, temperature=temperature, top_p=top_p, max_model_len=max_model_len)
+    return [[p.text for p in played[i * samples: (i + 1) * samples]] for i in range(len(rows))]
 
 
 def eval_rows(task: Task, num_prompts: int | None) -> list[dict]:
@@ -90,13 +94,16 @@ def eval_rows(task: Task, num_prompts: int | None) -> list[dict]:
     return [task.rows[i] for i in range(count)]
 
 
-def evaluate_with_engine(engine, task: Task, tokenizer, eval_cfg, default_max_tokens: int) -> tuple[dict, list[dict]]:
+def evaluate_with_engine(engine, task: Task, tokenizer, eval_cfg, default_max_tokens: int,
+                         max_model_len: int | None = None) -> tuple[dict, list[dict]]:
     """Generate on the evaluation split as ``eval_cfg`` says (num_prompts, samples, temperature, max_tokens)
-    and score; what the trainer logs under ``eval/`` and ``evaluate.py`` prints."""
+    and score; what the trainer logs under ``eval/`` and ``evaluate.py`` prints. ``max_model_len``: where a
+    multi-turn episode must end."""
     rows = eval_rows(task, eval_cfg.num_prompts)
     max_tokens = default_max_tokens if eval_cfg.max_tokens is None else int(eval_cfg.max_tokens)
     responses = generate_responses(engine, task, tokenizer, rows, samples=int(eval_cfg.samples),
-                                   max_tokens=max_tokens, temperature=float(eval_cfg.temperature))
+                                   max_tokens=max_tokens, temperature=float(eval_cfg.temperature),
+                                   max_model_len=max_model_len)
     return score_responses(task, rows, responses)
 
 
@@ -188,8 +195,10 @@ class Evaluator:
     evaluation split before the first step (step 0), every N steps and after the last one; metrics under
     ``eval/`` and the time it took."""
 
-    def __init__(self, task: Task, tokenizer, eval_cfg, max_tokens: int, every: int, total_steps: int):
+    def __init__(self, task: Task, tokenizer, eval_cfg, max_tokens: int, every: int, total_steps: int,
+                 max_model_len: int | None = None):
         self.task, self.tokenizer, self.eval_cfg, self.max_tokens = task, tokenizer, eval_cfg, max_tokens
+        self.max_model_len = max_model_len
         self.every, self.total_steps = every, total_steps
 
     def due(self, step: int) -> bool:
@@ -200,5 +209,6 @@ class Evaluator:
         import time
 
         started = time.perf_counter()
-        metrics, _ = evaluate_with_engine(engine, self.task, self.tokenizer, self.eval_cfg, self.max_tokens)
+        metrics, _ = evaluate_with_engine(engine, self.task, self.tokenizer, self.eval_cfg, self.max_tokens,
+                                          self.max_model_len)
         return {**{f"eval/{k}": v for k, v in metrics.items()}, "eval_time": time.perf_counter() - started}

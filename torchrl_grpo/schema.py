@@ -71,7 +71,9 @@ def require(name: str, value: Any, kind: str, hint: str | None = None) -> None:
 class Env:
     num_envs: int = key("int>0", "prompts per collection step")
     repeats: int = key("int>0", "completions per prompt: the group size G")
-    max_steps: int = key("int>0", "dialog turns per episode (single-turn tasks: 1)")
+    max_steps: int = key("int>0", "engine turns per episode (single-turn tasks: 1; more need env.turn_env)")
+    turn_env: Any = key("any", "what answers between turns: null (single-turn) | {_target_: a TurnEnv subclass, "
+                        "its keyword arguments} (torchrl_grpo/turn_envs.py)", null=True)
     seed: int = key("int", "prompt order (shuffled each epoch of the dataset)")
     reward_errors: str = key("choice", "a reward function that raises: raise (stop the run, naming it and the "
                              "row) | zero (score 0, counted)", choices=("raise", "zero"))

@@ -19,6 +19,8 @@ CONSOLE_KEYS = (
     ("clip_fraction", "clip"),
     ("entropy", "ent"),
     ("completion_length", "len"),
+    ("turns/engine_turns", "turns"),  # multi-turn episodes only
+    ("turns/tool_calls", "calls"),
     ("grad_norm", "gnorm"),
     ("step_time", "s/step"),
 )

@@ -49,27 +49,28 @@ def prompt_token_ids(task: Task, tokenizer, rows: list[dict]) -> list[list[int]]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 
-def build_batch(prompts: list[list[int]], completions, group_size: int, pad_id: int, version: int) -> TensorDict:
-    """Pack prompt + completion ids (``completions`` prompt-major, ``group_size`` per prompt) into tensors."""
-    seqs = [prompts[c.prompt_index] + list(c.token_ids) for c in completions]
-    n, length = len(seqs), max(len(s) for s in seqs)
+def build_batch(played, group_size: int, pad_id: int, version: int) -> TensorDict:
+    """Pack episodes (:class:`torchrl_grpo.episodes.Played`, ``group_size`` consecutive ones per prompt) into
+    tensors: their ids as they are, the loss mask on the ids the engine sampled (not the prompt, not what an
+    environment inserted between turns), the sampling log-probs there."""
+    n, length = len(played), max(len(p.episode.tokens) for p in played)
     tokens = torch.full((n, length), pad_id, dtype=torch.long)
     attention = torch.zeros(n, length, dtype=torch.bool)
     completion_mask = torch.zeros(n, length, dtype=torch.bool)
     log_probs = torch.zeros(n, length, dtype=torch.float32)
-    for i, (seq, c) in enumerate(zip(seqs, completions)):
-        start = len(prompts[c.prompt_index])
-        tokens[i, : len(seq)] = torch.tensor(seq)
-        attention[i, : len(seq)] = True
-        completion_mask[i, start: len(seq)] = True
-        log_probs[i, start: len(seq)] = torch.tensor(c.log_probs, dtype=torch.float32)
+    for i, p in enumerate(played):
+        size = len(p.episode.tokens)
+        tokens[i, :size] = torch.tensor(p.episode.tokens)
+        attention[i, :size] = True
+        completion_mask[i, :size] = torch.tensor(p.episode.sampled, dtype=torch.bool)
+        log_probs[i, :size] = torch.tensor(p.episode.log_probs, dtype=torch.float32)
     return TensorDict(
         {
             "tokens": tokens,
             "attention_mask": attention,
             "completion_mask": completion_mask,
             "sample_log_probs": log_probs,
-            "truncated": torch.tensor([c.finish_reason == "length" for c in completions]),
+            "truncated": torch.tensor([p.finish_reason == "length" for p in played]),
             "group": torch.arange(n) // group_size,
             "policy_version": torch.full((n,), version, dtype=torch.long),
         },
