@@ -7,7 +7,7 @@ import datasets
 import pytest
 import torch
 
-from helpers import LOGPROB_TOL, cfg_with
+from helpers import LOGPROB_TOL, SMALL, cfg_with, finite, metric_rows, needs_ray_and_vllm, needs_vllm, ray_processes, run, run_async
 from torchrl_grpo.collector import Collector
 from torchrl_grpo.config import CollectSettings
 from torchrl_grpo.errors import ConfigError
@@ -187,3 +187,38 @@ def test_the_trainer_scores_every_sampled_id_of_a_played_episode_as_the_engine_d
     mask = batch["completion_mask"]
     assert (ours[~mask] == 0).all()
     assert (ours[mask] - batch["sample_log_probs"][mask]).abs().max() < LOGPROB_TOL
+
+
+@needs_vllm
+def test_grpo_runs_the_python_tool_environment_end_to_end(tmp_path):
+    """The tool environment as users start it (the random tiny model seldom writes a call: this checks the wiring,
+    the sandbox starting and the multi-turn metrics and evaluation; the scripted tests above check the calls)."""
+    run_dir = tmp_path / "run"
+    done = run([*SMALL, "env=gsm_symbolic_python", "env.max_steps=3", "env.size=64", "train.total_dialog_turns=16",
+                "logging.eval_frequency=2", "eval.num_prompts=4", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = metric_rows(run_dir)
+    assert [int(float(r["step"])) for r in logged] == [0, 1, 2]  # step 0: the evaluation before training
+    assert finite(logged[0]["eval/accuracy"]) and finite(logged[2]["eval/accuracy"])
+    logged = logged[1:]
+    for key in ("turns/engine_turns", "turns/tool_calls", "turns/tool_errors", "turns/tool_timeouts",
+                "turns/inserted_tokens", "turns/ended_length", "env_time", "loss_objective"):
+        assert all(finite(r[key]) for r in logged), key
+    assert all(1 <= float(r["turns/engine_turns"]) <= 3 for r in logged)
+    assert "| turns " in done.stdout and "| calls " in done.stdout
+
+
+@needs_ray_and_vllm
+def test_grpo_async_runs_retry_episodes_of_three_turns(tmp_path):
+    """Ray rollout actors play the episodes: the tiny model is never right, so every episode takes its three
+    turns, two of them after inserted feedback."""
+    run_dir = tmp_path / "run"
+    done = run_async([*SMALL, "env=arithmetic_retry", "env.size=64", "train.total_dialog_turns=16",
+                      f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = metric_rows(run_dir)
+    assert [int(float(r["step"])) for r in logged] == [1, 2]
+    for r in logged:
+        assert float(r["turns/engine_turns"]) == 3 and float(r["turns/retries"]) == 2
+        assert float(r["turns/inserted_tokens"]) > 0 and finite(r["loss_objective"])
+    assert not ray_processes()
