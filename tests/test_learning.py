@@ -1,5 +1,6 @@
 """Does training work? The real loop (vLLM engine, weight push, GRPOLoss, AdamW) on a task the tiny random
-model can learn in seconds: the reward is the share of digit characters in the completion."""
+model can learn in seconds: the reward is the share of digit characters in the completion; and the same as
+the well-formedness of tool calls over two-turn episodes."""
 import datasets
 import torch
 
@@ -13,6 +14,7 @@ from torchrl_grpo.sync_loop import SyncRun, run_sync
 from torchrl_grpo.trainer import Trainer
 from torchrl_grpo.trajectories import PromptSampler
 from torchrl_grpo.tasks import Reward, Task
+from torchrl_grpo.turn_envs import Reply, TurnEnv
 from torchrl_grpo.weight_check import WeightCheck
 
 
@@ -44,4 +46,45 @@ def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path
         vllm_engine.push_weights(original)  # the session engine goes back to the tiny model's weights
     assert all(float(r["weight_sync_gap"]) < 1e-4 for r in metric_rows(tmp_path))
     trend = summary["reward/digits"]
+    assert trend.last_mean > trend.first_mean + 0.2, summary
+
+
+class DigitTool(TurnEnv):
+    """A tool whose call is a whole turn and whose argument must be digits: it answers how many digits the call
+    held. ``score``: the episode's well-formedness, the mean digit share of its calls (every turn is one)."""
+
+    def step(self, task, row, conversation):
+        call = conversation[-1]["content"]
+        return Reply([{"role": "tool", "content": f"{sum(ch.isdigit() for ch in call)} digits"}])
+
+    def score(self, task, row, conversation, turns):
+        calls = [m["content"] for m in conversation if m["role"] == "assistant"]
+        return {"well_formed": sum(digit_share(c, row) for c in calls) / len(calls)}
+
+
+def test_a_reward_for_well_formed_tool_calls_rises_over_two_turn_episodes(tiny_model_path, vllm_engine, tmp_path):
+    """The multi-turn path learns: each episode is two calls with the tool's answer inserted between them, and
+    the reward (well-formed calls) rises; the second turns, sampled after inserted ids, learn too."""
+    cfg = cfg_with("model=tiny", "env.num_envs=4", "env.repeats=8", "train.optim_batch_size=16",
+                   "train.gradient_accumulation_steps=1", "train.total_dialog_turns=640", "inference_model.max_tokens=8",
+                   "optimizer.lr=3e-3", "loss.aggregation=token_mean", "logging.progress_bar=false",
+                   "logging.checkpoint_frequency=0", "logging.keep_checkpoints=1")
+    torch.manual_seed(0)
+    rows = datasets.Dataset.from_dict({"question": [f"Call the tool, {i}." for i in range(32)], "answer": ["0"] * 32})
+    task = Task("calls", rows, system_prompt=None, rewards=[Reward("well_formed", digit_share)], max_turns=2,
+                turn_env=DigitTool())
+    tokenizer = load_tokenizer(tiny_model_path)
+    policy = build_policy(cfg, tiny_model_path, ["cpu"], None)
+    original = {k: v.clone() for k, v in merged_state_dict(policy).items()}
+    trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy),
+                      TrainSettings.from_config(cfg, "cpu"), torch.device("cpu"), None)
+    collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
+    run = SyncRun(collector, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
+    try:
+        summary = run_sync(run)
+    finally:
+        vllm_engine.push_weights(original)  # the session engine goes back to the tiny model's weights
+    logged = metric_rows(tmp_path)
+    assert all(float(r["turns/engine_turns"]) == 2 for r in logged)
+    trend = summary["reward/well_formed"]
     assert trend.last_mean > trend.first_mean + 0.2, summary

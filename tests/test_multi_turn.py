@@ -104,7 +104,7 @@ def test_episodes_end_at_max_steps_at_a_cut_turn_and_before_the_context_is_full(
     cut_call = collector(tokenizer, ScriptedPolicy(tokenizer, [CALL + " and", "#### 42"], cut=[0]), PythonTool())
     batch, metrics, _ = cut_call.collect(version=0)  # a whole call before the cut runs
     assert metrics["turns/tool_calls"] == 1 and metrics["turns/ended_answer"] == 1 and not batch["truncated"].any()
-    prompt = len(cut.sample_groups()[0][0].prompt)
+    prompt = cut.sample_groups()[0][0].episodes[0].prompt_length
     short = collector(tokenizer, ScriptedPolicy(tokenizer, [CALL, "#### 42"]), PythonTool(), max_model_len=prompt + 40)
     batch, metrics, _ = short.collect(version=0)
     assert metrics["turns/ended_context"] == 1 and metrics["turns/engine_turns"] == 1

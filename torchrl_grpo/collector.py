@@ -15,7 +15,7 @@ from torchrl_grpo.config import CollectSettings
 from torchrl_grpo.objective_terms import overlong_penalty
 from torchrl_grpo.episodes import ENDINGS, Played, play
 from torchrl_grpo.tasks import Task, per_task_means
-from torchrl_grpo.trajectories import PromptSampler, build_batch, prompt_token_ids, reward_tensors
+from torchrl_grpo.trajectories import PromptSampler, build_batch, reward_tensors
 
 
 @dataclass
@@ -24,7 +24,6 @@ class Group:
     rewards, unweighted)."""
 
     row: dict
-    prompt: list[int]
     episodes: list[Played]
     components: list[dict]
 
@@ -37,6 +36,7 @@ class Collector:
     def __init__(self, task: Task, tokenizer, engine, sampler: PromptSampler, settings: CollectSettings):
         self.task, self.tokenizer, self.engine = task, tokenizer, engine
         self.sampler, self.settings = sampler, settings
+        self.envs = []  # the episodes' TorchRL environments, reused from step to step
 
     def sample_groups(self) -> tuple[list[Group], dict]:
         """The step's ``prompts_per_step`` groups. With dynamic sampling (DAPO), groups whose rewards all tie
@@ -47,17 +47,16 @@ class Collector:
         kept, spare, rounds, sampled, generation_time, play_time, score_time = [], [], 0, 0, 0.0, 0.0, 0.0
         while len(kept) < s.prompts_per_step and (rounds == 0 or (s.dynamic_sampling and rounds <= s.max_resample_rounds)):
             rows = [task.rows[i] for i in self.sampler.take(s.prompts_per_step - len(kept))]
-            prompts = prompt_token_ids(task, self.tokenizer, rows)
             started = time.perf_counter()
-            played, generating = play(self.engine, self.tokenizer, task, rows, prompts, n=s.group_size,
+            played, generating = play(self.engine, self.tokenizer, task, rows, n=s.group_size,
                                       max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                      max_model_len=s.max_model_len)
+                                      max_model_len=s.max_model_len, envs=self.envs)
             generation_time += generating
             play_time += time.perf_counter() - started
             started = time.perf_counter()
             for j, row in enumerate(rows):
                 mine = played[j * s.group_size: (j + 1) * s.group_size]
-                group = Group(row, prompts[j], mine, [self._score(p, row) for p in mine])
+                group = Group(row, mine, [p.components for p in mine])
                 rewards = torch.tensor([task.total(c) for c in group.components]) + self._overlong(mine)
                 (spare if s.dynamic_sampling and bool((rewards == rewards[0]).all()) else kept).append(group)
             score_time += time.perf_counter() - started
@@ -65,16 +64,11 @@ class Collector:
         dropped = len(spare)
         kept += spare[: s.prompts_per_step - len(kept)]
         stats = {"generation_time": generation_time, "score_time": score_time}
-        if task.turn_env is not None:
+        if task.max_turns > 1:
             stats["env_time"] = play_time - generation_time
         if s.dynamic_sampling:
             stats.update({"dropped_group_fraction": dropped / sampled, "sampling_rounds": rounds})
         return kept, stats
-
-    def _score(self, played: Played, row: dict) -> dict:
-        if self.task.turn_env is None:
-            return self.task.score(played.text, row)
-        return self.task.turn_env.score(self.task, row, played.conversation, played.episode.turns)
 
     def collect(self, version: int, sampled: tuple[list[Group], dict] | None = None):
         """One step's scored batch, sampled by policy ``version``: ``(batch, metrics, texts)``, ``texts`` the
@@ -102,9 +96,9 @@ class Collector:
             **per_task_means([g.row for g in groups for _ in g.episodes], components,
                              [self.task.total(c) for c in components]),
         })
-        if self.task.turn_env is None:
+        if self.task.max_turns == 1:
             return batch, metrics, [p.text for p in played]
-        metrics.update(turn_metrics(played, self.task.turn_env.counters))
+        metrics.update(turn_metrics(played, self.task.turn_env.counters if self.task.turn_env else ()))
         return batch, metrics, [self.tokenizer.decode(p.episode.tokens[p.prompt_length:]) for p in played]
 
     def _overlong(self, played: list[Played]) -> torch.Tensor:

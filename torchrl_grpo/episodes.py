@@ -14,6 +14,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from torchrl_grpo.errors import RunError
 
 # stands for the assistant's text when the template renders the conversation: only what follows it is used
@@ -77,9 +79,9 @@ def inserted_ids(tokenizer, conversation: list[dict], added: list[dict], sampled
 @dataclass
 class Played:
     """An episode played out: its ids (:class:`Episode`), the conversation as messages (the assistant's turns as
-    the engine's text), how its last engine turn finished ("stop" or "length"), why it ended ("answer": the
-    environment had nothing to add, "length": the same after a turn cut at max_tokens, "max_steps", "context":
-    the next turn would not fit max_model_len) and the environment's counts (e.g. tool calls)."""
+    the engine's text), how its last engine turn finished ("stop" or "length"), why it ended ("answer": nothing
+    answered its last turn, "length": the same after a turn cut at max_tokens, "max_steps", "context": the next
+    turn would not fit max_model_len), the environment's counts (e.g. tool calls) and its reward components."""
 
     episode: Episode
     prompt_length: int
@@ -87,56 +89,60 @@ class Played:
     finish_reason: str = "stop"
     ended: str = "answer"
     counts: dict[str, int] = field(default_factory=dict)
+    components: dict[str, float] = field(default_factory=dict)
 
     @property
     def text(self) -> str:
-        """The assistant's last turn: what the reward judges by default."""
-        return self.conversation[-1]["content"]
+        """The assistant's last turn: what the rewards judge by default."""
+        return next(m["content"] for m in reversed(self.conversation) if m["role"] == "assistant")
 
 
-def play(engine, tokenizer, task, rows: list[dict], prompts: list[list[int]], *, n: int, max_tokens: int,
-         temperature: float, top_p: float, max_model_len: int | None) -> tuple[list[Played], float]:
-    """``n`` episodes of each row (prompt-major, as ``Engine.generate``) of up to ``task.max_turns`` engine turns,
-    and the seconds spent in the engine. Between turns ``task.turn_env`` answers (tool results, feedback) or ends
-    the episode; its messages enter the ids through :func:`inserted_ids`. The first turn of the ``n`` episodes of
-    a row is one request (they share the prompt's cache); later turns are one request per episode still going."""
-    played = [Played(Episode.start(p), len(p), task.messages(row)) for row, p in zip(rows, prompts) for _ in range(n)]
-    going, generating = list(range(len(played))), 0.0
-    for turn in range(1, task.max_turns + 1):
+def play(engine, tokenizer, task, rows: list[dict], *, n: int, max_tokens: int, temperature: float, top_p: float,
+         max_model_len: int | None, envs: list | None = None) -> tuple[list[Played], float]:
+    """``n`` episodes of each row (prompt-major, as ``Engine.generate``), each in its own TorchRL environment
+    (:func:`torchrl_grpo.task_env.make_env`; ``envs``: ones to reuse, at least ``len(rows) * n``), and the seconds
+    spent in the engine. The engine's turns go into the environments as sampled ids and text; what the
+    environments insert between turns comes back as ids. The first turn of the ``n`` episodes of a row is one
+    request (they share the prompt's cache); later turns are one request per episode still going."""
+    from tensordict import NonTensorData, TensorDict
+
+    from torchrl_grpo.task_env import make_env, messages_of
+
+    count, envs = len(rows) * n, [] if envs is None else envs
+    envs.extend(make_env(task, tokenizer, max_tokens=max_tokens, max_model_len=max_model_len)
+                for _ in range(count - len(envs)))
+    states = [env.reset(TensorDict({"row": NonTensorData(rows[i // n], batch_size=(1,))}, batch_size=(1,)))
+              for i, env in enumerate(envs[:count])]
+    played = []
+    for state in states:
+        prompt = state["tokens", "prompt"][0].tolist()
+        played.append(Played(Episode.start(prompt), len(prompt), messages_of(state)))
+    going, generating = list(range(count)), 0.0
+    while going:
         started = time.perf_counter()
-        if turn == 1:
+        if played[0].episode.turns == 0:  # the first turn
+            prompts = [played[i * n].episode.tokens for i in range(len(rows))]
             completions = engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
         else:
             completions = engine.generate([played[i].episode.tokens for i in going], n=1, max_tokens=max_tokens,
                                           temperature=temperature, top_p=top_p)
         generating += time.perf_counter() - started
+        still = []
         for i, c in zip(going, completions):
-            played[i].episode.add_sampled(list(c.token_ids), list(c.log_probs))
-            played[i].conversation.append({"role": "assistant", "content": c.text})
-            played[i].finish_reason = c.finish_reason
-        if turn == task.max_turns:
-            for i in going:
-                played[i].ended = "max_steps" if played[i].finish_reason == "stop" else "length"
-            break
-        going = [i for i in going if _goes_on(played[i], rows[i // n], task, tokenizer, max_tokens, max_model_len)]
-        if not going:
-            break
+            p, state = played[i], states[i]
+            state["tokens", "response"] = torch.tensor([list(c.token_ids)], dtype=torch.long)
+            state["text", "response"] = NonTensorData(c.text, batch_size=(1,))
+            state["finish_reason"] = NonTensorData(c.finish_reason, batch_size=(1,))
+            after = envs[i].step(state)["next"]
+            p.episode.add_sampled(list(c.token_ids), list(c.log_probs))
+            p.episode.add_inserted(after["tokens", "prompt"][0, len(p.episode.tokens):].tolist())
+            p.conversation, p.finish_reason = messages_of(after), c.finish_reason
+            if bool(after["done"].any()):
+                env = envs[i].base_env
+                p.ended, p.counts = env.ended, dict(env.counts)
+                p.components = {k: float(v) for k, v in after["rewards"].items()}
+            else:
+                states[i] = after
+                still.append(i)
+        going = still
     return played, generating
-
-
-def _goes_on(p: Played, row: dict, task, tokenizer, max_tokens: int, max_model_len: int | None) -> bool:
-    """Let the environment answer the episode's last turn (a turn cut at max_tokens too: a retry environment
-    hears a wrong answer, a tool finds no complete call); True when a new engine turn follows."""
-    reply = task.turn_env.step(task, row, p.conversation)
-    for name, count in reply.counts.items():
-        p.counts[name] = p.counts.get(name, 0) + int(count)
-    if reply.done:
-        p.ended = "length" if p.finish_reason == "length" else "answer"
-        return False
-    ids = inserted_ids(tokenizer, p.conversation, reply.messages, p.episode.tokens[-1:])
-    if max_model_len is not None and len(p.episode.tokens) + len(ids) + max_tokens > max_model_len:
-        p.ended = "context"
-        return False
-    p.episode.add_inserted(ids)
-    p.conversation.extend(reply.messages)
-    return True

@@ -80,10 +80,9 @@ def generate_responses(engine, task: Task, tokenizer, rows: Sequence[Mapping[str
     """``samples`` completions of each row's prompt from ``engine`` (greedy when ``temperature`` is 0); for a
     multi-turn task, ``samples`` episodes each and their last assistant turn (what the rewards judge)."""
     from torchrl_grpo.episodes import play
-    from torchrl_grpo.trajectories import prompt_token_ids
 
     rows = list(rows)
-    played, _ = play(engine, tokenizer, task, rows, prompt_token_ids(task, tokenizer, rows), n=samples,
+    played, _ = play(engine, tokenizer, task, rows, n=samples,
                      max_tokens=max_tokens, temperature=temperature, top_p=top_p, max_model_len=max_model_len)
     return [[p.text for p in played[i * samples: (i + 1) * samples]] for i in range(len(rows))]
 

@@ -74,6 +74,8 @@ class Env:
     max_steps: int = key("int>0", "engine turns per episode (single-turn tasks: 1; more need env.turn_env)")
     turn_env: Any = key("any", "what answers between turns: null (single-turn) | {_target_: a TurnEnv subclass, "
                         "its keyword arguments} (torchrl_grpo/turn_envs.py)", null=True)
+    transforms: list = key("any", "TorchRL transforms on each episode's environment: [{_target_: a Transform class "
+                           "or a function returning one, its keyword arguments}] (torchrl_grpo/task_env.py)")
     seed: int = key("int", "prompt order (shuffled each epoch of the dataset)")
     reward_errors: str = key("choice", "a reward function that raises: raise (stop the run, naming it and the "
                              "row) | zero (score 0, counted)", choices=("raise", "zero"))

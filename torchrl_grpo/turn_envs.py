@@ -113,12 +113,13 @@ class RetryFeedback(TurnEnv):
         return {name: scale * value for name, value in task.score(conversation[-1]["content"], row).items()}
 
 
-def build_turn_env(env_cfg) -> TurnEnv | None:
-    """``env.turn_env`` built (``{_target_: import.path, **kwargs}``; null: single-turn), checked against
-    ``env.max_steps``: one-line ConfigErrors name the key."""
+def build_turn_env(env_cfg, transforms: bool = False) -> TurnEnv | None:
+    """``env.turn_env`` built (``{_target_: import.path, **kwargs}``; null: none), checked against
+    ``env.max_steps`` (``transforms``: env.transforms are set, which may answer instead): one-line ConfigErrors
+    name the key."""
     spec, max_steps = env_cfg.get("turn_env"), int(env_cfg.get("max_steps") or 1)
     if spec is None:
-        if max_steps > 1:
+        if max_steps > 1 and not transforms:
             raise ConfigError(f"env.max_steps={max_steps} without env.turn_env: nothing answers between turns; set "
                               "env.turn_env (e.g. {_target_: torchrl_grpo.turn_envs.PythonTool}) or env.max_steps=1")
         return None

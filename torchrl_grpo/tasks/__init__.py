@@ -11,6 +11,7 @@ from torchrl_grpo.tasks.competition_math import HUB_DATASET as MATH_HUB, build_m
 from torchrl_grpo.tasks.gsm8k import build_gsm8k_task
 from torchrl_grpo.tasks.ifeval import build_ifeval_task
 from torchrl_grpo.tasks.reasoning_gym_tasks import build_reasoning_gym_task
+from torchrl_grpo.task_env import build_transforms
 from torchrl_grpo.turn_envs import build_turn_env
 
 # env.dataset -> builder(env_cfg) -> Task. New tasks add themselves with register_task.
@@ -43,7 +44,9 @@ def build_task(env_cfg: Any) -> Task:
         raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(TASK_BUILDERS)}")
     task = add_custom_rewards(builder(env_cfg), env_cfg.get("rewards") or [])
     task.reward_errors = env_cfg.get("reward_errors") or "raise"
-    task.turn_env = build_turn_env(env_cfg)
+    task.transforms = list(env_cfg.get("transforms") or [])
+    build_transforms(task.transforms)  # a bad one fails here, in one line, before anything heavy starts
+    task.turn_env = build_turn_env(env_cfg, bool(task.transforms))
     task.max_turns = int(env_cfg.get("max_steps") or 1)
     return task
 
