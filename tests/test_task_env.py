@@ -83,9 +83,9 @@ def test_a_torchrl_tool_transform_plugged_by_import_path_answers_token_by_token(
 
 
 @pytest.mark.parametrize("transforms, message", [
-    ([{"_target_": "no_such_module.Tool"}], r"env.transforms\[0\]._target_=no_such_module.Tool: cannot build it"),
+    ([{"_target_": "no_such_module.Tool"}], r"env.transforms\[0\]._target_=no_such_module.Tool: cannot import it"),
     ([{"_target_": "collections.OrderedDict"}], r"gave a OrderedDict, not a torchrl Transform"),
-    ([{"weight": 1}], r"env.transforms\[0\]: give the transform's class or factory as _target_"),
+    ([{"weight": 1}], r"env.transforms\[0\]: give the transform's class or factory's import path as _target_"),
 ])
 def test_bad_transforms_are_one_line_errors(transforms, message):
     with pytest.raises(ConfigError, match=message):

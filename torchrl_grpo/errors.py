@@ -19,6 +19,21 @@ def one_line(err: BaseException) -> str:
     return type(err).__name__ + (f": {text[0][:200]}" if text else "")
 
 
+def import_target(spec, key: str, what: str, example: str):
+    """The object a config entry names by import path (``{_target_: pkg.module.name, ...}``), or a one-line
+    ConfigError naming ``key`` (``what`` it should name, an ``example`` path)."""
+    from hydra.utils import get_object
+
+    target = spec.get("_target_") if hasattr(spec, "get") else None
+    if not isinstance(target, str):
+        raise ConfigError(f"{key}: give the {what}'s import path as _target_ (e.g. {example})")
+    try:
+        return get_object(target)
+    except Exception as err:  # ImportError, AttributeError, ValueError from hydra
+        raise ConfigError(f"{key}._target_={target}: cannot import it ({type(err).__name__}); check the module is on "
+                          "PYTHONPATH and the name") from None
+
+
 def exit_with_one_line(main):
     """Print a ConfigError (exit code 2) or a RunError (exit code 1) as one line on stderr, no traceback."""
 

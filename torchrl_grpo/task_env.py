@@ -29,7 +29,7 @@ from torchrl.data.llm import History
 from torchrl.envs import Compose, EnvBase, Transform, TransformedEnv
 
 from torchrl_grpo.episodes import inserted_ids
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.errors import ConfigError, import_target, one_line
 
 
 def _chat_history(messages: list[dict]):
@@ -166,22 +166,18 @@ class EpisodeReward(Transform):
 def build_transforms(specs) -> list:
     """``env.transforms``: TorchRL transforms, each ``{_target_: a Transform class or a function returning one,
     **kwargs}``, built anew for each episode's environment (a transform belongs to one environment)."""
-    from hydra.utils import instantiate
-
     built = []
     for i, spec in enumerate(specs):
         key = f"env.transforms[{i}]"
-        target = spec.get("_target_") if hasattr(spec, "get") else None
-        if not isinstance(target, str):
-            raise ConfigError(f"{key}: give the transform's class or factory as _target_ (an import path)")
+        make = import_target(spec, key, "transform's class or factory", "mypkg.envs.calculator")
+        kwargs = {k: v for k, v in spec.items() if k != "_target_"}
         try:
-            transform = instantiate(spec)
+            transform = make(**kwargs)
         except Exception as err:
-            cause = err.__cause__ or err
-            raise ConfigError(f"{key}._target_={target}: cannot build it ({type(cause).__name__}: "
-                              f"{' '.join(str(cause).split())[:160]})") from None
+            raise ConfigError(f"{key}: {spec['_target_']}({', '.join(kwargs)}) raised {one_line(err)}") from None
         if not isinstance(transform, Transform):
-            raise ConfigError(f"{key}._target_={target}: gave a {type(transform).__name__}, not a torchrl Transform")
+            raise ConfigError(f"{key}._target_={spec['_target_']}: gave a {type(transform).__name__}, not a torchrl "
+                              "Transform")
         built.append(transform)
     return built
 

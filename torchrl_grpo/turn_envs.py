@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchrl_grpo.errors import ConfigError, RunError
+from torchrl_grpo.errors import ConfigError, RunError, import_target
 from torchrl_grpo.sandbox import run_python
 
 
@@ -126,17 +126,8 @@ def build_turn_env(env_cfg, transforms: bool = False) -> TurnEnv | None:
     if max_steps < 2:
         raise ConfigError("env.turn_env is set with env.max_steps=1: the environment never gets a turn; set "
                           "env.max_steps to the engine turns an episode may take (e.g. 3), or env.turn_env=null")
-    target = spec.get("_target_") if hasattr(spec, "get") else None
-    if not isinstance(target, str):
-        raise ConfigError("env.turn_env: give the environment's class as _target_ "
-                          "(e.g. torchrl_grpo.turn_envs.PythonTool)")
-    from hydra.utils import get_class
-
-    try:
-        cls = get_class(target)
-    except Exception as err:
-        raise ConfigError(f"env.turn_env._target_={target}: cannot import it ({type(err).__name__}); check the "
-                          "module is on PYTHONPATH and the class name") from None
+    cls = import_target(spec, "env.turn_env", "environment's class", "torchrl_grpo.turn_envs.PythonTool")
+    target = spec["_target_"]
     if not (isinstance(cls, type) and issubclass(cls, TurnEnv)):
         raise ConfigError(f"env.turn_env._target_={target}: not a subclass of torchrl_grpo.turn_envs.TurnEnv")
     kwargs = {k: v for k, v in spec.items() if k != "_target_"}

@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.errors import ConfigError, import_target
 from torchrl_grpo.tasks.arithmetic import build_arithmetic_task
 from torchrl_grpo.tasks.base import Reward, RewardFn, Task, per_task_means
 from torchrl_grpo.tasks.competition_math import HUB_DATASET as MATH_HUB, build_math_task
@@ -65,18 +65,10 @@ def add_custom_rewards(task: Task, entries) -> Task:
     """Append the rewards of ``env.rewards``: each entry names a function ``fn(completion, row) -> float``
     by its import path (``_target_``), with a ``weight`` (default 1) and a ``name`` (default: the
     function's), e.g. ``{_target_: my_rewards.length, weight: 0.5}``. Each is logged apart."""
-    from hydra.utils import get_method
-
     for i, entry in enumerate(entries):
         key = f"env.rewards[{i}]"
-        target = entry.get("_target_") if hasattr(entry, "get") else None
-        if not isinstance(target, str):
-            raise ConfigError(f"{key}: give the reward function's import path as _target_ (e.g. mypkg.rewards.length)")
-        try:
-            fn = get_method(target)
-        except Exception as err:  # ImportError, AttributeError, ValueError from hydra
-            raise ConfigError(f"{key}._target_={target}: cannot import it ({type(err).__name__}); "
-                              "check the module is on PYTHONPATH and the function name") from None
+        fn = import_target(entry, key, "reward function", "mypkg.rewards.length")
+        target = entry["_target_"]
         weight = entry.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ConfigError(f"{key}.weight={weight!r}: must be a number")
