@@ -6,7 +6,7 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
-from helpers import GSM8K, IFEVAL, cfg_with, needs_files
+from helpers import GSM8K, IFEVAL, cfg_with, needs_files, run
 from test_multi_turn import ScriptedPolicy
 from torchrl_grpo.episodes import play
 from torchrl_grpo.errors import ConfigError
@@ -126,3 +126,10 @@ def test_upstream_chat_env_in_tokens_mode_inserts_nothing_between_turns(tokenize
         following = env.step(td).get(("next", "tokens", "prompt"), as_list=True)[0]
     assert following.tolist() == full.tolist()
     assert not tokenizer.decode(following).endswith("<|im_start|>assistant\n")
+
+
+def test_a_bad_import_path_is_one_line_on_the_command_line(tmp_path):
+    done = run(["model=tiny", "env=gsm_symbolic", "env.max_steps=2", "env.turn_env={_target_: nope.Env}"], cwd=tmp_path)
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        "error: env.turn_env._target_=nope.Env: cannot import it; check the module is on PYTHONPATH and the name"]

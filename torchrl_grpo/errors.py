@@ -22,16 +22,26 @@ def one_line(err: BaseException) -> str:
 def import_target(spec, key: str, what: str, example: str):
     """The object a config entry names by import path (``{_target_: pkg.module.name, ...}``), or a one-line
     ConfigError naming ``key`` (``what`` it should name, an ``example`` path)."""
-    from hydra.utils import get_object
+    import importlib
 
     target = spec.get("_target_") if hasattr(spec, "get") else None
     if not isinstance(target, str):
         raise ConfigError(f"{key}: give the {what}'s import path as _target_ (e.g. {example})")
-    try:
-        return get_object(target)
-    except Exception as err:  # ImportError, AttributeError, ValueError from hydra
-        raise ConfigError(f"{key}._target_={target}: cannot import it ({type(err).__name__}); check the module is on "
-                          "PYTHONPATH and the name") from None
+    parts = target.split(".")
+    for cut in range(len(parts) - 1, 0, -1):  # the longest importable module, then attributes
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        except Exception as err:  # the module itself fails
+            raise ConfigError(f"{key}._target_={target}: importing {'.'.join(parts[:cut])} raised {one_line(err)}") from None
+        try:
+            for name in parts[cut:]:
+                found = getattr(found, name)
+        except AttributeError:
+            break
+        return found
+    raise ConfigError(f"{key}._target_={target}: cannot import it; check the module is on PYTHONPATH and the name")
 
 
 def exit_with_one_line(main):
