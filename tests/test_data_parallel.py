@@ -43,7 +43,7 @@ CASES = {
     "lora_token_mean_kl_in_loss": ({"aggregation": "token_mean", "kl_to_ref_coeff": 0.1}, {"lora": True}),
 }
 COMPARED = ("loss", "loss_objective", "loss_kl_to_ref", "loss_entropy", "grad_norm", "ratio_max", "reward",
-            "advantage_abs_mean")
+            "advantage_abs_mean", "resumed/loss", "resumed/grad_norm", "resumed/ratio_max")
 
 
 def make_batch(vocab: int) -> TensorDict:
@@ -68,8 +68,9 @@ def make_batch(vocab: int) -> TensorDict:
 
 def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to: Path) -> tuple[dict, dict]:
     """One step of case ``name`` (prepare, then two epochs of two optimizer steps of two micro-batches of
-    two completions): its metrics and the updated weights (LoRA merged; on rank 0 only when parallel); the
-    policy saved as a checkpoint holds it in ``save_to / name``."""
+    two completions), saved as a checkpoint holds it in ``save_to / name``, then a second step after resuming
+    from it: the metrics of both (the second's as ``resumed/*``) and the updated weights (LoRA merged; on rank 0
+    only when parallel)."""
     loss_options, train_options = CASES[name]
     torch.manual_seed(0)  # the LoRA initialisation
     lora = LORA if train_options.get("lora") else None
@@ -93,6 +94,14 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
     metrics = trainer.prepare(batch)
     metrics.update(trainer.optimize(batch))
     trainer.save_pretrained(save_to / name)
+    # resumed as a run resumes: a fresh optimizer takes the checkpoint's state (data-parallel: each rank its
+    # shards), then a second step; a state that did not load would make this step differ from one process's
+    fresh = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
+    resumed = Trainer(policy, ref, loss, fresh, settings, torch.device("cpu"), torch.device("cpu"), parallel)
+    resumed.load_state_dict(trainer.state_dict(), save_to / name)
+    again = resumed.prepare(batch)
+    again.update(resumed.optimize(batch))
+    metrics.update({f"resumed/{k}": v for k, v in again.items()})
     keep = parallel is None or parallel.rank == 0
     weights = {}
     for key, tensor in merged_weights(policy):  # every rank gathers in step; rank 0 keeps
@@ -133,7 +142,8 @@ def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path):
         dp_metrics, dp_weights = results[name]
         for key in COMPARED:
             if key in metrics:
-                assert abs(dp_metrics[key] - metrics[key]) <= 1e-5, (name, key, dp_metrics[key], metrics[key])
+                tolerance = 1e-5 * max(1.0, abs(metrics[key]))  # float32, relative for values above 1
+                assert abs(dp_metrics[key] - metrics[key]) <= tolerance, (name, key, dp_metrics[key], metrics[key])
         assert dp_weights.keys() == weights.keys()
         gap = max((dp_weights[k] - weights[k]).abs().max().item() for k in weights)
         moved = max((weights[k] - original).abs().max().item()
@@ -168,15 +178,10 @@ def test_grpo_py_starts_two_gloo_ranks_itself(tiny_model_path, tmp_path):
     from transformers import AutoModelForCausalLM
 
     run_dir = tmp_path / "run"
-    proc = start([*SMALL, *FLOAT32, "train.total_dialog_turns=16", "train_model.num_devices=2",
-                  "train.kl_to_ref_coeff=0.05", "loss.old_log_probs=trainer",
-                  # the tiny model scores 0 here (no advantage): the entropy bonus is the update's signal
-                  "train.entropy_coeff=0.01", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
-    try:
-        out, err = proc.communicate(timeout=400)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
+    args = [*SMALL, *FLOAT32, "train_model.num_devices=2", "train.kl_to_ref_coeff=0.05", "loss.old_log_probs=trainer",
+            # the tiny model scores 0 here (no advantage): the entropy bonus is the update's signal
+            "train.entropy_coeff=0.01", f"hydra.run.dir={run_dir}"]
+    proc, out, err = finished(start([*args, "train.total_dialog_turns=16"], cwd=tmp_path))
     assert proc.returncode == 0, err[-3000:]
     assert "data-parallel training: 2 ranks (FSDP2 over gloo)" in out
     rows = metric_rows(run_dir)
@@ -189,7 +194,32 @@ def test_grpo_py_starts_two_gloo_ranks_itself(tiny_model_path, tmp_path):
     initial = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
     ids = list(range(1, 40))
     assert (probe_log_probs(trained, ids) - probe_log_probs(initial, ids)).abs().max() > 1e-4  # trained, whole
+    assert (checkpoint / "optimizer_shards" / ".metadata").is_file()  # each rank's optimizer shards
     assert live_in_group(proc.pid) == []  # the follower rank and the engine's process are gone
+    # resumed with the same ranks: one more step from the checkpoint (tests above check the state it loads)
+    proc, out, err = finished(start([*args, "train.total_dialog_turns=24", "train.resume=auto"], cwd=tmp_path))
+    assert proc.returncode == 0, err[-3000:]
+    assert f"resumed from {checkpoint} (step 2)" in out
+    assert [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2, 3]
+    assert (run_dir / "checkpoints" / "step_000003" / "optimizer_shards" / ".metadata").is_file()
+    assert live_in_group(proc.pid) == []
+    # with another number of ranks: one line, before anything starts
+    proc, out, err = finished(start([*args, "train.total_dialog_turns=32", "train.resume=auto",
+                                     "train_model.num_devices=1"], cwd=tmp_path))
+    assert proc.returncode == 2 and err.strip().splitlines() == [
+        f"error: train.resume=auto: {run_dir / 'checkpoints' / 'step_000003'} was trained by 2 data-parallel ranks "
+        "(train.strategy=fsdp) and this run has one process; resume with train_model.num_devices=2 "
+        f"train.strategy=fsdp, or start a new run from its weights with model.name={run_dir / 'checkpoints' / 'step_000003'}"]
+
+
+def finished(proc: subprocess.Popen, timeout: float = 400) -> tuple[subprocess.Popen, str, str]:
+    """The process run to its end (killed with its group past ``timeout``), and its output."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return proc, out, err
 
 
 def live_in_group(pgid: int, seconds: float = 10) -> list[str]:

@@ -27,6 +27,7 @@ from torchrl_grpo.errors import ConfigError, one_line
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.pt"
+OPTIMIZER_SHARDS = "optimizer_shards"  # a data-parallel run's optimizer state, each rank its shards
 
 
 def rng_state() -> dict:
@@ -112,9 +113,11 @@ def damage(checkpoint: Path) -> str | None:
     Cheap: the state file's archive and the weights' headers and sizes are read, not their tensors (the
     optimizer state alone is twice the model: the resume reads it once, later)."""
     try:
-        torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
         return f"{STATE_FILE}: {one_line(err)}"
+    if state.get("world_size", 1) > 1 and not (checkpoint / OPTIMIZER_SHARDS / ".metadata").is_file():
+        return f"{OPTIMIZER_SHARDS}/.metadata is missing"
     broken = weights_damage(checkpoint)
     if broken:
         return broken

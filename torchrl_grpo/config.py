@@ -198,8 +198,6 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
         (_get(cfg, "mode") == "async", "mode=async (grpo-async.py)", "run grpo.py"),
         (_get(cfg, "inference_model.backend") == "transformers", "inference_model.backend=transformers (it "
          "samples with the sharded policy)", "use inference_model.backend=vllm"),
-        (_get(cfg, "train.resume") is not None, "train.resume (no sharded optimizer state is saved yet)",
-         "set train.resume=null"),
         (torch.cuda.is_available(), "GPUs (only gloo ranks on the CPU have run)", "set train.strategy=layer_split"),
     ]
     for refused, what, fix in not_yet:

@@ -145,6 +145,25 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def save_optimizer(model: torch.nn.Module, optimizer, directory) -> None:
+    """The optimizer state as the ranks hold it, sharded (torch.distributed.checkpoint), into ``directory``: no
+    rank gathers it whole. A collective: every rank calls it with the same ``directory``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(directory))
+
+
+def load_optimizer(model: torch.nn.Module, optimizer, directory) -> None:
+    """:func:`save_optimizer`'s state back into ``optimizer`` (each rank reads its shards). A collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # the structure to read into
+    dcp.load(state, checkpoint_id=str(directory))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+
+
 def hf_model(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model under a PEFT wrapper (the model itself otherwise)."""
     return model.get_base_model() if hasattr(model, "get_base_model") else model

@@ -4,8 +4,9 @@ async loop's :class:`AsyncProgress`), the global RNG states, the trainer's optim
 builder loads before the trainer exists (:attr:`RunState.resume_from`).
 
 ``trainer_state.pt`` holds ``step``, ``optimizer``, ``sampler`` (the data position), ``rng``, ``shuffle_rng``,
-``engine_rng`` (the in-process engine's sampling state) and ``config``; the files and their atomic write are
-:mod:`torchrl_grpo.checkpoint`'s.
+``engine_rng`` (the in-process engine's sampling state) and ``config``; a data-parallel run's, ``world_size``
+instead of ``optimizer``, whose shards are in the checkpoint's ``optimizer_shards/``. The files and their atomic
+write are :mod:`torchrl_grpo.checkpoint`'s.
 
 What resumes exactly: a sync run (``train.sync_iter=true``) with an in-process engine (vLLM on the CPU, the
 transformers engine) gives, step for step, the metrics of the uninterrupted run. Not exactly: with
@@ -20,7 +21,8 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo import checkpoint
-from torchrl_grpo.errors import RunError
+from torchrl_grpo.errors import ConfigError, RunError
+from torchrl_grpo.placement import train_strategy
 
 
 class RunState:
@@ -32,6 +34,8 @@ class RunState:
         self.frequency, self.keep = int(cfg.logging.checkpoint_frequency), int(cfg.logging.keep_checkpoints)
         self.resume_from = checkpoint.find_resume_point(cfg.train.resume, self.directory)
         self._saved = checkpoint.load_state(self.resume_from) if self.resume_from is not None else None
+        if self._saved is not None:
+            check_world_size(cfg, self._saved, self.resume_from)
         self.step = int(self._saved["step"]) if self._saved is not None else 0  # the last finished step
 
     def restore(self, trainer, data, engine=None) -> None:
@@ -41,7 +45,7 @@ class RunState:
         A fresh run has nothing to restore."""
         if self._saved is None:
             return
-        trainer.load_state_dict(self._saved)
+        trainer.load_state_dict(self._saved, self.resume_from)
         data.load_state_dict(self._saved["sampler"])
         checkpoint.set_rng_state(self._saved["rng"])
         if engine is not None and self._saved.get("engine_rng") is not None:
@@ -86,6 +90,22 @@ class RunState:
 
     def continue_hint(self) -> str:
         return f"continue with train.resume=auto hydra.run.dir={self.run_dir}"
+
+
+def check_world_size(cfg: DictConfig, saved: dict, resume_from: Path) -> None:
+    """A checkpoint resumes with the data-parallel ranks that wrote it (its optimizer state is in their shards;
+    a one-process one holds it whole): else a one-line ConfigError, before anything heavy starts."""
+    written = int(saved.get("world_size", 1))
+    ranks = int(cfg.train_model.num_devices) if train_strategy(cfg) == "fsdp" else 1
+    if written != ranks:
+        raise ConfigError(f"train.resume={cfg.train.resume}: {resume_from} was trained by {_ranks(written)} and "
+                          f"this run has {_ranks(ranks)}; resume with train_model.num_devices={written}"
+                          f"{' train.strategy=fsdp' if written > 1 else ''}, or start a new run from its weights "
+                          f"with model.name={resume_from}")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} data-parallel ranks (train.strategy=fsdp)" if n > 1 else "one process"
 
 
 class AsyncProgress:

@@ -17,12 +17,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from pathlib import Path
 
 import torch
 
 from torchrl_grpo.config import TrainSettings
-from torchrl_grpo.data_parallel import DataParallel, full_tensor, gathered
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.checkpoint import OPTIMIZER_SHARDS
+from torchrl_grpo.data_parallel import DataParallel, full_tensor, gathered, load_optimizer, save_optimizer
 from torchrl_grpo.models import merged_state_dict, merged_weights
 from torchrl_grpo.objective import MAX_METRICS, GRPOLoss, token_log_probs, total_loss
 from torchrl_grpo.objective_terms import group_advantages
@@ -183,16 +184,18 @@ class Trainer:
         return probe_log_probs(self.policy, token_ids)
 
     def save_pretrained(self, path, safe_serialization: bool = True) -> None:
-        """The policy in HF format (the LoRA adapter with LoRA), as a checkpoint holds it. Data-parallel: the
-        weights gathered whole from the shards and written by rank 0 (the others gather, ``path`` unused)."""
+        """What a checkpoint holds of the policy: HF format (the LoRA adapter with LoRA). Data-parallel: the
+        weights gathered whole from the shards and written by rank 0, and the optimizer state as the ranks hold
+        it, each rank its shards, in ``path/optimizer_shards`` (a folder every rank can write)."""
         if self.parallel is None:
             self.policy.save_pretrained(path, safe_serialization=safe_serialization)
             return
-        self._everywhere("save_pretrained", None)
+        self._everywhere("save_pretrained", str(path))
         state = gathered(((name, t.detach()) for name, t in self.policy.state_dict().items()),
                          keep=self.parallel.rank == 0)
         if self.parallel.rank == 0:
             self.policy.save_pretrained(path, state_dict=state, safe_serialization=safe_serialization)
+        save_optimizer(self.policy, self.optimizer, Path(path) / OPTIMIZER_SHARDS)
 
     def cpu_weights(self) -> dict[str, torch.Tensor]:
         """:meth:`weights` as CPU tensors, for engines in other processes (``ray.put`` ships them)."""
@@ -211,15 +214,19 @@ class Trainer:
 
     def state_dict(self) -> dict:
         """The optimizer and the micro-batch shuffle: what a checkpoint needs besides the weights. Data-parallel:
-        no optimizer state (it is sharded; saving it is not built yet, nor resuming such a run)."""
-        optimizer = self.optimizer.state_dict() if self.parallel is None else None
-        return {"optimizer": optimizer, "shuffle_rng": self.shuffle.get_state()}
+        the world size instead of the optimizer, whose shards :meth:`save_pretrained` writes."""
+        if self.parallel is None:
+            return {"optimizer": self.optimizer.state_dict(), "shuffle_rng": self.shuffle.get_state()}
+        return {"optimizer": None, "world_size": self.parallel.world_size, "shuffle_rng": self.shuffle.get_state()}
 
-    def load_state_dict(self, state: dict) -> None:
-        if state["optimizer"] is None:
-            raise ConfigError("train.resume: this checkpoint is of a train.strategy=fsdp run, which saves no "
-                              "optimizer state yet; start a new run from its weights with model.name=<checkpoint dir>")
-        self.optimizer.load_state_dict(state["optimizer"])
+    def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
+        """:meth:`state_dict` back; data-parallel: on every rank, with the optimizer's shards read from
+        ``checkpoint_dir`` (the same world size: :class:`torchrl_grpo.run_state.RunState` checks it)."""
+        if self.parallel is None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self._everywhere("load_state_dict", {"shuffle_rng": state["shuffle_rng"]}, str(checkpoint_dir))
+            load_optimizer(self.policy, self.optimizer, Path(checkpoint_dir) / OPTIMIZER_SHARDS)
         self.shuffle.set_state(state["shuffle_rng"])
 
 
