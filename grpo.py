@@ -26,8 +26,9 @@ def main(cfg: DictConfig) -> None:
     from torchrl_grpo.sync_loop import run_sync
 
     quiet_libraries(cfg.logging.verbose is True)
-    with data_parallel_ranks(cfg) as parallel:  # train.strategy=fsdp: this is rank 0, the others follow
-        run = build_sync(cfg, Path(HydraConfig.get().runtime.output_dir), parallel)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    with data_parallel_ranks(cfg, run_dir) as parallel:  # train.strategy=fsdp: this is rank 0, the others follow
+        run = build_sync(cfg, run_dir, parallel)
         try:
             run_sync(run)
         finally:

@@ -180,11 +180,12 @@ RANK_TIMEOUT_S = 1800
 
 
 @contextlib.contextmanager
-def data_parallel_ranks(cfg: DictConfig):
+def data_parallel_ranks(cfg: DictConfig, run_dir: Path):
     """``train.strategy=fsdp`` (or ``auto`` resolved to it): this process becomes rank 0 of
     ``train_model.num_devices`` ranks and starts the others (:func:`follow_rank`); yields rank 0's
     :class:`DataParallel` (None for the other strategies). The followers stop when rank 0's run ends; they
-    are killed if it fails."""
+    are killed if it fails. A follower that dies stops the run in one line (its collective fails at once, or
+    after ``RANK_TIMEOUT_S``), saying how to resume from ``run_dir``'s last checkpoint."""
     if train_strategy(cfg) != "fsdp":
         yield None
         return
@@ -215,7 +216,8 @@ def data_parallel_ranks(cfg: DictConfig):
                     follower.kill()
                 if dead and isinstance(err, RuntimeError):
                     raise RunError(f"data-parallel {', '.join(dead)} stopped (its output is above): "
-                                   f"{str(err).splitlines()[0]}") from None
+                                   f"{str(err).splitlines()[0][:300]}; the last checkpoint continues with "
+                                   f"train.resume=auto hydra.run.dir={run_dir}") from None
                 raise
             parallel.announce(None)
     finally:

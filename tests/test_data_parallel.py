@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from helpers import FLOAT32, LORA, SMALL, finite, metric_rows, needs_vllm, start
+from helpers import FLOAT32, LORA, SMALL, finite, metric_rows, needs_vllm, start, wait_until
 from torchrl_grpo.config import TrainSettings
 from torchrl_grpo.data_parallel import DataParallel, process_group, shard_model
 from torchrl_grpo.models import load_policy, merged_weights
@@ -210,6 +210,53 @@ def test_grpo_py_starts_two_gloo_ranks_itself(tiny_model_path, tmp_path):
         f"error: train.resume=auto: {run_dir / 'checkpoints' / 'step_000003'} was trained by 2 data-parallel ranks "
         "(train.strategy=fsdp) and this run has one process; resume with train_model.num_devices=2 "
         f"train.strategy=fsdp, or start a new run from its weights with model.name={run_dir / 'checkpoints' / 'step_000003'}"]
+
+
+@needs_vllm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs num_devices=2 is the layer split (fsdp: CPU only)")
+def test_a_rank_killed_stops_the_run_in_one_line_and_it_resumes(tmp_path):
+    """kill -9 of the follower rank in the middle of a run (default precision: a bf16 engine in its own process,
+    fed through the weight stream): rank 0 stops within a bounded time with one line saying how to resume,
+    nothing is left running, and the run resumes from its last checkpoint."""
+    run_dir, log, err_log = tmp_path / "run", tmp_path / "out.log", tmp_path / "err.log"
+    args = [*SMALL, "train_model.num_devices=2", "logging.checkpoint_frequency=1", f"hydra.run.dir={run_dir}"]
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    with open(log, "w") as out, open(err_log, "w") as err:
+        proc = start([*args, "train.total_dialog_turns=800"], cwd=tmp_path, stdout=out, stderr=err)
+        try:
+            wait_until((run_dir / "checkpoints" / "step_000002").exists, proc, seconds=240)
+            [follower] = [pid for pid, command in children(proc.pid) if "spawn_main" in command]
+            os.kill(follower, signal.SIGKILL)
+            killed = time.time()
+            proc.wait(timeout=180)
+            stopped_in = time.time() - killed
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    last = err_log.read_text().strip().splitlines()[-1]
+    assert proc.returncode == 1 and stopped_in < 120, (proc.returncode, stopped_in, last)
+    assert last.startswith("error: data-parallel rank 1 (exit code -9) stopped (its output is above): ")
+    assert last.endswith(f"the last checkpoint continues with train.resume=auto hydra.run.dir={run_dir}")
+    assert live_in_group(proc.pid) == []  # the engine's process went with rank 0
+    assert not {n for n in os.listdir("/dev/shm") if n.startswith("torchrl_grpo_push")} - shm_before
+    newest = max(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
+    proc, out, err = finished(start([*args, f"train.total_dialog_turns={8 * (newest + 1)}", "train.resume=auto"],
+                                    cwd=tmp_path))
+    assert proc.returncode == 0, err[-3000:]
+    assert f"(step {newest})" in out and f"step {newest + 1} | reward" in out
+    assert live_in_group(proc.pid) == []
+
+
+def children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of the processes whose parent is ``pid``."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                command = (stat.parent / "cmdline").read_bytes().replace(bytes(1), b" ").decode(errors="replace")
+                found.append((int(stat.parent.name), command))
+    return found
 
 
 def finished(proc: subprocess.Popen, timeout: float = 400) -> tuple[subprocess.Popen, str, str]:

@@ -195,6 +195,7 @@ class VLLMEngine(Engine):
         **llm_kwargs,
     ):
         self.model_path = str(model_path)
+        self.dtype = getattr(torch, dtype)  # its weights': a push to its own process is sent so (half for bf16)
         self.devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
         self.device = self.devices[0]
         if self.device.type not in ("cpu", "cuda") or len({d.type for d in self.devices}) > 1:
@@ -322,7 +323,8 @@ class VLLMEngine(Engine):
         ``vllm_cpu_fixes.redispatch_cpu_gemm``) and the prefix cache is reset. With tied embeddings a
         ``lm_head.weight`` entry is dropped (the embedding is the head). In one process the tensors are
         read in place; otherwise they are streamed through a bounded buffer in /dev/shm
-        (:mod:`torchrl_grpo.weight_stream`).
+        (:mod:`torchrl_grpo.weight_stream`), cast to the engine's dtype on the way: float32 master weights reach
+        a bf16 engine in half the bytes, and its workers do not warn about each narrowing load.
         """
         if self.llm is None:
             raise RuntimeError("VLLMEngine.push_weights after close()")
@@ -334,7 +336,8 @@ class VLLMEngine(Engine):
         if self._in_process:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
         else:
-            counts = self._stream().push(items, lambda wire: self.llm.collective_rpc(receive_weights, args=(wire,)))
+            counts = self._stream().push(items, lambda wire: self.llm.collective_rpc(receive_weights, args=(wire,)),
+                                         self.dtype)
             if any(count != len(items) for count in counts):
                 raise RuntimeError(f"weight push: the engine's workers loaded {counts} of {len(items)} tensors")
         if self._on_cpu:

@@ -52,17 +52,20 @@ class Channel:
     buckets: tuple[tuple[Entry, ...], ...]
 
 
-def plan_buckets(items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[Entry]]:
+def plan_buckets(items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int,
+                 dtype: torch.dtype | None = None) -> list[list[Entry]]:
     """Cut ``items`` in order into buckets of at most ``bucket_bytes`` (one tensor larger than that gets a bucket
-    of its own), each tensor at an aligned offset from its bucket's start."""
+    of its own), each tensor at an aligned offset from its bucket's start; floating-point tensors as ``dtype``
+    (the engine's) when given: the copy into the buffer casts them."""
     buckets, bucket, used = [], [], 0
     for name, t in items:
         offset = -(-used // ALIGN) * ALIGN
-        nbytes = t.numel() * t.element_size()
+        kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        nbytes = t.numel() * kind.itemsize
         if bucket and offset + nbytes > bucket_bytes:
             buckets.append(bucket)
             bucket, offset = [], 0
-        bucket.append(Entry(name, str(t.dtype).removeprefix("torch."), tuple(t.shape), offset))
+        bucket.append(Entry(name, str(kind).removeprefix("torch."), tuple(t.shape), offset))
         used = offset + nbytes
     if bucket:
         buckets.append(bucket)
@@ -109,10 +112,12 @@ class WeightStream:
         self._ready, self._done = [_fifo(p) for p in self.ready_paths], [_fifo(p) for p in self.done_paths]
         self._buffer, self._size = None, 0
 
-    def push(self, items: Sequence[tuple[str, torch.Tensor]], call_worker: Callable[[bytes], object]) -> object:
-        """Stream ``items`` (name, tensor on any device) while ``call_worker(wire)`` runs the workers' side,
-        :func:`receive_weights` given ``wire`` (through vLLM's ``collective_rpc``); returns what it returns."""
-        buckets = plan_buckets(items, self.bucket_bytes)
+    def push(self, items: Sequence[tuple[str, torch.Tensor]], call_worker: Callable[[bytes], object],
+             dtype: torch.dtype | None = None) -> object:
+        """Stream ``items`` (name, tensor on any device; floating point sent as ``dtype`` when given) while
+        ``call_worker(wire)`` runs the workers' side, :func:`receive_weights` given ``wire`` (through vLLM's
+        ``collective_rpc``); returns what it returns."""
+        buckets = plan_buckets(items, self.bucket_bytes, dtype)
         self._ensure_buffer(max(bucket_size(b) for b in buckets))
         self._drain()  # a push that failed half-way may have left messages behind
         self.pushes += 1
