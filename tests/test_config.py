@@ -83,8 +83,8 @@ def test_fsdp_ranks_must_divide_the_micro_batch_and_what_is_not_built_is_refused
                                           r"divide train.optim_batch_size=4; pick a multiple of 3"):
         validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=3"))
     validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2"))
-    for override, what in [("mode=async", "mode=async"), ("inference_model.backend=transformers", "inference_model"),
-                           ("train.resume=auto", "train.resume")]:
+    validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2", "train.resume=auto"))  # resumes
+    for override, what in [("mode=async", "mode=async"), ("inference_model.backend=transformers", "inference_model")]:
         with pytest.raises(ConfigError, match=rf"^train.strategy=fsdp \(fsdp\) is not built yet with {what}"):
             validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2", override))
     validate(cfg_with("train.strategy=layer_split", "train_model.num_devices=3"))
