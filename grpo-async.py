@@ -3,6 +3,7 @@
     python grpo-async.py env=gsm_symbolic                    # one vLLM actor, one-step off-policy
     python grpo-async.py ray.num_actors=2 train.max_staleness=2
     python grpo-async.py ray.address=auto                     # join a running Ray cluster
+    python grpo-async.py train_model.num_devices=2            # two data-parallel trainer ranks (gloo on the CPU)
 
 It composes the same config tree as grpo.py with mode=async (added unless a mode= is given).
 Exit codes: 0 done (or stopped by SIGINT/SIGTERM with a checkpoint), 2 bad config, 1 a rollout actor
@@ -15,7 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from grpo_utils import build_async
+from grpo_utils import build_async, data_parallel_ranks
 from torchrl_grpo.command_line import checked_command_line
 from torchrl_grpo.console import quiet_libraries
 from torchrl_grpo.errors import exit_with_one_line
@@ -30,7 +31,9 @@ def main(cfg: DictConfig) -> None:
     from torchrl_grpo.async_loop import run_async
 
     quiet_libraries(cfg.logging.verbose is True)
-    run_async(build_async(cfg, Path(HydraConfig.get().runtime.output_dir)))
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    with data_parallel_ranks(cfg, run_dir) as parallel:  # train.strategy=fsdp: this is rank 0, the others follow
+        run_async(build_async(cfg, run_dir, parallel))
 
 
 if __name__ == "__main__":

@@ -319,9 +319,10 @@ def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = N
                    weight_check=weight_check)
 
 
-def build_async(cfg: DictConfig, run_dir: Path) -> AsyncRun:
-    """The async run: the common pieces; the Ray actors (with their engines and collectors) start in the loop."""
-    c = build_common(cfg, run_dir)
+def build_async(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> AsyncRun:
+    """The async run: the common pieces; the Ray actors (with their engines and collectors) start in the loop.
+    ``parallel``: this is rank 0 of data-parallel ranks."""
+    c = build_common(cfg, run_dir, parallel)
     print(f"precision: {describe(cfg, c.placement.train[0], actor_device(cfg))}", flush=True)
     weight_check = build_weight_check(cfg, c.trainer, c.tokenizer, actor_dtype(cfg))
     return AsyncRun(c.trainer, c.state, c.tokenizer, c.task.reward_names, c.plan.total_steps, int(cfg.ray.num_actors),

@@ -84,7 +84,10 @@ def test_fsdp_ranks_must_divide_the_micro_batch_and_what_is_not_built_is_refused
         validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=3"))
     validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2"))
     validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2", "train.resume=auto"))  # resumes
-    for override, what in [("mode=async", "mode=async"), ("inference_model.backend=transformers", "inference_model")]:
+    validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2", "mode=async"))  # grpo-async.py
+    with pytest.raises(ConfigError, match=r"^logging.eval_frequency=5 with grpo-async.py and train.strategy=fsdp"):
+        validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2", "mode=async", "logging.eval_frequency=5"))
+    for override, what in [("inference_model.backend=transformers", "inference_model")]:
         with pytest.raises(ConfigError, match=rf"^train.strategy=fsdp \(fsdp\) is not built yet with {what}"):
             validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2", override))
     validate(cfg_with("train.strategy=layer_split", "train_model.num_devices=3"))

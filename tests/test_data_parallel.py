@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from helpers import FLOAT32, LORA, SMALL, finite, metric_rows, needs_vllm, start, wait_until
+from helpers import (FLOAT32, LORA, SMALL, finite, metric_rows, needs_ray_and_vllm, needs_vllm, ray_processes, run_async,
+                     start, wait_until)
 from torchrl_grpo.config import TrainSettings
 from torchrl_grpo.data_parallel import DataParallel, process_group, shard_model
 from torchrl_grpo.models import load_policy, merged_weights
@@ -245,6 +246,27 @@ def test_a_rank_killed_stops_the_run_in_one_line_and_it_resumes(tmp_path):
     assert proc.returncode == 0, err[-3000:]
     assert f"(step {newest})" in out and f"step {newest + 1} | reward" in out
     assert live_in_group(proc.pid) == []
+
+
+@needs_ray_and_vllm
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs num_devices=2 is the layer split (fsdp: CPU only)")
+def test_grpo_async_trains_with_two_gloo_ranks_and_resumes(tmp_path):
+    """grpo-async.py with the same keys: Ray actors collect, two ranks train; the weights gathered from the shards
+    reach the actors whole (the weight sync check after each push), then one more step from the checkpoint."""
+    run_dir = tmp_path / "run"
+    args = [*SMALL, *FLOAT32, "train_model.num_devices=2", "logging.checkpoint_frequency=1", f"hydra.run.dir={run_dir}"]
+    done = run_async([*args, "train.total_dialog_turns=24"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "data-parallel training: 2 ranks (FSDP2 over gloo)" in done.stdout
+    rows = metric_rows(run_dir)
+    assert [int(float(r["step"])) for r in rows] == [1, 2, 3] and all(finite(r["loss_objective"]) for r in rows)
+    gaps = [float(r["weight_sync_gap"]) for r in rows if r["weight_sync_gap"]]  # logged as pushes land
+    assert gaps and max(gaps) < 1e-4
+    assert (run_dir / "checkpoints" / "step_000003" / "optimizer_shards" / ".metadata").is_file()
+    again = run_async([*args, "train.total_dialog_turns=32", "train.resume=auto"], cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "(step 3)" in again.stdout and [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2, 3, 4]
+    assert not ray_processes()
 
 
 def children(pid: int) -> list[tuple[int, str]]:

@@ -194,8 +194,12 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
         raise ConfigError(f"inference_model.engine_process=same with train.strategy={_get(cfg, 'train.strategy')} "
                           "(fsdp): in rank 0's process vLLM would take the ranks' process group and wait for them "
                           "forever; use auto or own")
+    if _get(cfg, "mode") == "async" and _get(cfg, "logging.eval_frequency") > 0:
+        raise ConfigError(f"logging.eval_frequency={_get(cfg, 'logging.eval_frequency')} with grpo-async.py and "
+                          f"train.strategy={_get(cfg, 'train.strategy')} (fsdp): async mode evaluates with the "
+                          "trained policy itself, which the ranks shard; set logging.eval_frequency=0 (evaluate a "
+                          "checkpoint with evaluate.py)")
     not_yet = [
-        (_get(cfg, "mode") == "async", "mode=async (grpo-async.py)", "run grpo.py"),
         (_get(cfg, "inference_model.backend") == "transformers", "inference_model.backend=transformers (it "
          "samples with the sharded policy)", "use inference_model.backend=vllm"),
         (torch.cuda.is_available(), "GPUs (only gloo ranks on the CPU have run)", "set train.strategy=layer_split"),
