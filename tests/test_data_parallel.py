@@ -42,6 +42,8 @@ CASES = {
     "constant_sum_kl_in_reward": ({"aggregation": "constant_sum", "aggregation_constant": 8.0}, {"kl_in_reward": 0.05}),
     "gspo_tis": ({"aggregation": "sequence_mean", "importance_level": "sequence", "tis_cap": 2.0}, {}),
     "lora_token_mean_kl_in_loss": ({"aggregation": "token_mean", "kl_to_ref_coeff": 0.1}, {"lora": True}),
+    # activations recomputed per decoder layer in the backward (train_model.gradient_checkpointing)
+    "token_mean_checkpointed": ({"aggregation": "token_mean"}, {"checkpointing": True}),
 }
 COMPARED = ("loss", "loss_objective", "loss_kl_to_ref", "loss_entropy", "grad_norm", "ratio_max", "reward",
             "advantage_abs_mean", "resumed/loss", "resumed/grad_norm", "resumed/ratio_max")
@@ -75,7 +77,8 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
     loss_options, train_options = CASES[name]
     torch.manual_seed(0)  # the LoRA initialisation
     lora = LORA if train_options.get("lora") else None
-    policy = load_policy(model_path, dtype=torch.float32, device="cpu", lora=lora)
+    policy = load_policy(model_path, dtype=torch.float32, device="cpu", lora=lora,
+                         gradient_checkpointing=train_options.get("checkpointing", False))
     ref = None
     if loss_options.get("kl_to_ref_coeff") or train_options.get("kl_in_reward"):
         ref = load_policy(model_path, dtype=torch.float32, device="cpu", trainable=False)
