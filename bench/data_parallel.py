@@ -7,28 +7,17 @@ ranks: gathering the weights from the shards, then the push into the engine).
     .venv/bin/python bench/data_parallel.py                              # SmolLM2-135M, gsm_symbolic, 8 steps
     .venv/bin/python bench/data_parallel.py --ranks 1 2 model=tiny       # extra arguments are Hydra overrides
 """
-import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
 
-from sync_vs_async import ROOT, run_mode, throughput
+from sync_vs_async import options, run_mode, throughput
 
 SPLIT = ("train_time", "prepare_time", "weight_push_time", "step_time")
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="train_model.num_devices to compare")
-    parser.add_argument("--steps", type=int, default=8, help="steps per run")
-    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-data-parallel")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
-    opts = parser.parse_args()
-    if opts.steps <= opts.warmup:
-        sys.exit(f"error: --steps={opts.steps} leaves no step after --warmup={opts.warmup}: raise --steps")
-    opts.out.mkdir(parents=True, exist_ok=True)
+    opts = options(__doc__, 8, "bench-data-parallel", lambda parser: parser.add_argument(
+        "--ranks", type=int, nargs="+", default=[1, 2], help="train_model.num_devices to compare"))
     figures = {}
     for ranks in opts.ranks:
         name = f"{ranks} rank{'s' if ranks > 1 else ''}"

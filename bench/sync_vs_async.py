@@ -60,16 +60,23 @@ def throughput(result: dict, warmup: int) -> dict:
             "tokens_per_s": round(tokens / seconds, 1), "wall_s": round(result["wall_s"], 1)}
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="steps per mode")
+def options(doc: str, steps: int, out: str, add=lambda parser: None) -> argparse.Namespace:
+    """The run benches' command line: --steps, --warmup, --out (made), Hydra overrides, and what ``add`` adds."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=steps, help="steps per run")
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the figures")
-    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-sync-vs-async")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every mode")
+    parser.add_argument("--out", type=Path, default=ROOT / "outputs" / out)
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides for every run")
+    add(parser)
     opts = parser.parse_args()
     if opts.steps <= opts.warmup:
         sys.exit(f"error: --steps={opts.steps} leaves no step after --warmup={opts.warmup}: raise --steps")
     opts.out.mkdir(parents=True, exist_ok=True)
+    return opts
+
+
+def main():
+    opts = options(__doc__, 10, "bench-sync-vs-async")
     figures = {}
     for name, (script, extra) in MODES.items():
         figures[name] = throughput(run_mode(name, script, extra, opts.overrides, opts.steps, opts.out), opts.warmup)

@@ -45,6 +45,16 @@ def messages_of(td: TensorDictBase) -> list[dict]:
     return [{"role": r, "content": c} for r, c in zip(history.role, history.content) if r != "<none>"]
 
 
+def _last_turn(conversation: list[dict]) -> int:
+    """The index of the engine's last turn: messages after it are what the environment added."""
+    return max(i for i, m in enumerate(conversation) if m["role"] == "assistant")
+
+
+def _single(value):
+    """A batch-(1,) non-tensor entry's value (a list of one where TensorDict stacked it)."""
+    return value[0] if isinstance(value, list) else value
+
+
 def _flags(done: bool) -> dict:
     return {"done": torch.tensor([[done]]), "terminated": torch.tensor([[done]])}
 
@@ -72,7 +82,7 @@ class TaskEnv(EnvBase):
     def _reset(self, td: TensorDictBase | None) -> TensorDictBase:
         from torchrl_grpo.trajectories import prompt_token_ids
 
-        self.row = td["row"] if not isinstance(td["row"], list) else td["row"][0]
+        self.row = _single(td["row"])
         self.turns, self.counts, self.ended, self.finish_reason = 0, {}, "", "stop"
         out = TensorDict({"history": _chat_history(self.task.messages(self.row)), **_flags(False)}, batch_size=(1,))
         out["tokens", "prompt"] = torch.tensor([prompt_token_ids(self.task, self.tokenizer, [self.row])[0]])
@@ -80,10 +90,7 @@ class TaskEnv(EnvBase):
         return out
 
     def _step(self, td: TensorDictBase) -> TensorDictBase:
-        text = td["text", "response"]
-        text = text[0] if isinstance(text, list) else text
-        finish = td["finish_reason"]
-        self.finish_reason = finish[0] if isinstance(finish, list) else finish
+        text, self.finish_reason = _single(td["text", "response"]), _single(td["finish_reason"])
         self.turns += 1
         conversation = [*messages_of(td), {"role": "assistant", "content": text}]
         done = self.turns >= self.task.max_turns
@@ -119,7 +126,7 @@ class InsertedTokens(Transform):
         if bool(next_tensordict["done"].any()):
             return next_tensordict
         conversation = messages_of(next_tensordict)
-        last = max(i for i, m in enumerate(conversation) if m["role"] == "assistant")
+        last = _last_turn(conversation)
         added = conversation[last + 1:]
         if not added:
             env.ended = "length" if env.finish_reason == "length" else "answer"
@@ -147,8 +154,7 @@ class EpisodeReward(Transform):
             return next_tensordict
         env = self.parent.base_env
         task, conversation = env.task, messages_of(next_tensordict)
-        last = max(i for i, m in enumerate(conversation) if m["role"] == "assistant")
-        conversation = conversation[: last + 1]
+        conversation = conversation[: _last_turn(conversation) + 1]
         if task.turn_env is None:
             components = task.score(conversation[-1]["content"], env.row)
         else:
