@@ -16,7 +16,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from grpo_utils import build_async, data_parallel_ranks
+from grpo_utils import build_async, data_parallel_ranks, torchrun_follower
 from torchrl_grpo.command_line import checked_command_line
 from torchrl_grpo.console import quiet_libraries
 from torchrl_grpo.errors import exit_with_one_line
@@ -36,7 +36,7 @@ def main(cfg: DictConfig) -> None:
         run_async(build_async(cfg, run_dir, parallel))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and not torchrun_follower():  # under torchrun the ranks above 0 follow rank 0
     if not any(arg.startswith("mode=") for arg in sys.argv[1:]):
         sys.argv.insert(1, "mode=async")
     main()

@@ -4,6 +4,7 @@
     python grpo.py env=gsm_symbolic                 # the same, fully offline
     python grpo.py model=tiny env=gsm_symbolic train.total_dialog_turns=32   # a smoke run in seconds
     python grpo.py train.strategy=fsdp train_model.num_devices=2  # two data-parallel ranks (gloo on the CPU)
+    torchrun --nnodes 2 --nproc-per-node 1 ... grpo.py            # data-parallel ranks torchrun starts
 """
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from grpo_utils import build_sync, data_parallel_ranks
+from grpo_utils import build_sync, data_parallel_ranks, torchrun_follower
 from torchrl_grpo.command_line import checked_command_line
 from torchrl_grpo.console import quiet_libraries
 from torchrl_grpo.errors import exit_with_one_line
@@ -35,5 +36,5 @@ def main(cfg: DictConfig) -> None:
             run.collector.engine.close()
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and not torchrun_follower():  # under torchrun the ranks above 0 follow rank 0
     main()

@@ -23,8 +23,8 @@ from omegaconf import DictConfig, OmegaConf
 from torchrl_grpo.async_loop import AsyncRun
 from torchrl_grpo.collector import Collector
 from torchrl_grpo.config import BatchPlan, CollectSettings, TrainSettings, validate
-from torchrl_grpo.data_parallel import DataParallel, process_group, shard_model
-from torchrl_grpo.errors import RunError
+from torchrl_grpo.data_parallel import DataParallel, Launch, process_group, shard_model, torchrun_launch
+from torchrl_grpo.errors import ConfigError, RunError
 from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.objective import GRPOLoss
 from torchrl_grpo.placement import Placement, place, train_strategy
@@ -155,24 +155,28 @@ def build_eval_engine(cfg: DictConfig):
 def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume_from: Path | None,
                   parallel: DataParallel | None = None) -> Trainer:
     """Policy (from the checkpoint when resuming), reference when a KL to it is on, loss and optimizer; with
-    ``parallel`` both models sharded over the ranks (FSDP2) before the optimizer is built."""
+    ``parallel`` both models on the rank's own device (its GPU, or the CPU) and sharded over the ranks (FSDP2,
+    with its bf16 policy under mixed precision) before the optimizer is built."""
     from torchrl_grpo.models import load_policy
 
-    policy = build_policy(cfg, model_path, placement.train, resume_from)
+    train_on, ref_on = placement.train, placement.ref
+    if parallel is not None:
+        train_on = ref_on = [str(parallel.device)]
+    policy = build_policy(cfg, model_path, train_on, resume_from)
     ref_policy = None
     if float(cfg.train.kl_to_ref_coeff) > 0:
-        ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, placement.ref[0]),
-                                 device=placement.ref, trainable=False,
-                                 trust_remote_code=bool(cfg.model.trust_remote_code))
+        ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, ref_on[0]),
+                                 device=ref_on, trainable=False, trust_remote_code=bool(cfg.model.trust_remote_code))
+    mixed = autocast_bf16(cfg, train_on[0])
     if parallel is not None:
-        policy = shard_model(policy)
-        ref_policy = None if ref_policy is None else shard_model(ref_policy)
-    if autocast_bf16(cfg, placement.train[0]) and not native_bf16(placement.train[0]):
+        policy = shard_model(policy, mixed)
+        ref_policy = None if ref_policy is None else shard_model(ref_policy, mixed)
+    if mixed and not native_bf16(train_on[0]):
         print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
               "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)
     return Trainer(policy, ref_policy, build_loss(cfg, policy), build_optimizer(cfg, policy),
-                   TrainSettings.from_config(cfg, placement.train[0]), torch.device(placement.train[0]),
-                   torch.device(placement.ref[0]) if ref_policy is not None else None, parallel)
+                   TrainSettings.from_config(cfg, train_on[0]), torch.device(train_on[0]),
+                   torch.device(ref_on[0]) if ref_policy is not None else None, parallel)
 
 
 # collectives wait this long for a rank: the followers wait while rank 0 generates and evaluates
@@ -182,10 +186,14 @@ RANK_TIMEOUT_S = 1800
 @contextlib.contextmanager
 def data_parallel_ranks(cfg: DictConfig, run_dir: Path):
     """``train.strategy=fsdp`` (or ``auto`` resolved to it): this process becomes rank 0 of
-    ``train_model.num_devices`` ranks and starts the others (:func:`follow_rank`); yields rank 0's
-    :class:`DataParallel` (None for the other strategies). The followers stop when rank 0's run ends; they
-    are killed if it fails. A follower that dies stops the run in one line (its collective fails at once, or
-    after ``RANK_TIMEOUT_S``), saying how to resume from ``run_dir``'s last checkpoint."""
+    ``train_model.num_devices`` ranks and starts the others (:func:`follow_rank`), or of the ranks ``torchrun``
+    started (:func:`torchrun_follower` runs the others); yields rank 0's :class:`DataParallel` (None for the
+    other strategies). The followers stop when rank 0's run ends; those it started are killed if it fails. A
+    follower that dies stops the run in one line (its collective fails at once, or after ``RANK_TIMEOUT_S``),
+    saying how to resume from ``run_dir``'s last checkpoint."""
+    launch = torchrun_launch()
+    if launch is not None:
+        adopt_torchrun_ranks(cfg, launch)
     if train_strategy(cfg) != "fsdp":
         yield None
         return
@@ -193,18 +201,21 @@ def data_parallel_ranks(cfg: DictConfig, run_dir: Path):
     # rank 0's vLLM engine in a fresh process of its own (build_sync asks for engine_process=own, spawned): in
     # this one (or a fork of it) it would take the ranks' process group and wait for the followers
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    world, store = int(cfg.train_model.num_devices), Path(tempfile.mkdtemp(prefix="grpo_ranks_"))
-    init_method = f"file://{store / 'store'}"
-    config = OmegaConf.to_container(cfg, resolve=True)
-    spawn = multiprocessing.get_context("spawn")
-    followers = [spawn.Process(target=follow_rank, args=(config, rank, world, init_method), daemon=True)
-                 for rank in range(1, world)]
+    world, store, init_method, followers = int(cfg.train_model.num_devices), None, "env://", []
+    if launch is None:
+        store = Path(tempfile.mkdtemp(prefix="grpo_ranks_"))
+        init_method = f"file://{store / 'store'}"
+        spawn = multiprocessing.get_context("spawn")
+        followers = [spawn.Process(target=follow_rank, args=(rank, world, init_method), daemon=True)
+                     for rank in range(1, world)]
     for follower in followers:
         follower.start()
     try:
         with process_group(0, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
-            print(f"data-parallel training: {world} ranks (FSDP2 over {torch.distributed.get_backend()}), this "
-                  "process is rank 0", flush=True)
+            parallel.broadcast_config(OmegaConf.to_container(cfg, resolve=True))
+            started = ", started by torchrun" if launch is not None else ""
+            print(f"data-parallel training: {world} rank{'s' if world > 1 else ''} (FSDP2 over "
+                  f"{torch.distributed.get_backend()}{started}), this process is rank 0", flush=True)
             try:
                 yield parallel
             except BaseException as err:
@@ -212,6 +223,8 @@ def data_parallel_ranks(cfg: DictConfig, run_dir: Path):
                     for follower in followers:
                         follower.join(timeout=5)
                 dead = [f"rank {r} (exit code {f.exitcode})" for r, f in enumerate(followers, 1) if f.exitcode]
+                if launch is not None and isinstance(err, RuntimeError):
+                    dead = ["a rank"]  # torchrun's: it reports which, and stops the others
                 for follower in followers:  # they may wait in a collective this rank will not reach
                     follower.kill()
                 if dead and isinstance(err, RuntimeError):
@@ -226,16 +239,42 @@ def data_parallel_ranks(cfg: DictConfig, run_dir: Path):
             if follower.is_alive():
                 follower.kill()
                 follower.join()
-        shutil.rmtree(store, ignore_errors=True)
+        if store is not None:
+            shutil.rmtree(store, ignore_errors=True)
 
 
-def follow_rank(config: dict, rank: int, world: int, init_method: str) -> None:
-    """A follower rank (started by :func:`data_parallel_ranks`): the trainer rank 0 builds, sharded alike,
-    making the calls rank 0's trainer announces until the run ends."""
+def adopt_torchrun_ranks(cfg: DictConfig, launch: Launch) -> None:
+    """Under ``torchrun`` the ranks are its: ``train_model.num_devices`` becomes its world size (left at 1 or
+    set to it; anything else is a one-line error), and they train data-parallel (``train.strategy`` fsdp or
+    auto)."""
+    given, strategy = int(cfg.train_model.num_devices), cfg.train.strategy
+    if given not in (1, launch.world_size):
+        raise ConfigError(f"train_model.num_devices={given} but torchrun started {launch.world_size} ranks: leave "
+                          f"train_model.num_devices out (torchrun's ranks are the train devices) or set it to "
+                          f"{launch.world_size}")
+    if strategy == "layer_split":
+        raise ConfigError(f"train.strategy=layer_split under torchrun ({launch.world_size} ranks): the layer split is "
+                          "one process; use train.strategy=fsdp (or auto), or run python grpo.py without torchrun")
+    cfg.train_model.num_devices = launch.world_size
+
+
+def torchrun_follower() -> bool:
+    """Under ``torchrun``, a rank other than 0 follows rank 0 (:func:`follow_rank`) instead of running the
+    script, and this returns True once the run ended; False for rank 0 and plain processes."""
+    launch = torchrun_launch()
+    if launch is None or launch.rank == 0:
+        return False
+    follow_rank(launch.rank, launch.world_size, "env://")
+    return True
+
+
+def follow_rank(rank: int, world: int, init_method: str) -> None:
+    """A follower rank (started by :func:`data_parallel_ranks` or torchrun): the trainer rank 0 builds from the
+    config it sends, sharded alike, making the calls rank 0's trainer announces until the run ends."""
     from torchrl_grpo.model_sources import resolve_model
 
-    cfg = OmegaConf.create(config)
     with process_group(rank, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
+        cfg = OmegaConf.create(parallel.broadcast_config(None))
         seed_everything(int(cfg.train.seed))
         placement = place(cfg, needs_ref=float(cfg.train.kl_to_ref_coeff) > 0)
         model_path = resolve_model(str(cfg.model.name), bool(cfg.model.trust_remote_code))
@@ -326,4 +365,5 @@ def build_async(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = 
     print(f"precision: {describe(cfg, c.placement.train[0], actor_device(cfg))}", flush=True)
     weight_check = build_weight_check(cfg, c.trainer, c.tokenizer, actor_dtype(cfg))
     return AsyncRun(c.trainer, c.state, c.tokenizer, c.task.reward_names, c.plan.total_steps, int(cfg.ray.num_actors),
-                    int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), c.evaluator, weight_check)
+                    int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), c.evaluator, weight_check,
+                    actor_dtype(cfg))

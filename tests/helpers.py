@@ -7,6 +7,7 @@ import csv
 import functools
 import math
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -144,11 +145,12 @@ def run_async(args, cwd, timeout=240, env_extra=None) -> subprocess.CompletedPro
     return run(args, cwd, script="grpo-async.py", timeout=timeout, env_extra=env_extra)
 
 
-def start(args, cwd, script="grpo.py", **popen_kwargs) -> subprocess.Popen:
-    """The script running in the background, in a process group of its own (for ``os.killpg``), output piped."""
+def start(args, cwd, script="grpo.py", launcher=(), **popen_kwargs) -> subprocess.Popen:
+    """The script running in the background, in a process group of its own (for ``os.killpg``), output piped;
+    ``launcher``: Python arguments before the script (e.g. ``-m torch.distributed.run --nproc-per-node 2``)."""
     popen_kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen_kwargs}
-    return subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, env={**os.environ, **SCRIPT_ENV},
-                            start_new_session=True, **popen_kwargs)
+    return subprocess.Popen([sys.executable, *launcher, str(ROOT / script), *args], cwd=cwd,
+                            env={**os.environ, **SCRIPT_ENV}, start_new_session=True, **popen_kwargs)
 
 
 def wait_until(done, proc: subprocess.Popen, seconds: float, poll: float = 0.2) -> None:
@@ -173,6 +175,13 @@ def finite(cell: str) -> bool:
         return math.isfinite(float(cell))
     except (TypeError, ValueError):  # None: a column the row lacks
         return False
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a rendezvous or a Ray head of a test's own)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def ray_processes() -> str:

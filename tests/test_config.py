@@ -90,6 +90,7 @@ def test_fsdp_ranks_must_divide_the_micro_batch_and_what_is_not_built_is_refused
     for override, what in [("inference_model.backend=transformers", "inference_model")]:
         with pytest.raises(ConfigError, match=rf"^train.strategy=fsdp \(fsdp\) is not built yet with {what}"):
             validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2", override))
+    validate(cfg_with("train.strategy=fsdp", "inference_model.backend=transformers"))  # one rank samples alone
     validate(cfg_with("train.strategy=layer_split", "train_model.num_devices=3"))
     # auto: gloo ranks for several train devices on a machine without GPUs, the layer split with GPUs
     assert train_strategy(cfg_with("train_model.num_devices=2"), gpu_count=0) == "fsdp"
@@ -98,3 +99,44 @@ def test_fsdp_ranks_must_divide_the_micro_batch_and_what_is_not_built_is_refused
     assert place(cfg_with("train_model.num_devices=2"), needs_ref=True, gpu_count=0).train == ["cpu"]
     with pytest.raises(ConfigError, match=r"^train.strategy=auto \(fsdp\) with train_model.num_devices=3"):
         validate(cfg_with("train_model.num_devices=3"))
+
+
+def test_fsdp_ranks_on_gpus_take_gpus_0_to_n_and_the_engine_the_next():
+    """train.strategy=fsdp with GPUs: rank r trains on GPU r of its machine, the reference is sharded with the
+    policy on the same GPUs, the engine takes the next free GPU (else shares GPU 0 with rank 0)."""
+    fsdp = ("train.strategy=fsdp", "train_model.num_devices=2", "train.kl_to_ref_coeff=0.1")
+    four = place(cfg_with(*fsdp), needs_ref=True, gpu_count=4)
+    assert (four.train, four.ref, four.inference, four.shared) == (["cuda:0", "cuda:1"], ["cuda:0", "cuda:1"],
+                                                                   ["cuda:2"], False)
+    two = place(cfg_with(*fsdp), needs_ref=True, gpu_count=2)
+    assert (two.train, two.inference, two.shared) == (["cuda:0", "cuda:1"], ["cuda:0"], True)
+    with pytest.raises(ConfigError, match=r"^3 data-parallel ranks on this machine .* has 2 GPU\(s\)"):
+        place(cfg_with("train.strategy=fsdp", "train_model.num_devices=3"), needs_ref=False, gpu_count=2)
+    with pytest.raises(ConfigError, match=r"^train_model.devices=\[1, 2\] with train.strategy=fsdp: .*CUDA_VISIBLE"):
+        place(cfg_with(*fsdp, "train_model.devices=[1,2]"), needs_ref=True, gpu_count=4)
+    validate(cfg_with(*fsdp))  # no longer refused where GPUs are
+
+
+def test_torchrun_ranks(monkeypatch):
+    """Under torchrun (its variables set): auto is fsdp, train_model.num_devices takes its world size (another
+    value is one line), and on GPUs each machine's ranks take its first GPUs: 4 ranks over 2 machines of 4."""
+    from grpo_utils import adopt_torchrun_ranks
+    from torchrl_grpo.data_parallel import Launch, torchrun_launch
+
+    assert torchrun_launch({}) is None
+    rendezvous = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
+    assert torchrun_launch({**rendezvous, "RANK": "0", "WORLD_SIZE": "1"}) is None  # one process
+    assert torchrun_launch({**rendezvous, "RANK": "3", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}) == Launch(3, 4, 2)
+    for key, value in {**rendezvous, "RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    cfg = cfg_with()
+    assert train_strategy(cfg, gpu_count=4) == "fsdp"
+    adopt_torchrun_ranks(cfg, torchrun_launch())
+    assert cfg.train_model.num_devices == 4
+    validate(cfg)
+    placed = place(cfg, needs_ref=False, gpu_count=4)
+    assert (placed.train, placed.inference) == (["cuda:0", "cuda:1"], ["cuda:2"])
+    with pytest.raises(ConfigError, match=r"^train_model.num_devices=3 but torchrun started 4 ranks"):
+        adopt_torchrun_ranks(cfg_with("train_model.num_devices=3"), torchrun_launch())
+    with pytest.raises(ConfigError, match=r"^train.strategy=layer_split under torchrun \(4 ranks\)"):
+        adopt_torchrun_ranks(cfg_with("train.strategy=layer_split"), torchrun_launch())

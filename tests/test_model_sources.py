@@ -203,3 +203,38 @@ def test_every_loader_is_told_trust_remote_code_explicitly(tiny_dir, monkeypatch
     monkeypatch.setattr(vllm_engine, "import_vllm", lambda: SimpleNamespace(LLM=llm))
     with pytest.raises(Started, match="^False$"):
         vllm_engine.VLLMEngine(tiny_dir)
+
+
+RANK_BUILDS = """
+import sys, torch.distributed as dist
+from torchrl_grpo.model_sources import resolve_model
+rank, store = int(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+if rank == 1:
+    print(resolve_model("tiny"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_follower_rank_builds_a_whole_model_cache(tmp_path):
+    """transformers 5's save_pretrained writes no model files on a torch.distributed rank other than 0: rank 1 of
+    two gloo ranks building the tiny model into an empty cache still gets the whole model (it builds in a
+    process of its own), where it used to mark a folder holding only the tokenizer finished."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    env = {**os.environ, "TORCHRL_GRPO_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(Path(__file__).parents[1])}
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_BUILDS, str(rank), str(tmp_path / "store")], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+    try:
+        outputs = [rank.communicate(timeout=300) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
+    assert [rank.returncode for rank in ranks] == [0, 0], outputs[1][1][-3000:]
+    built = Path(outputs[1][0].strip().splitlines()[-1])
+    assert built.parent == tmp_path / "cache" / "models"
+    assert AutoModelForCausalLM.from_pretrained(built).config.num_hidden_layers == 2

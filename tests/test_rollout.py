@@ -163,6 +163,36 @@ def test_vllm_push_weights_tied_embeddings_smollm2():
         engine.close()
 
 
+@needs_vllm
+def test_weights_sent_cast_to_a_bf16_engine_load_as_the_float32_ones(tiny_model_path):
+    """grpo-async.py sends its pushes cast to the engines' dtype (``Trainer.cpu_weights(dtype)``): a bf16 engine
+    casts float32 weights on load to the very values it is sent cast, so its scores are equal bit for bit."""
+    from torchrl_grpo.config import TrainSettings
+    from torchrl_grpo.objective import GRPOLoss
+    from torchrl_grpo.trainer import Trainer
+
+    policy = _policy(tiny_model_path)
+    perturb(policy, scale=0.05)
+    settings = TrainSettings(group_size=2, micro_batch=2, accumulation=1, epochs=1, temperature=1.0,
+                             recompute_old_log_probs=False, kl_in_reward_coeff=0.0, reward_scale="group",
+                             clip_grad_norm=None, mixed_precision=False, max_nonfinite_updates=3, seed=0)
+    trainer = Trainer(policy, None, GRPOLoss(policy, temperature=1.0), torch.optim.SGD(policy.parameters(), lr=0.0),
+                      settings, torch.device("cpu"), None)
+    sent = trainer.cpu_weights(torch.bfloat16)
+    assert {t.dtype for t in sent.values()} == {torch.bfloat16}
+    tokens = list(range(5, 60))
+    engine = VLLMEngine(tiny_model_path, dtype="bfloat16", device="cpu", max_model_len=128, seed=0)
+    try:
+        engine.push_weights(merged_state_dict(policy))
+        from_float32 = engine.score(tokens)
+        engine.push_weights(sent)
+        assert engine.score(tokens) == from_float32
+        engine.push_weights({name: t * 1.01 for name, t in sent.items()})
+        assert engine.score(tokens) != from_float32  # the scores see a 1% change of the weights
+    finally:
+        engine.close()
+
+
 # ---------------------------------------------------------------------------------------------------
 # vllm_cpu_fixes against the installed vLLM (the session engine has applied them)
 

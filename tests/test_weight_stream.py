@@ -5,6 +5,7 @@ import io
 import multiprocessing
 import os
 import queue
+import weakref
 
 import pytest
 import torch
@@ -101,6 +102,34 @@ def test_every_worker_gets_every_tensor_bit_for_bit_over_pushes(tmp_path):
                 for name, tensor in items:
                     assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
         assert os.path.getsize(stream.buffer_path) == 64 * 3 * 33 * 4  # the largest bucket, never the weights
+    finally:
+        stream.close()
+
+
+def test_streamed_weights_are_read_as_the_buckets_fill_never_all_held(tmp_path):
+    """StreamedWeights (what the data-parallel trainer pushes): the plan from meta tensors, each tensor made
+    only when the feeder reaches it and dropped once copied, so at most two live at once; a source out of the
+    planned order fails the push."""
+    items = _weights()
+    specs = [(name, torch.empty(t.shape, dtype=t.dtype, device="meta")) for name, t in items]
+    made, most = [], 0
+
+    def source(order):
+        nonlocal most
+        for name, tensor in order:
+            tensor = tensor.clone()  # made now, as a gather from the shards would be
+            made.append(weakref.ref(tensor))
+            most = max(most, sum(ref() is not None for ref in made))
+            yield name, tensor
+
+    stream = WeightStream(str(tmp_path), workers=1, bucket_bytes=512)
+    try:
+        [(count, loaded)] = stream.push(specs, lambda wire: _run_workers(wire, 1), source=source(items)).values()
+        assert count == len(items) and len(made) == len(items) and most == 2
+        for name, tensor in items:
+            assert torch.equal(loaded[name], tensor), name
+        with pytest.raises(RuntimeError, match="weight stream: got layers.0.q.weight where embed.weight was planned"):
+            stream.push(specs, lambda wire: _run_workers(wire, 1), source=source(items[1:]))
     finally:
         stream.close()
 

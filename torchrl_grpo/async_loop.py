@@ -26,6 +26,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.rollout_actors import ActorFault, ActorPool
 from torchrl_grpo.run_state import AsyncProgress, RunState
@@ -47,6 +49,7 @@ class AsyncRun:
     max_staleness: int
     evaluator: Evaluator | None = None  # evaluates the trainer's own policy (the actors may hold older weights)
     weight_check: WeightCheck | None = None  # train.weight_sync_check: each actor checks itself after a push
+    engine_dtype: torch.dtype | None = None  # the actors' engines': pushes are sent cast to it
 
 
 def run_async(run: AsyncRun) -> dict:
@@ -54,7 +57,7 @@ def run_async(run: AsyncRun) -> dict:
     trainer, state = run.trainer, run.state
     progress = AsyncProgress(run.num_actors)
     state.restore(trainer, progress)
-    weights = trainer.cpu_weights() if state.resume_from is not None else None
+    weights = trainer.cpu_weights(run.engine_dtype) if state.resume_from is not None else None
     probe = run.weight_check.probe() if run.weight_check is not None and weights is not None else None
     step = start = state.step
     try:
@@ -106,7 +109,7 @@ def train_step(run: AsyncRun, pool: ActorPool, progress: AsyncProgress, step: in
                "trainer_version": progress.policy_version, "weight_push_time": 0.0}
     if step % run.weight_update_frequency == 0 and step < run.total_steps:
         started, progress.policy_version = time.perf_counter(), progress.policy_version + 1
-        pool.push(run.trainer.cpu_weights(), progress.policy_version,
+        pool.push(run.trainer.cpu_weights(run.engine_dtype), progress.policy_version,
                   run.weight_check.probe() if run.weight_check is not None else None)
         metrics["weight_push_time"] = time.perf_counter() - started
     return metrics

@@ -16,7 +16,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
 from omegaconf import DictConfig
 
 from torchrl_grpo.errors import ConfigError
@@ -199,15 +198,11 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
                           f"train.strategy={_get(cfg, 'train.strategy')} (fsdp): async mode evaluates with the "
                           "trained policy itself, which the ranks shard; set logging.eval_frequency=0 (evaluate a "
                           "checkpoint with evaluate.py)")
-    not_yet = [
-        (_get(cfg, "inference_model.backend") == "transformers", "inference_model.backend=transformers (it "
-         "samples with the sharded policy)", "use inference_model.backend=vllm"),
-        (torch.cuda.is_available(), "GPUs (only gloo ranks on the CPU have run)", "set train.strategy=layer_split"),
-    ]
-    for refused, what, fix in not_yet:
-        if refused:
-            raise ConfigError(f"train.strategy={_get(cfg, 'train.strategy')} (fsdp) is not built yet with {what}: "
-                              f"{fix}, or train_model.num_devices=1")
+    if ranks > 1 and _get(cfg, "inference_model.backend") == "transformers":  # one rank samples on its own
+        raise ConfigError(f"train.strategy={_get(cfg, 'train.strategy')} (fsdp) is not built yet with "
+                          f"inference_model.backend=transformers and {ranks} ranks (it samples with the sharded "
+                          "policy, which every rank would have to run): use inference_model.backend=vllm, or "
+                          "train_model.num_devices=1")
 
 
 def validate(cfg: DictConfig) -> BatchPlan:

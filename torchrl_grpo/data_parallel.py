@@ -14,7 +14,9 @@ Either every rank runs the same program (tests/test_data_parallel.py), or only r
 (engine, collector, metrics, checkpoints: ``grpo.py``) and the other ranks *follow*: the trainer on rank 0
 announces each of its calls that holds a collective (prepare, optimize, the weights gather, the
 probe, the checkpoint), with its arguments, and each follower makes the same call on its own trainer
-(:meth:`DataParallel.follow`), so that every rank's collectives match.
+(:meth:`DataParallel.follow`), so that every rank's collectives match. ``grpo.py`` starts the followers itself
+(one machine), or ``torchrun`` starts every rank (:func:`torchrun_launch`, several machines); either way rank 0
+sends them its config (:meth:`DataParallel.broadcast_config`).
 """
 from __future__ import annotations
 
@@ -59,6 +61,13 @@ class DataParallel:
                 return
             getattr(trainer, call)(*args)
 
+    def broadcast_config(self, config: dict | None) -> dict:
+        """Rank 0's run config (given there, ``None`` elsewhere) on every rank: the followers build the same
+        trainer without composing a config of their own."""
+        box = [config]
+        dist.broadcast_object_list(box, src=0, device=self.device)
+        return box[0]
+
     def share(self, n: int) -> slice:
         """This rank's contiguous share of ``n`` items (the config makes ``world_size`` divide ``n``; a batch
         that breaks it stops the run rather than dropping rows)."""
@@ -101,6 +110,26 @@ class DataParallel:
         return out
 
 
+@dataclass(frozen=True)
+class Launch:
+    """The ranks a launcher started (``torchrun``: its ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and
+    rendezvous variables)."""
+
+    rank: int
+    world_size: int
+    local_world_size: int  # the ranks on this machine (on GPUs: GPUs 0..local_world_size-1 train)
+
+
+def torchrun_launch(environ=os.environ) -> Launch | None:
+    """This process's rank when ``torchrun`` (or a launcher setting the same variables) started several
+    ranks; ``None`` for a plain process or a world of one. The ranks then join with ``init_method="env://"``."""
+    if not all(key in environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    world = int(environ["WORLD_SIZE"])
+    local = int(environ.get("LOCAL_WORLD_SIZE", world))
+    return Launch(int(environ["RANK"]), world, local) if world > 1 else None
+
+
 @contextlib.contextmanager
 def process_group(rank: int, world_size: int, init_method: str, timeout_s: float = 300.0,
                   followed: bool = False) -> Iterator[DataParallel]:
@@ -120,15 +149,20 @@ def process_group(rank: int, world_size: int, init_method: str, timeout_s: float
         dist.destroy_process_group()
 
 
-def shard_model(model: torch.nn.Module) -> torch.nn.Module:
+def shard_model(model: torch.nn.Module, mixed_precision: bool = False) -> torch.nn.Module:
     """FSDP2 over the process group: each decoder layer (the classes the HF model names in
     ``_no_split_modules``) is one shard group, the rest (embeddings, final norm, head) the root's. Gradients
     are summed over ranks, not averaged (module docstring); the weights are rank 0's. Every group, the root
     too, reshards after its forward: by default the root stays gathered, and after a no-grad forward (the
     log-probs of :meth:`Trainer.prepare`) the next backward then left the root's parameters without
     gradients (torch 2.13, gloo). In place; returns ``model``. Build the optimizer after this: the
-    parameters become DTensors."""
-    from torch.distributed.fsdp import fully_shard
+    parameters become DTensors.
+
+    ``mixed_precision`` (``train.mixed_precision`` resolved): FSDP2's policy, the shards cast to bf16 before
+    they are gathered (half the bytes, and a gathered layer takes half the memory), gradients reduced in
+    float32 into the float32 shards the optimizer steps; the trainer's bf16 autocast still runs the
+    log-softmax in float32."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     layer_classes = set(getattr(hf_model(model), "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in layer_classes]
@@ -138,8 +172,9 @@ def shard_model(model: torch.nn.Module) -> torch.nn.Module:
     with torch.no_grad():  # every rank starts from rank 0's weights (a LoRA initialisation is random)
         for tensor in [*model.parameters(), *model.buffers()]:
             dist.broadcast(tensor, src=0)
+    bf16 = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.float32} if mixed_precision else {}
     for module in [*layers, model]:
-        fully_shard(module, reshard_after_forward=True)
+        fully_shard(module, reshard_after_forward=True, mp_policy=MixedPrecisionPolicy(**bf16))
         module.set_gradient_divide_factor(1.0)
         module.set_force_sum_reduction_for_comms(True)
     return model
@@ -171,8 +206,9 @@ def hf_model(model: torch.nn.Module) -> torch.nn.Module:
 
 def gathered(items: Iterator[tuple[str, torch.Tensor]], keep: bool) -> dict[str, torch.Tensor]:
     """``(name, tensor)`` items gathered whole one at a time (every rank iterates in step); kept in the dict
-    only where ``keep`` (rank 0), so that the other ranks never hold more than one whole tensor."""
-    return {name: tensor for name, tensor in ((n, full_tensor(t)) for n, t in items) if keep}
+    only where ``keep`` (rank 0), in host memory, so that no rank's device ever holds more than one whole
+    tensor beside its shards (a 70B policy does not fit one GPU whole)."""
+    return {name: tensor.cpu() for name, tensor in ((n, full_tensor(t)) for n, t in items) if keep}
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,11 @@ template (with an injected system prompt) when the tokenizer path contains that 
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
+import multiprocessing
 import os
 import pathlib
 import shutil
@@ -65,7 +67,7 @@ def resolve_model(name: str, trust_remote_code: bool = False) -> str:
     if key.lower() == packaged_smollm2.NAME:
         gguf = packaged_smollm2.find_gguf()  # fails fast, before any cache work, when the wheel is missing
         final = cache_root() / "models" / packaged_smollm2.CACHE_DIR
-        return str(_cached_build(final, lambda d: packaged_smollm2.build(d, gguf)))
+        return str(_cached_build(final, functools.partial(packaged_smollm2.build, gguf=gguf)))
     local = pathlib.Path(key).expanduser()
     if local.is_dir():
         if (local / "adapter_config.json").is_file() and not (local / "config.json").is_file():
@@ -125,16 +127,19 @@ def _merged_lora(adapter_dir: pathlib.Path, trust_remote_code: bool) -> pathlib.
     stamp = f"{weights.resolve()}:{weights.stat().st_mtime_ns if weights.exists() else 0}"
     key = hashlib.sha256(stamp.encode()).hexdigest()[:16]
 
-    def build(out: pathlib.Path) -> None:
-        from peft import PeftModel
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(base, trust_remote_code), dtype=torch.float32,
-                                                     trust_remote_code=trust_remote_code)
-        PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().save_pretrained(out)
-        AutoTokenizer.from_pretrained(str(adapter_dir), trust_remote_code=trust_remote_code).save_pretrained(out)
-
+    build = functools.partial(_build_merged_lora, base=base, adapter_dir=adapter_dir,
+                              trust_remote_code=trust_remote_code)
     return _cached_build(cache_root() / "merged-lora" / key, build)
+
+
+def _build_merged_lora(out: pathlib.Path, base: str, adapter_dir: pathlib.Path, trust_remote_code: bool) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(resolve_model(base, trust_remote_code), dtype=torch.float32,
+                                                 trust_remote_code=trust_remote_code)
+    PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload().save_pretrained(out)
+    AutoTokenizer.from_pretrained(str(adapter_dir), trust_remote_code=trust_remote_code).save_pretrained(out)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -151,7 +156,9 @@ def _cached_build(final: pathlib.Path, build: Callable[[pathlib.Path], None]) ->
     try:
         t0 = time.perf_counter()
         log.info("building %s (once; cached afterwards)", final)
-        build(tmp)
+        _build_outside_process_group(build, tmp)
+        if not (tmp / "config.json").is_file():  # never mark an incomplete build finished
+            raise RuntimeError(f"building {final} wrote no config.json")
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the cache is not
@@ -169,6 +176,22 @@ def _cached_build(final: pathlib.Path, build: Callable[[pathlib.Path], None]) ->
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _build_outside_process_group(build: Callable[[pathlib.Path], None], out: pathlib.Path) -> None:
+    """``build(out)``, in a fresh process when this one is a torch.distributed rank: transformers 5's
+    ``save_pretrained`` writes no model files on a rank other than 0 (it takes every save for a distributed
+    checkpoint), so a follower rank building a cache would leave it without config or weights."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        build(out)
+        return
+    builder = multiprocessing.get_context("spawn").Process(target=build, args=(out,))
+    builder.start()
+    builder.join()
+    if builder.exitcode != 0:
+        raise RuntimeError(f"building {out} in a process of its own failed (exit code {builder.exitcode})")
 
 
 def _sweep_stale(final: pathlib.Path) -> None:

@@ -83,7 +83,7 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     return dict(merged_weights(model))
 
 
-def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
+def merged_weights(model, shapes_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """``(HF name, tensor)`` of the base model's weights with any active LoRA merged in, one at a time.
 
     The model is not modified: merged weights are new tensors, the others alias the live parameters
@@ -91,7 +91,12 @@ def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
     separate lm_head.weight), which is what vLLM's weight reload expects (DESIGN.md section 5). A model
     sharded with FSDP2 gives each weight gathered whole when it is reached, so that a consumer that does
     not keep them (a push into an engine) never holds two full copies; every rank must then iterate in step.
+    ``shapes_only``: meta tensors of each weight's whole shape and dtype instead, without gathering anything.
     """
+
+    def whole(p: torch.Tensor) -> torch.Tensor:
+        return torch.empty(p.shape, dtype=p.dtype, device="meta") if shapes_only else full_tensor(p.detach())
+
     model = _unwrap(model)
     try:
         from peft import PeftModel
@@ -99,7 +104,7 @@ def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         PeftModel = None
     if PeftModel is None or not isinstance(model, PeftModel):
         for name, p in model.named_parameters():
-            yield name, full_tensor(p.detach())
+            yield name, whole(p)
         return
     base = model.get_base_model()
     layers = _lora_layers(base)
@@ -107,7 +112,7 @@ def merged_weights(model) -> Iterator[tuple[str, torch.Tensor]]:
         parts = name.split(".")
         if any(s.startswith("lora_") for s in parts) or "original_module" in parts:
             continue
-        yield _hf_name(name), _merged(full_tensor(p.detach()), layers.get(name))
+        yield _hf_name(name), whole(p) if shapes_only else _merged(whole(p), layers.get(name))
 
 
 # ---------------------------------------------------------------------------------------------------

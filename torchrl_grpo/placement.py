@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from omegaconf import DictConfig
 
+from torchrl_grpo.data_parallel import torchrun_launch
 from torchrl_grpo.errors import ConfigError
 
 ROLES = ("train_model", "inference_model", "ref_model")
@@ -34,7 +35,8 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
     """Assign devices to the roles of ``cfg``; ``gpu_count`` defaults to what torch sees."""
     available = torch.cuda.device_count() if gpu_count is None else gpu_count
     ranks = train_strategy(cfg, available) == "fsdp"
-    roles = [r for r in ROLES if r != "ref_model" or needs_ref]
+    # data-parallel ranks shard the reference like the policy, on their own devices
+    roles = [r for r in ROLES if r != "ref_model" or (needs_ref and not ranks)]
     if available == 0:
         for role in roles:
             devices = cfg[role].get("devices")
@@ -47,6 +49,10 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
         return Placement(["cpu"], ["cpu"], ["cpu"], shared=True)
 
     chosen: dict[str, list[int]] = {}
+    if ranks and cfg.train_model.get("devices"):
+        raise ConfigError(f"train_model.devices={list(cfg.train_model.devices)} with train.strategy=fsdp: rank r "
+                          "trains on GPU r of its machine (its LOCAL_RANK); set train_model.devices=null and pick the "
+                          "GPUs with CUDA_VISIBLE_DEVICES")
     for role in roles:
         devices = cfg[role].get("devices")
         if devices:
@@ -55,6 +61,13 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
                 raise ConfigError(f"{role}.devices={list(devices)}: GPU(s) {missing} do not exist (this machine has {available}: 0..{available - 1})")
             chosen[role] = [int(d) for d in devices]
     wanted = {r: int(cfg[r].get("num_devices", 1)) for r in roles if r not in chosen}
+    if ranks:  # the ranks on this machine, each on the GPU of its local rank: 0, 1, ...
+        launch, local = torchrun_launch(), wanted.pop("train_model")
+        local = launch.local_world_size if launch is not None else local
+        if local > available:
+            raise ConfigError(f"{local} data-parallel ranks on this machine (train_model.num_devices, or torchrun's "
+                              f"--nproc-per-node) but it has {available} GPU(s): start at most {available} here")
+        chosen["train_model"] = list(range(local))
     for role, n in wanted.items():
         if n < 1 or n > available:
             raise ConfigError(f"{role}.num_devices={n} but this machine has {available} GPU(s): set {role}.num_devices between 1 and {available}")
@@ -77,11 +90,14 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
 
 
 def train_strategy(cfg: DictConfig, gpu_count: int | None = None) -> str:
-    """``train.strategy`` resolved: ``auto`` is ``fsdp`` (``train_model.num_devices`` data-parallel gloo ranks)
-    for several train devices on a machine without GPUs, else ``layer_split`` (FSDP on GPUs has not run yet)."""
+    """``train.strategy`` resolved: ``auto`` is ``fsdp`` under ``torchrun`` (the ranks it started) and for
+    several train devices on a machine without GPUs (``train_model.num_devices`` data-parallel gloo ranks), else
+    ``layer_split`` (FSDP on GPUs has not run yet)."""
     chosen = cfg.get("train", {}).get("strategy", "auto")
     if chosen != "auto":
         return chosen
+    if torchrun_launch() is not None:
+        return "fsdp"
     gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
     return "fsdp" if int(cfg.train_model.get("num_devices", 1)) > 1 and gpus == 0 else "layer_split"
 

@@ -117,8 +117,9 @@ class Train:
     resume: str = key("any", "null | auto (newest checkpoint of this run dir) | a checkpoint or run dir", null=True)
     sync_iter: bool = key("bool", "sync mode: false generates the next batch while this one trains")
     strategy: str = key("choice", "training over train_model.num_devices: layer_split (the layers split over the "
-                        "GPUs) | fsdp (data-parallel ranks, FSDP2, started by grpo.py; gloo on the CPU) | auto (fsdp "
-                        "without GPUs, layer_split with them)", choices=("auto", "fsdp", "layer_split"))
+                        "GPUs) | fsdp (data-parallel ranks, FSDP2, started by grpo.py or torchrun; gloo on the CPU, "
+                        "nccl on GPUs) | auto (fsdp without GPUs or under torchrun, else layer_split)",
+                        choices=("auto", "fsdp", "layer_split"))
 
 
 @dataclass

@@ -28,6 +28,7 @@ from torchrl_grpo.models import merged_state_dict, merged_weights
 from torchrl_grpo.objective import MAX_METRICS, GRPOLoss, token_log_probs, total_loss
 from torchrl_grpo.objective_terms import group_advantages
 from torchrl_grpo.weight_check import probe_log_probs
+from torchrl_grpo.weight_stream import StreamedWeights
 
 
 class Trainer:
@@ -170,13 +171,16 @@ class Trainer:
         if self.parallel is not None and self.parallel.leads:
             self.parallel.announce(call, *args)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """The policy's HF-named weights (LoRA merged in): what an engine loads. Data-parallel: gathered from
-        the shards one at a time, kept by rank 0 only (the other ranks get an empty dict)."""
+    def weights(self) -> dict[str, torch.Tensor] | StreamedWeights:
+        """The policy's HF-named weights (LoRA merged in): what an engine loads. Data-parallel: on rank 0 each
+        is gathered from the shards when the consumer reaches it (:class:`StreamedWeights`: read them once, to
+        the end), while the other ranks gather them all in step and keep none (an empty dict)."""
         self._everywhere("weights")
         if self.parallel is None:
             return merged_state_dict(self.policy)
-        return gathered(merged_weights(self.policy), keep=self.parallel.rank == 0)
+        if self.parallel.rank == 0:
+            return StreamedWeights(list(merged_weights(self.policy, shapes_only=True)), merged_weights(self.policy))
+        return gathered(merged_weights(self.policy), keep=False)
 
     def probe_log_probs(self, token_ids: list[int]) -> torch.Tensor:
         """The weight sync check's probe under the policy (:func:`probe_log_probs`)."""
@@ -197,9 +201,14 @@ class Trainer:
             self.policy.save_pretrained(path, state_dict=state, safe_serialization=safe_serialization)
         save_optimizer(self.policy, self.optimizer, Path(path) / OPTIMIZER_SHARDS)
 
-    def cpu_weights(self) -> dict[str, torch.Tensor]:
-        """:meth:`weights` as CPU tensors, for engines in other processes (``ray.put`` ships them)."""
-        return {name: t.detach().to("cpu") for name, t in self.weights().items()}
+    def cpu_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`weights` as CPU tensors, for engines in other processes (``ray.put`` ships them); floating-point
+        ones in ``dtype`` (the engines') when given: an engine casts what it loads to its dtype anyway, so
+        float32 master weights sent cast to bf16 give it the same weights in half the bytes."""
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", dtype) if dtype is not None and t.is_floating_point() else t.to("cpu")
+
+        return {name: cast(t.detach()) for name, t in self.weights().items()}
 
     def samples_with_policy(self, engine) -> bool:
         """Whether ``engine`` samples with this very policy object (the transformers engine built on the

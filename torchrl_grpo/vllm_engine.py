@@ -18,7 +18,7 @@ import torch
 from torchrl_grpo import vllm_cpu_fixes
 from torchrl_grpo.errors import ConfigError
 from torchrl_grpo.rollout import Completion, Engine
-from torchrl_grpo.weight_stream import WeightStream, receive_weights
+from torchrl_grpo.weight_stream import StreamedWeights, WeightStream, receive_weights
 
 log = logging.getLogger(__name__)
 
@@ -287,10 +287,10 @@ class VLLMEngine(Engine):
             raise RuntimeError("VLLMEngine.generate after close()")
         # detokenize=False: the text is decoded below in one piece (vLLM's incremental detokenizer
         # holds back a trailing incomplete UTF-8 sequence, so its text can differ from decode(ids))
+        prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
         params = self._sampling_params_cls(
             n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0, detokenize=False
         )
-        prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
         with self._engine_rng():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
         completions = []
@@ -315,7 +315,7 @@ class VLLMEngine(Engine):
 
     # -- weights -------------------------------------------------------------------------------------
 
-    def push_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+    def push_weights(self, weights: Mapping[str, torch.Tensor] | StreamedWeights) -> None:
         """Load the weights into the running engine.
 
         Afterwards the engine samples from and scores with exactly these weights: on CPU the GEMM handles
@@ -325,21 +325,21 @@ class VLLMEngine(Engine):
         read in place; otherwise they are streamed through a bounded buffer in /dev/shm
         (:mod:`torchrl_grpo.weight_stream`), cast to the engine's dtype on the way: float32 master weights reach
         a bf16 engine in half the bytes, and its workers do not warn about each narrowing load.
+        :class:`StreamedWeights` are read as they are loaded, never all held at once.
         """
         if self.llm is None:
             raise RuntimeError("VLLMEngine.push_weights after close()")
-        items = [
-            (name, t.detach())
-            for name, t in state_dict.items()
-            if not (self.tied_embeddings and name == "lm_head.weight")
-        ]
+        specs = weights.specs if isinstance(weights, StreamedWeights) else list(weights.items())
+        kept = [(name, t) for name, t in specs if not (self.tied_embeddings and name == "lm_head.weight")]
+        names = {name for name, _ in kept}
+        tensors = ((name, t.detach()) for name, t in weights.items() if name in names)
         if self._in_process:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(items)})
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         else:
-            counts = self._stream().push(items, lambda wire: self.llm.collective_rpc(receive_weights, args=(wire,)),
-                                         self.dtype)
-            if any(count != len(items) for count in counts):
-                raise RuntimeError(f"weight push: the engine's workers loaded {counts} of {len(items)} tensors")
+            counts = self._stream().push(kept, lambda wire: self.llm.collective_rpc(receive_weights, args=(wire,)),
+                                         self.dtype, source=tensors)
+            if any(count != len(kept) for count in counts):
+                raise RuntimeError(f"weight push: the engine's workers loaded {counts} of {len(kept)} tensors")
         if self._on_cpu:
             self.llm.collective_rpc(vllm_cpu_fixes.redispatch_cpu_gemm)
         self.llm.reset_prefix_cache()

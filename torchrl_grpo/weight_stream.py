@@ -33,6 +33,19 @@ _MESSAGE = struct.Struct("<qq")  # (push number, bucket index or _ABORT): 16 byt
 
 
 @dataclass(frozen=True)
+class StreamedWeights:
+    """Weights a push reads as it goes, for an engine: ``specs`` gives every tensor's name, whole shape and dtype
+    up front (meta tensors do), :meth:`items` the tensors themselves in that order, once. A push that copies
+    each into its buffer as it comes never holds them all: the data-parallel trainer gathers each from the
+    shards only when the push reaches it (a 70B policy is 282 GB in float32)."""
+    specs: list[tuple[str, torch.Tensor]]
+    tensors: Iterator[tuple[str, torch.Tensor]]
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.tensors
+
+
+@dataclass(frozen=True)
 class Entry:
     """Where one tensor lies in the buffer."""
     name: str
@@ -113,15 +126,16 @@ class WeightStream:
         self._buffer, self._size = None, 0
 
     def push(self, items: Sequence[tuple[str, torch.Tensor]], call_worker: Callable[[bytes], object],
-             dtype: torch.dtype | None = None) -> object:
+             dtype: torch.dtype | None = None, source: Iterator[tuple[str, torch.Tensor]] | None = None) -> object:
         """Stream ``items`` (name, tensor on any device; floating point sent as ``dtype`` when given) while
         ``call_worker(wire)`` runs the workers' side, :func:`receive_weights` given ``wire`` (through vLLM's
-        ``collective_rpc``); returns what it returns."""
+        ``collective_rpc``); returns what it returns. ``source``: the tensors, in ``items``' order, read as the
+        buckets fill (``items`` then only gives the shapes and dtypes: :class:`StreamedWeights`)."""
         buckets = plan_buckets(items, self.bucket_bytes, dtype)
         self._ensure_buffer(max(bucket_size(b) for b in buckets))
         self._drain()  # a push that failed half-way may have left messages behind
         self.pushes += 1
-        tensors = dict(items)
+        tensors = iter(items) if source is None else source
         channel = Channel(self.buffer_path, self._size, self.ready_paths, self.done_paths, self.pushes,
                           tuple(tuple(b) for b in buckets))
         ended, failure = threading.Event(), []
@@ -132,7 +146,10 @@ class WeightStream:
                     if k and not self._wait_copied(k - 1, ended):
                         return
                     for entry in bucket:
-                        _view(self._buffer, entry).copy_(tensors[entry.name])
+                        name, tensor = next(tensors)
+                        if name != entry.name:
+                            raise RuntimeError(f"weight stream: got {name} where {entry.name} was planned")
+                        _view(self._buffer, entry).copy_(tensor)
                     self._tell(channel.push, k)
             except BaseException as e:  # the workers are told, so they raise instead of waiting
                 failure.append(e)
