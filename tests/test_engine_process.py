@@ -119,7 +119,6 @@ def test_own_process_engine_runs_elsewhere_and_leaves_this_process_alone(own):
     names = sorted(p.name() for p in own.children)
     assert names == ["VLLM::EngineCore", "VLLM::Worker"], names
     assert own.engine.tied_embeddings
-    assert own.engine.sampling_state() is None  # the generator it samples from lives in the worker
     # the topology was this engine's choice: the next engine started here reads the environment it found
     assert os.environ.get(MULTIPROCESSING_ENV) == own.env_before
     assert torch.set_num_threads is own.set_num_threads  # only an in-process vLLM worker replaces it
@@ -158,6 +157,25 @@ def test_own_process_generates_g_completions_with_trainers_logprobs(own, tied_mo
     assert max_logprob_gap(model, ids, completions, 1.0) < LOGPROB_TOL
     cold = own.engine.generate(ids, n=2, max_tokens=16, temperature=0.7)
     assert max_logprob_gap(model, ids, cold, 0.7) < LOGPROB_TOL
+
+
+@needs_vllm
+def test_own_process_samples_follow_its_sampling_state(own, prompts):
+    """The engine core batches requests as they arrive, so draws from one shared generator went to other
+    requests from run to run; each request now carries a seed drawn from the engine's seed and count of calls.
+    Loading a saved state samples again what followed it (what a resumed run relies on); another seed does not."""
+    _, ids = prompts
+
+    def sample():
+        return [tuple(c.token_ids) for c in own.engine.generate(ids, n=4, max_tokens=16, temperature=1.0)]
+
+    saved = own.engine.sampling_state()
+    first, second = sample(), sample()
+    assert first != second and len(set(first[:4])) > 1  # each call, and each of a prompt's n samples, draws anew
+    own.engine.load_sampling_state(saved)
+    assert sample() == first and sample() == second
+    own.engine.load_sampling_state({**saved, "seed": saved["seed"] + 1})
+    assert sample() != first
 
 
 @needs_vllm
@@ -224,12 +242,14 @@ def _processes_with_env(marker: str) -> list[int]:
 @needs_vllm
 def test_grpo_py_with_its_engine_in_its_own_process(tmp_path):
     """Two steps of grpo.py with engine_process=own: the step-2 batch was sampled after a push through /dev/shm,
-    and its engine log-probs agree with the trainer's updated weights; no engine process outlives the run."""
+    and its engine log-probs agree with the trainer's updated weights; no engine process outlives the run.
+    Resumed from its step-1 checkpoint, step 2 samples and trains again what it did (the engine's sampling state
+    is in the checkpoint)."""
     tag = uuid.uuid4().hex  # in the environment of the run and of every process it starts
     run_dir, push_dirs_before = tmp_path / "run", _push_dirs()
-    done = run([*SMALL, *FLOAT32, "train.total_dialog_turns=16", "inference_model.engine_process=own",
-                "loss.old_log_probs=trainer", "train.entropy_coeff=0.01", f"hydra.run.dir={run_dir}"], cwd=tmp_path,
-               env_extra={"TORCHRL_GRPO_TEST_RUN": tag})
+    args = [*SMALL, *FLOAT32, "train.total_dialog_turns=16", "inference_model.engine_process=own",
+            "loss.old_log_probs=trainer", "train.entropy_coeff=0.01", "logging.checkpoint_frequency=1"]
+    done = run([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env_extra={"TORCHRL_GRPO_TEST_RUN": tag})
     assert done.returncode == 0, done.stderr[-3000:]
     rows = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in rows] == [1, 2]
@@ -238,6 +258,13 @@ def test_grpo_py_with_its_engine_in_its_own_process(tmp_path):
     assert float(rows[0]["grad_norm"]) > 0  # the entropy bonus moves the weights even where rewards tie
     gaps = [float(r["engine_trainer_logp_gap_max"]) for r in rows]
     assert max(gaps) < LOGPROB_TOL, gaps  # a push that did nothing fails here (step 2)
+    again = run([*args, f"hydra.run.dir={tmp_path / 'again'}", f"train.resume={run_dir}/checkpoints/step_000001"],
+                cwd=tmp_path, env_extra={"TORCHRL_GRPO_TEST_RUN": tag})
+    assert again.returncode == 0, again.stderr[-3000:]
+    [resumed] = metric_rows(tmp_path / "again")
+    assert int(float(resumed["step"])) == 2
+    for key in ("reward", "loss", "entropy", "grad_norm"):  # the same samples: the trainer's numbers bit for bit
+        assert resumed[key] == rows[1][key], (key, resumed[key], rows[1][key])
     deadline = time.time() + 10
     while _processes_with_env(f"TORCHRL_GRPO_TEST_RUN={tag}") and time.time() < deadline:
         time.sleep(0.2)

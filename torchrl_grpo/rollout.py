@@ -82,7 +82,7 @@ class Engine(Protocol):
 
     def sampling_state(self) -> dict | None:
         """The engine's random state, so that a resumed run samples what an uninterrupted one would (part of
-        a checkpoint); None where it cannot be read (an engine in another process)."""
+        a checkpoint); None where it cannot be read."""
         ...
 
     def load_sampling_state(self, state: dict) -> None:

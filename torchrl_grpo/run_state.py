@@ -4,15 +4,14 @@ async loop's :class:`AsyncProgress`), the global RNG states, the trainer's optim
 builder loads before the trainer exists (:attr:`RunState.resume_from`).
 
 ``trainer_state.pt`` holds ``step``, ``optimizer``, ``sampler`` (the data position), ``rng``, ``shuffle_rng``,
-``engine_rng`` (the in-process engine's sampling state) and ``config``; a data-parallel run's, ``world_size``
+``engine_rng`` (the engine's sampling state) and ``config``; a data-parallel run's, ``world_size``
 instead of ``optimizer``, whose shards are in the checkpoint's ``optimizer_shards/``. The files and their atomic
 write are :mod:`torchrl_grpo.checkpoint`'s.
 
-What resumes exactly: a sync run (``train.sync_iter=true``) with an in-process engine (vLLM on the CPU, the
-transformers engine) gives, step for step, the metrics of the uninterrupted run. Not exactly: with
-``train.sync_iter=false`` the batch prefetched at save time is sampled again with the checkpoint's weights;
-an engine in its own process (vLLM on GPUs) and the async loop's actors are reseeded with the step, and the
-batches in flight in the actors are drawn again.
+What resumes exactly: a sync run (``train.sync_iter=true``) gives, step for step, the metrics of the
+uninterrupted run, its engine in this process or its own. Not exactly: with ``train.sync_iter=false`` the
+batch prefetched at save time is sampled again with the checkpoint's weights; the async loop's actors are
+reseeded with the step, and the batches in flight in the actors are drawn again.
 """
 from __future__ import annotations
 

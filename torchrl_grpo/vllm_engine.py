@@ -13,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from torchrl_grpo import vllm_cpu_fixes
@@ -160,8 +161,8 @@ class VLLMEngine(Engine):
     ``gc.freeze()``-d until ``close()``. vLLM also reseeds the global python/numpy/torch RNGs at startup and samples
     from the global torch CPU generator; this class restores the caller's RNG states after startup and
     swaps in the engine's own generator state around each ``generate``, so the caller's RNG stream and the
-    engine's samples do not disturb each other. An engine in its own process samples from that process's
-    generator, which this class cannot read: its :meth:`sampling_state` is None (a resumed run is reseeded).
+    engine's samples do not disturb each other. An engine in its own process is given a seed per request
+    (:meth:`_request_seeds`), so its samples, too, follow from the seed and a state a checkpoint keeps.
 
     GPU (official vllm, untested here): vLLM's default engine process; ``device="cuda:K"`` is passed to
     it by setting ``CUDA_VISIBLE_DEVICES`` to that one GPU while the engine starts (vLLM always uses the
@@ -242,6 +243,7 @@ class VLLMEngine(Engine):
         self.start_s = time.perf_counter() - t0
         # The engine's own stream for the (in-process) global torch generator vLLM samples from.
         self._rng_state = torch.Generator().manual_seed(seed).get_state()
+        self._seed, self._generate_calls = seed, 0  # an engine in its own process seeds each request
         self._sampling_params_cls = vllm.SamplingParams
         self.tokenizer = self.llm.get_tokenizer()
         hf_config = self.llm.llm_engine.model_config.hf_config
@@ -266,13 +268,34 @@ class VLLMEngine(Engine):
             self._rng_state = torch.get_rng_state()
             torch.set_rng_state(caller)
 
-    def sampling_state(self) -> dict | None:
-        """In one process, the engine's torch generator state (what vLLM samples from); None otherwise."""
-        return {"torch": self._rng_state.clone()} if self._in_process else None
+    def _request_seeds(self, count: int) -> list[int | None]:
+        """A seed per request for an engine in its own process, else None (its generator: :meth:`_engine_rng`).
+        Its engine core starts scheduling while requests still arrive, so the batch a request is sampled in,
+        and the draws it gets from one shared generator, varied from run to run (three runs of one seed gave
+        three different first steps); a seed of its own per request (vLLM gives a prompt's n samples seed + i)
+        makes each sample independent of that. The seeds follow the engine's seed and its count of calls."""
+        if self._in_process:
+            return [None] * count
+        self._generate_calls += 1
+        state = np.random.SeedSequence([self._seed, self._generate_calls]).generate_state(count)
+        return [int(s) for s in state]
+
+    def sampling_state(self) -> dict:
+        """What the next samples follow from: in one process, the torch generator state vLLM samples from; in
+        its own process, the seed and count of calls the requests' seeds are drawn from."""
+        if self._in_process:
+            return {"torch": self._rng_state.clone()}
+        return {"seed": self._seed, "generate_calls": self._generate_calls}
 
     def load_sampling_state(self, state: dict) -> None:
-        if self._in_process:
+        """Continue from a :meth:`sampling_state`; one of an engine in the other kind of process (the run was
+        resumed with another ``inference_model.engine_process``) cannot be continued: this engine keeps its seed."""
+        if self._in_process and "torch" in state:
             self._rng_state = state["torch"].clone()
+        elif not self._in_process and "seed" in state:
+            self._seed, self._generate_calls = int(state["seed"]), int(state["generate_calls"])
+        else:
+            log.warning("the checkpoint's sampling state is another engine process's: sampling is reseeded")
 
     def generate(
         self,
@@ -288,9 +311,9 @@ class VLLMEngine(Engine):
         # detokenize=False: the text is decoded below in one piece (vLLM's incremental detokenizer
         # holds back a trailing incomplete UTF-8 sequence, so its text can differ from decode(ids))
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
-        params = self._sampling_params_cls(
-            n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p, logprobs=0, detokenize=False
-        )
+        params = [self._sampling_params_cls(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                            logprobs=0, detokenize=False, seed=seed)
+                  for seed in self._request_seeds(len(prompts))]
         with self._engine_rng():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
         completions = []
