@@ -74,15 +74,16 @@ def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_fr
 
 
 def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy, tokenizer, seed: int,
-                 engine_process: str | None = None):
+                 engine_process: str | None = None, parallel: DataParallel | None = None):
     """The rollout engine: vLLM on its device(s) (in the process ``engine_process`` says, default
-    ``inference_model.engine_process``), or the transformers fallback sharing the trained policy."""
+    ``inference_model.engine_process``), or the transformers fallback sharing the trained policy (with
+    ``parallel``, sharded over the ranks, which sample together)."""
     from torchrl_grpo.hf_engine import TransformersEngine
     from torchrl_grpo.rollout import engine_options, make_engine
 
     backend = cfg.inference_model.backend
     if backend == "transformers":
-        return TransformersEngine(policy, tokenizer, seed=seed)
+        return TransformersEngine(policy, tokenizer, seed=seed, parallel=parallel)
     options = engine_options(cfg)
     if engine_process:
         options["engine_process"] = engine_process
@@ -271,14 +272,20 @@ def torchrun_follower() -> bool:
 def follow_rank(rank: int, world: int, init_method: str) -> None:
     """A follower rank (started by :func:`data_parallel_ranks` or torchrun): the trainer rank 0 builds from the
     config it sends, sharded alike, making the calls rank 0's trainer announces until the run ends."""
+    from torchrl_grpo.hf_engine import TransformersEngine
     from torchrl_grpo.model_sources import resolve_model
+    from torchrl_grpo.models import load_tokenizer
 
     with process_group(rank, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
         cfg = OmegaConf.create(parallel.broadcast_config(None))
         seed_everything(int(cfg.train.seed))
         placement = place(cfg, needs_ref=float(cfg.train.kl_to_ref_coeff) > 0)
-        model_path = resolve_model(str(cfg.model.name), bool(cfg.model.trust_remote_code))
-        parallel.follow(build_trainer(cfg, placement, model_path, None, parallel))
+        trust = bool(cfg.model.trust_remote_code)
+        model_path = resolve_model(str(cfg.model.name), trust)
+        trainer = build_trainer(cfg, placement, model_path, None, parallel)
+        # its share of what rank 0 samples with the sharded policy (the transformers engine, async evaluation)
+        engine = TransformersEngine(trainer.policy, load_tokenizer(model_path, trust), parallel=parallel)
+        parallel.follow(trainer, engine)
 
 
 @dataclass
@@ -345,7 +352,8 @@ def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = N
     c = build_common(cfg, run_dir, parallel)
     print(f"precision: {describe(cfg, c.placement.train[0], c.placement.inference[0])}", flush=True)
     engine = build_engine(cfg, c.model_path, c.placement, c.trainer.policy, c.tokenizer,
-                          seed=int(cfg.train.seed) + c.state.step, engine_process="own" if parallel is not None else None)
+                          seed=int(cfg.train.seed) + c.state.step, engine_process="own" if parallel is not None else None,
+                          parallel=parallel)
     if c.state.resume_from is not None:
         c.trainer.push_weights(engine)
     weight_check = None if c.trainer.samples_with_policy(engine) else (

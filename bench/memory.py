@@ -102,7 +102,7 @@ def main() -> None:
             ledger.mark(f"step {step}: forward/backward, optimizer")
             trainer.push_weights(engine)
             if check is not None:
-                check.probe().gap(engine)
+                check.after_push(engine)
             ledger.mark(f"step {step}: weight push and check")
         kv = (engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes or float("nan")) / GiB
     finally:

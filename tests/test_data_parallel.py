@@ -22,13 +22,14 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from helpers import (FLOAT32, LORA, SMALL, finite, free_port, metric_rows, needs_ray_and_vllm, needs_vllm,
-                     ray_processes, run_async, start, wait_until)
+from helpers import (FLOAT32, LOGPROB_TOL, LORA, SMALL, finite, free_port, max_logprob_gap, metric_rows,
+                     needs_ray_and_vllm, needs_vllm, ray_processes, run_async, start, wait_until)
 from torchrl_grpo.config import TrainSettings
 from torchrl_grpo.data_parallel import DataParallel, process_group, shard_model
 from torchrl_grpo.models import load_policy, merged_weights
 from torchrl_grpo.objective import GRPOLoss
 from torchrl_grpo.objective_terms import AGGREGATIONS
+from torchrl_grpo.rollout import Completion
 from torchrl_grpo.trainer import Trainer
 from torchrl_grpo.weight_check import probe_log_probs
 
@@ -125,11 +126,45 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
     return metrics, weights
 
 
+# three prompts of different lengths; greedy rows of the first prompt stop at once (its first token is made an eos)
+SAMPLED_PROMPTS = [[5, 9, 13], [7, 3, 8, 21, 30, 2], [11, 4]]
+
+
+def sample_case(model_path: str, parallel: DataParallel | None) -> dict:
+    """The transformers engine over the (sharded) policy: greedy with n=1 (3 rows: 2 ranks take 2 each, one a
+    copy of the first) where one prompt's rows stop at step 1 while the others run on, and sampled with n=2 at
+    temperature 0.9. Data-parallel: rank 0 generates, the other rank follows the engine's announced calls."""
+    from torchrl_grpo.hf_engine import TransformersEngine
+    from torchrl_grpo.models import load_tokenizer
+
+    torch.manual_seed(0)
+    policy = load_policy(model_path, dtype=torch.float32, device="cpu")
+    engine = TransformersEngine(policy, load_tokenizer(model_path), seed=3)
+    first = engine.generate(SAMPLED_PROMPTS[:1], n=1, max_tokens=6, temperature=0.0)[0].token_ids[0]
+    engine.eos_token_ids = sorted({*engine.eos_token_ids, first})
+    if parallel is not None:
+        engine = TransformersEngine(shard_model(policy), engine.tokenizer, seed=3, parallel=parallel)
+        engine.eos_token_ids = sorted({*engine.eos_token_ids, first})
+        if parallel.rank != 0:
+            parallel.follow(engine)
+            return {}
+
+    def rows(completions):
+        return [(c.prompt_index, c.token_ids, c.log_probs, c.finish_reason) for c in completions]
+
+    out = {"greedy": rows(engine.generate(SAMPLED_PROMPTS, n=1, max_tokens=6, temperature=0.0)),
+           "sampled": rows(engine.generate(SAMPLED_PROMPTS, n=2, max_tokens=6, temperature=0.9))}
+    if parallel is not None:
+        parallel.announce(None)
+    return out
+
+
 def main(rank: int, store: str, model_path: str, out: str) -> None:
     """A rank's program: every case, results saved by rank 0."""
     torch.set_num_threads(1)
     with process_group(rank, WORLD, f"file://{store}", timeout_s=120) as parallel:
         results = {name: run_case(model_path, name, parallel, Path(out).parent / "ranks") for name in CASES}
+        results["sampling"] = sample_case(model_path, parallel)
     if rank == 0:
         torch.save(results, out)
 
@@ -152,6 +187,7 @@ def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path):
     for r, rank in enumerate(ranks):
         assert rank.returncode == 0, f"rank {r} failed:\n{logs[r][-3000:]}"
     results = torch.load(out, weights_only=False)
+    check_sampling(results["sampling"], sample_case(tiny_model_path, None), tiny_model_path)
     for name in CASES:
         metrics, weights = run_case(tiny_model_path, name, None, tmp_path / "one")
         dp_metrics, dp_weights = results[name]
@@ -182,6 +218,20 @@ def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path):
             one, ranks = load_file(tmp_path / "one" / name / file), load_file(tmp_path / "ranks" / name / file)
             assert one.keys() == ranks.keys()
             assert max((one[k] - ranks[k]).abs().max().item() for k in one) <= 1e-5, (name, file)
+
+
+def check_sampling(ranks: dict, one: dict, model_path: str) -> None:
+    """Two ranks sampling the sharded policy: greedy rows are one process's, in order, the first prompt's
+    stopped at step 1 while the others ran on; sampled rows carry the policy's log-probs of their tokens."""
+    assert [(r[0], r[1], r[3]) for r in ranks["greedy"]] == [(r[0], r[1], r[3]) for r in one["greedy"]]
+    assert all(torch.allclose(torch.tensor(a[2]), torch.tensor(b[2]), atol=1e-5)
+               for a, b in zip(ranks["greedy"], one["greedy"], strict=True))
+    assert [(r[0], len(r[1]), r[3]) for r in ranks["greedy"]] == [(0, 1, "stop"), (1, 6, "length"), (2, 6, "length")]
+    assert [r[0] for r in ranks["sampled"]] == [0, 0, 1, 1, 2, 2]
+    assert ranks["sampled"] != one["sampled"]  # each rank draws from a stream of its own
+    policy = load_policy(model_path, dtype=torch.float32, device="cpu")
+    completions = [Completion(i, ids, logps, reason, "") for i, ids, logps, reason in ranks["sampled"]]
+    assert max_logprob_gap(policy, SAMPLED_PROMPTS, completions, 0.9) < LOGPROB_TOL
 
 
 def run_case_initial(model_path: str, name: str) -> dict:
@@ -273,35 +323,41 @@ def test_a_rank_killed_stops_the_run_in_one_line_and_it_resumes(tmp_path):
 @needs_ray_and_vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs num_devices=2 is the layer split (fsdp: CPU only)")
 def test_grpo_async_trains_with_two_gloo_ranks_and_resumes(tmp_path):
-    """grpo-async.py with the same keys: Ray actors collect, two ranks train; the weights gathered from the shards
-    reach the actors whole (the weight sync check after each push), then one more step from the checkpoint."""
+    """grpo-async.py with the same keys: Ray actors collect, two ranks train and evaluate (sampling the sharded
+    policy together); the weights gathered from the shards reach the actors whole (the weight sync check after
+    each push), then one more step from the checkpoint."""
     run_dir = tmp_path / "run"
     args = [*SMALL, *FLOAT32, "train_model.num_devices=2", "logging.checkpoint_frequency=1", f"hydra.run.dir={run_dir}"]
-    done = run_async([*args, "train.total_dialog_turns=24"], cwd=tmp_path)
+    done = run_async([*args, "train.total_dialog_turns=24", "logging.eval_frequency=3", "eval.num_prompts=3"],
+                     cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "data-parallel training: 2 ranks (FSDP2 over gloo)" in done.stdout
     rows = metric_rows(run_dir)
-    assert [int(float(r["step"])) for r in rows] == [1, 2, 3] and all(finite(r["loss_objective"]) for r in rows)
+    assert [int(float(r["step"])) for r in rows] == [0, 1, 2, 3] and all(finite(r["loss_objective"]) for r in rows[1:])
+    assert [float(r["eval/prompts"]) for r in rows if r.get("eval/prompts")] == [3, 3]  # steps 0 and 3
     gaps = [float(r["weight_sync_gap"]) for r in rows if r["weight_sync_gap"]]  # logged as pushes land
     assert gaps and max(gaps) < 1e-4
     assert (run_dir / "checkpoints" / "step_000003" / "optimizer_shards" / ".metadata").is_file()
     again = run_async([*args, "train.total_dialog_turns=32", "train.resume=auto"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "(step 3)" in again.stdout and [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2, 3, 4]
+    assert "(step 3)" in again.stdout and [int(float(r["step"])) for r in metric_rows(run_dir)] == [0, 1, 2, 3, 4]
     assert not ray_processes()
 
 
-def test_one_fsdp_rank_samples_with_its_own_sharded_policy(tmp_path):
-    """``train.strategy=fsdp`` with one rank and the transformers engine (what bench/gpu_learning_check.sh runs
-    on a GPU machine without vLLM): the engine samples with the FSDP2-wrapped policy, which trains."""
+def test_fsdp_ranks_sample_with_their_sharded_policy(tmp_path):
+    """The transformers engine with two fsdp ranks (what bench/gpu_learning_check.sh runs on a GPU machine
+    without vLLM): the ranks sample their shares of each batch, and of the evaluation, with the sharded policy,
+    which trains."""
     run_dir = tmp_path / "run"
-    proc, out, err = finished(start([*SMALL, "train.strategy=fsdp", "inference_model.backend=transformers",
+    proc, out, err = finished(start([*SMALL, "train_model.num_devices=2", "inference_model.backend=transformers",
                                      "train.entropy_coeff=0.01", "train.total_dialog_turns=16",
-                                     f"hydra.run.dir={run_dir}"], cwd=tmp_path))
+                                     "logging.eval_frequency=2", "eval.num_prompts=3", f"hydra.run.dir={run_dir}"],
+                                    cwd=tmp_path))
     assert proc.returncode == 0, err[-3000:]
-    assert "data-parallel training: 1 rank (FSDP2 over gloo), this process is rank 0" in out
+    assert "data-parallel training: 2 ranks (FSDP2 over gloo), this process is rank 0" in out
     rows = metric_rows(run_dir)
-    assert [int(float(r["step"])) for r in rows] == [1, 2] and all(float(r["grad_norm"]) > 0 for r in rows)
+    assert [int(float(r["step"])) for r in rows] == [0, 1, 2] and all(float(r["grad_norm"]) > 0 for r in rows[1:])
+    assert [float(r["eval/prompts"]) for r in rows if r.get("eval/prompts")] == [3, 3]  # steps 0 and 2
     assert (run_dir / "checkpoints" / "step_000002" / "optimizer_shards" / ".metadata").is_file()
     assert live_in_group(proc.pid) == []
 

@@ -116,7 +116,8 @@ def train_step(run: AsyncRun, pool: ActorPool, progress: AsyncProgress, step: in
 
 
 def trainer_engine(trainer: Trainer, tokenizer, cfg):
-    """The trainer's evaluation engine in async mode: the transformers engine over the trained policy itself."""
+    """The trainer's evaluation engine in async mode: the transformers engine over the trained policy itself
+    (data-parallel ranks sample it together)."""
     from torchrl_grpo.hf_engine import TransformersEngine
 
-    return TransformersEngine(trainer.policy, tokenizer, seed=int(cfg.train.seed))
+    return TransformersEngine(trainer.policy, tokenizer, seed=int(cfg.train.seed), parallel=trainer.parallel)

@@ -193,16 +193,6 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
         raise ConfigError(f"inference_model.engine_process=same with train.strategy={_get(cfg, 'train.strategy')} "
                           "(fsdp): in rank 0's process vLLM would take the ranks' process group and wait for them "
                           "forever; use auto or own")
-    if _get(cfg, "mode") == "async" and _get(cfg, "logging.eval_frequency") > 0:
-        raise ConfigError(f"logging.eval_frequency={_get(cfg, 'logging.eval_frequency')} with grpo-async.py and "
-                          f"train.strategy={_get(cfg, 'train.strategy')} (fsdp): async mode evaluates with the "
-                          "trained policy itself, which the ranks shard; set logging.eval_frequency=0 (evaluate a "
-                          "checkpoint with evaluate.py)")
-    if ranks > 1 and _get(cfg, "inference_model.backend") == "transformers":  # one rank samples on its own
-        raise ConfigError(f"train.strategy={_get(cfg, 'train.strategy')} (fsdp) is not built yet with "
-                          f"inference_model.backend=transformers and {ranks} ranks (it samples with the sharded "
-                          "policy, which every rank would have to run): use inference_model.backend=vllm, or "
-                          "train_model.num_devices=1")
 
 
 def validate(cfg: DictConfig) -> BatchPlan:

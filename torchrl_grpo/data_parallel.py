@@ -14,7 +14,8 @@ Either every rank runs the same program (tests/test_data_parallel.py), or only r
 (engine, collector, metrics, checkpoints: ``grpo.py``) and the other ranks *follow*: the trainer on rank 0
 announces each of its calls that holds a collective (prepare, optimize, the weights gather, the
 probe, the checkpoint), with its arguments, and each follower makes the same call on its own trainer
-(:meth:`DataParallel.follow`), so that every rank's collectives match. ``grpo.py`` starts the followers itself
+(:meth:`DataParallel.follow`), so that every rank's collectives match; so does the transformers engine, which
+samples with the sharded policy (each rank a share of the rows: :meth:`TransformersEngine.sample_share`). ``grpo.py`` starts the followers itself
 (one machine), or ``torchrun`` starts every rank (:func:`torchrun_launch`, several machines); either way rank 0
 sends them its config (:meth:`DataParallel.broadcast_config`).
 """
@@ -51,15 +52,16 @@ class DataParallel:
         """Rank 0: the followers make this trainer call next, with these arguments (``None``: stop following)."""
         dist.broadcast_object_list([(call, args)], src=0, device=self.device)
 
-    def follow(self, trainer) -> None:
-        """A follower rank: make rank 0's announced calls on ``trainer`` until it announces the end."""
+    def follow(self, *targets) -> None:
+        """A follower rank: make rank 0's announced calls, each on the first of ``targets`` (its trainer, its
+        engine) that has that method, until rank 0 announces the end."""
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0, device=self.device)
             call, args = box[0]
             if call is None:
                 return
-            getattr(trainer, call)(*args)
+            getattr(next(t for t in targets if hasattr(t, call)), call)(*args)
 
     def broadcast_config(self, config: dict | None) -> dict:
         """Rank 0's run config (given there, ``None`` elsewhere) on every rank: the followers build the same
@@ -81,6 +83,18 @@ class DataParallel:
         total = torch.tensor(value, dtype=torch.float64, device=self.device)
         dist.all_reduce(total)
         return total.item()
+
+    def all_true(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank."""
+        value = torch.tensor(int(flag), device=self.device)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN)
+        return bool(value.item())
+
+    def gather_objects(self, obj) -> list | None:
+        """Every rank's ``obj`` in rank order on rank 0 (None on the others)."""
+        out = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out
 
     def gather_shares(self, share: torch.Tensor) -> torch.Tensor:
         """Every rank's ``share`` (same shape on each) concatenated in rank order along dim 0."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from torchrl_grpo.rollout import Completion, Engine
@@ -35,10 +36,11 @@ class TransformersEngine(Engine):
     already are the model's parameters.
     """
 
-    def __init__(self, model, tokenizer, *, seed: int = 0):
+    def __init__(self, model, tokenizer, *, seed: int = 0, parallel=None):
         self.model = model
         self.tokenizer = tokenizer
         self.seed = seed
+        self.parallel = parallel  # a DataParallel: ``model`` is sharded over its ranks, which sample together
         self._generators: dict[torch.device, torch.Generator] = {}
         eos: set[int] = set()
         for source in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
@@ -75,11 +77,44 @@ class TransformersEngine(Engine):
         temperature: float = 1.0,
         top_p: float = 1.0,
     ) -> list[Completion]:
-        model = self.model
-        device = next(model.parameters()).device
         rows = [[int(t) for t in p] for p in prompt_token_ids for _ in range(n)]
         if not rows:
             return []
+        if self.parallel is None:
+            generator = self._generator(next(self.model.parameters()).device)
+            sampled = self._sample(rows, max_tokens, temperature, top_p, generator, stop=bool)
+        else:  # each rank samples a share with the sharded policy; rank 0's generator seeds the call
+            call_seed = int(torch.randint(2 ** 62, (1,), generator=self._generator(torch.device("cpu"))))
+            self.parallel.announce("sample_share", rows, max_tokens, temperature, top_p, call_seed)
+            sampled = self.sample_share(rows, max_tokens, temperature, top_p, call_seed)
+        return [Completion(i // n, ids, logps, "stop" if stopped else "length",
+                           self.tokenizer.decode(ids, skip_special_tokens=True))
+                for i, (ids, logps, stopped) in enumerate(sampled)]
+
+    @torch.no_grad()
+    def sample_share(self, rows: list[list[int]], max_tokens: int, temperature: float, top_p: float,
+                     call_seed: int) -> list[tuple[list[int], list[float], bool]] | None:
+        """On every data-parallel rank (rank 0 from :meth:`generate`, the others when it announces the call):
+        sample this rank's share of ``rows`` (padded to a multiple of the ranks with copies of the first) with a
+        generator seeded from ``call_seed`` and the rank, stepping until every rank's rows are done: each step
+        is a forward of the sharded policy, which every rank must take together. Rank 0 gets all rows' samples
+        in order, the others None."""
+        parallel = self.parallel
+        padded = rows + [rows[0]] * (-len(rows) % parallel.world_size)
+        device = next(self.model.parameters()).device
+        seed = int(np.random.SeedSequence([call_seed, parallel.rank]).generate_state(1)[0])
+        generator = torch.Generator(device=device).manual_seed(seed)
+        mine = self._sample(padded[parallel.share(len(padded))], max_tokens, temperature, top_p, generator,
+                            stop=parallel.all_true)
+        shares = parallel.gather_objects(mine)
+        return None if shares is None else [row for share in shares for row in share][: len(rows)]
+
+    def _sample(self, rows: list[list[int]], max_tokens: int, temperature: float, top_p: float,
+                generator: torch.Generator, stop) -> list[tuple[list[int], list[float], bool]]:
+        """(token ids, their log-probs, stopped at eos) for each row; ``stop(all rows done)`` says whether to
+        stop stepping (data-parallel ranks step until all ranks are done)."""
+        model = self.model
+        device = next(model.parameters()).device
         batch, width = len(rows), max(len(r) for r in rows)
         input_ids = torch.full((batch, width), self.pad_token_id, dtype=torch.long)
         attention = torch.zeros((batch, width), dtype=torch.long)
@@ -89,7 +124,6 @@ class TransformersEngine(Engine):
         input_ids, attention = input_ids.to(device), attention.to(device)
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         eos = torch.tensor(self.eos_token_ids, device=device)
-        generator = self._generator(device)
 
         tokens = torch.empty((batch, 0), dtype=torch.long, device=device)
         logps = torch.empty((batch, 0), dtype=torch.float32, device=device)
@@ -124,7 +158,7 @@ class TransformersEngine(Engine):
                 stopped = ~done & torch.isin(next_ids, eos)
                 lengths = torch.where(stopped, torch.full_like(lengths, step + 1), lengths)
                 done = done | stopped
-                if bool(done.all()):
+                if stop(bool(done.all())):
                     break
                 step_ids = next_ids[:, None]
                 step_positions = step_positions[:, -1:] + 1
@@ -133,13 +167,8 @@ class TransformersEngine(Engine):
             model.train(was_training)
 
         tokens, logps, lengths, done = tokens.cpu(), logps.cpu(), lengths.cpu(), done.cpu()
-        completions = []
-        for i in range(batch):
-            k = int(lengths[i])
-            ids = tokens[i, :k].tolist()
-            text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            completions.append(Completion(i // n, ids, logps[i, :k].tolist(), "stop" if done[i] else "length", text))
-        return completions
+        return [(tokens[i, :k].tolist(), logps[i, :k].tolist(), bool(done[i]))
+                for i, k in enumerate(lengths.tolist())]
 
     def score(self, token_ids: Sequence[int]) -> list[float]:
         from torchrl_grpo.weight_check import probe_log_probs
