@@ -81,12 +81,23 @@ def async_completions_per_s(data: str, steps: int, wait: float, run_dir: Path) -
     if done.returncode != 0:
         sys.exit(f"error: grpo-async.py failed (exit {done.returncode}); see {run_dir}.log")
     with open(run_dir / "metrics.csv", newline="") as f:
-        step_times = [float(r["step_time"]) for r in csv.DictReader(f) if r.get("step_time")]
-    return 16 * (len(step_times) - 1) / sum(step_times[1:])
+        rows = [r for r in csv.DictReader(f) if r.get("step_time")]
+    step_times = [float(r["step_time"]) for r in rows]
+    return 16 * (len(step_times) - 1) / sum(step_times[1:]), efficiency(rows[1:], wait, overlap=True)
 
 
-def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[float, float]:
-    """(completions/s over the steps after the first, median train time) of a sync run on the stand-in."""
+def efficiency(rows: list[dict], wait: float, overlap: bool) -> float:
+    """The steps' ideal time over their measured time: each step's own training and the wait, in sequence
+    (sync) or overlapped (max of the two). Training time varies by 10-20% from run to run here, which moves
+    the completions/s ratios; this says what the scheduler itself loses."""
+    train = [float(r["train_time"]) for r in rows]
+    ideal = sum(max(t, wait) if overlap else t + wait for t in train)
+    return ideal / sum(float(r["step_time"]) for r in rows)
+
+
+def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[float, float, float]:
+    """(completions/s over the steps after the first, median train time, :func:`efficiency` over those steps)
+    of a sync run on the stand-in."""
     from grpo_utils import build_common
     from torchrl_grpo.collector import CollectSettings, Collector
     from torchrl_grpo.sync_loop import SyncRun, run_sync
@@ -108,9 +119,10 @@ def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[f
     run_sync(SyncRun(collector, c.trainer, c.state, c.plan.total_steps, overlap=overlap))
     finished = time.perf_counter()
     with open(run_dir / "metrics.csv", newline="") as f:
-        train = statistics.median(float(r["train_time"]) for r in csv.DictReader(f) if r.get("train_time"))
+        rows = [r for r in csv.DictReader(f) if r.get("train_time")]
     steps = len(started) - 1
-    return c.plan.completions_per_step * steps / (finished - started[1]), train
+    return (c.plan.completions_per_step * steps / (finished - started[1]),
+            statistics.median(float(r["train_time"]) for r in rows), efficiency(rows[1:], wait, overlap))
 
 
 def main() -> None:
@@ -127,13 +139,15 @@ def main() -> None:
     out = ROOT / "outputs" / "bench-scheduler"
     wait = opts.wait
     if wait is None:  # a step's training time, measured with a generation that takes no time
-        _, wait = completions_per_s(cfg(), out / "probe", 0.0, overlap=False)
-    sync, _ = completions_per_s(cfg(), out / "sync", wait, overlap=False)
-    overlapped, _ = completions_per_s(cfg("train.sync_iter=false"), out / "overlap", wait, overlap=True)
-    in_ray = async_completions_per_s(opts.data, opts.steps, wait, out / "async")
+        _, wait, _ = completions_per_s(cfg(), out / "probe", 0.0, overlap=False)
+    sync, _, sync_eff = completions_per_s(cfg(), out / "sync", wait, overlap=False)
+    overlapped, _, overlap_eff = completions_per_s(cfg("train.sync_iter=false"), out / "overlap", wait, overlap=True)
+    in_ray, async_eff = async_completions_per_s(opts.data, opts.steps, wait, out / "async")
     print(f"generation: a fixed wait of {wait:.2f} s" + ("" if opts.wait else " (a step's training time)"))
     print(f"sync: {sync:.2f} completions/s; sync_iter=false: {overlapped:.2f} completions/s -> {overlapped / sync:.2f}x; "
           f"grpo-async.py: {in_ray:.2f} completions/s -> {in_ray / sync:.2f}x")
+    print(f"scheduler efficiency (ideal / measured step time, from each step's own training time): sync "
+          f"{sync_eff:.1%}, sync_iter=false {overlap_eff:.1%}, grpo-async.py {async_eff:.1%}")
 
 
 if __name__ == "__main__":
