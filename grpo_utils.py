@@ -29,7 +29,7 @@ from torchrl_grpo.evaluation import Evaluator
 from torchrl_grpo.objective import GRPOLoss
 from torchrl_grpo.placement import Placement, place, train_strategy
 from torchrl_grpo.precision import autocast_bf16, describe, engine_dtype_on, native_bf16, resolve_dtype
-from torchrl_grpo.rollout_actors import actor_device, actor_dtype
+from torchrl_grpo.rollout_actors import actor_devices, actor_dtype
 from torchrl_grpo.run_state import RunState
 from torchrl_grpo.sync_loop import SyncRun
 from torchrl_grpo.tasks import Task, build_task, eval_env_config
@@ -370,7 +370,7 @@ def build_async(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = 
     """The async run: the common pieces; the Ray actors (with their engines and collectors) start in the loop.
     ``parallel``: this is rank 0 of data-parallel ranks."""
     c = build_common(cfg, run_dir, parallel)
-    print(f"precision: {describe(cfg, c.placement.train[0], actor_device(cfg))}", flush=True)
+    print(f"precision: {describe(cfg, c.placement.train[0], actor_devices(cfg)[0])}", flush=True)
     weight_check = build_weight_check(cfg, c.trainer, c.tokenizer, actor_dtype(cfg))
     return AsyncRun(c.trainer, c.state, c.tokenizer, c.task.reward_names, c.plan.total_steps, int(cfg.ray.num_actors),
                     int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), c.evaluator, weight_check,

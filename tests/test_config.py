@@ -137,3 +137,21 @@ def test_torchrun_ranks(monkeypatch):
         adopt_torchrun_ranks(cfg_with("train_model.num_devices=3"), torchrun_launch())
     with pytest.raises(ConfigError, match=r"^train.strategy=layer_split under torchrun \(4 ranks\)"):
         adopt_torchrun_ranks(cfg_with("train.strategy=layer_split"), torchrun_launch())
+
+
+def test_an_actor_with_several_gpus_runs_a_tensor_parallel_engine(monkeypatch):
+    """``ray.actor_num_gpus``: the CPU without GPUs; a share of one GPU or one; several whole GPUs, which Ray
+    shows the actor as its first ones and vLLM shards the model over (tensor parallel); a fraction above 1 is
+    one line."""
+    import torch
+
+    from torchrl_grpo.rollout_actors import actor_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    devices = {gpus: actor_devices(cfg_with("mode=async", f"ray.actor_num_gpus={gpus}")) for gpus in (0, 0.5, 1, 4)}
+    assert devices == {0: ["cpu"], 0.5: ["cuda:0"], 1: ["cuda:0"], 4: ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]}
+    validate(cfg_with("mode=async", "ray.actor_num_gpus=4"))
+    with pytest.raises(ConfigError, match=r"^ray.actor_num_gpus=1.5: .* tensor parallel over whole GPUs; use 1 or 2$"):
+        validate(cfg_with("mode=async", "ray.actor_num_gpus=1.5"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert actor_devices(cfg_with("mode=async", "ray.actor_num_gpus=4")) == ["cpu"]

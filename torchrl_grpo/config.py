@@ -213,6 +213,10 @@ def validate(cfg: DictConfig) -> BatchPlan:
             "policy itself, which cannot generate while it is optimized; use inference_model.backend=vllm or "
             "train.sync_iter=true"
         )
+    actor_gpus = _get(cfg, "ray.actor_num_gpus") if _get(cfg, "mode") == "async" else 0
+    if actor_gpus > 1 and actor_gpus != int(actor_gpus):
+        raise ConfigError(f"ray.actor_num_gpus={actor_gpus}: an actor's engine takes a share of one GPU (at most 1) "
+                          f"or runs tensor parallel over whole GPUs; use {int(actor_gpus)} or {int(actor_gpus) + 1}")
     top_p, trainer_old_log_probs = _get(cfg, "inference_model.top_p"), recompute_old_log_probs(cfg, train_device())
     old_log_probs = f"loss.old_log_probs={_get(cfg, 'loss.old_log_probs')}"
     if _get(cfg, "loss.old_log_probs") == "auto":

@@ -86,7 +86,7 @@ class RolloutActor:
         model_path = resolve_model(str(cfg.model.name), trust)
         dtype = str(actor_dtype(cfg)).removeprefix("torch.")
         # the vLLM-only options: make_engine drops them for the transformers backend
-        kwargs = {"dtype": dtype, "device": actor_device(cfg), "seed": engine_seed, **engine_options(cfg)}
+        kwargs = {"dtype": dtype, "device": actor_devices(cfg), "seed": engine_seed, **engine_options(cfg)}
         sampler = PromptSampler(len(task.rows), int(cfg.env.seed) + index)
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
@@ -119,14 +119,19 @@ class RolloutActor:
         self.collector.engine.close()
 
 
-def actor_device(cfg: DictConfig) -> str:
-    """Where an actor's engine runs: the GPU Ray gives it, if it asks for one and one is there."""
-    return "cuda:0" if torch.cuda.is_available() and float(cfg.ray.actor_num_gpus) > 0 else "cpu"
+def actor_devices(cfg: DictConfig) -> list[str]:
+    """Where an actor's engine runs: the GPUs Ray gives it (``ray.actor_num_gpus``: a share of one, one, or
+    several, which vLLM shards the model over: tensor parallel), if it asks for any and they are there; else
+    the CPU. Ray shows the actor only its own GPUs, so they are always the first ones it sees."""
+    gpus = float(cfg.ray.actor_num_gpus)
+    if gpus <= 0 or not torch.cuda.is_available():
+        return ["cpu"]
+    return [f"cuda:{i}" for i in range(max(1, int(gpus)))]
 
 
 def actor_dtype(cfg: DictConfig) -> torch.dtype:
-    """The actors' engine dtype (``inference_model.torch_dtype`` on :func:`actor_device`)."""
-    return engine_dtype_on(cfg, actor_device(cfg), train_device())
+    """The actors' engine dtype (``inference_model.torch_dtype`` on :func:`actor_devices`)."""
+    return engine_dtype_on(cfg, actor_devices(cfg)[0], train_device())
 
 
 def actor_error(err: Exception) -> str:
