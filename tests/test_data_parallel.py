@@ -141,13 +141,13 @@ def sample_case(model_path: str, parallel: DataParallel | None) -> dict:
     policy = load_policy(model_path, dtype=torch.float32, device="cpu")
     engine = TransformersEngine(policy, load_tokenizer(model_path), seed=3)
     first = engine.generate(SAMPLED_PROMPTS[:1], n=1, max_tokens=6, temperature=0.0)[0].token_ids[0]
-    engine.eos_token_ids = sorted({*engine.eos_token_ids, first})
+    eos = sorted({*engine.eos_token_ids, first})
     if parallel is not None:
         engine = TransformersEngine(shard_model(policy), engine.tokenizer, seed=3, parallel=parallel)
-        engine.eos_token_ids = sorted({*engine.eos_token_ids, first})
-        if parallel.rank != 0:
-            parallel.follow(engine)
-            return {}
+    engine.eos_token_ids = eos
+    if parallel is not None and parallel.rank != 0:
+        parallel.follow(engine)
+        return {}
 
     def rows(completions):
         return [(c.prompt_index, c.token_ids, c.log_probs, c.finish_reason) for c in completions]

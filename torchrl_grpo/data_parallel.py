@@ -15,9 +15,9 @@ Either every rank runs the same program (tests/test_data_parallel.py), or only r
 announces each of its calls that holds a collective (prepare, optimize, the weights gather, the
 probe, the checkpoint), with its arguments, and each follower makes the same call on its own trainer
 (:meth:`DataParallel.follow`), so that every rank's collectives match; so does the transformers engine, which
-samples with the sharded policy (each rank a share of the rows: :meth:`TransformersEngine.sample_share`). ``grpo.py`` starts the followers itself
-(one machine), or ``torchrun`` starts every rank (:func:`torchrun_launch`, several machines); either way rank 0
-sends them its config (:meth:`DataParallel.broadcast_config`).
+samples with the sharded policy (each rank a share of the rows: :meth:`TransformersEngine.sample_share`).
+``grpo.py`` starts the followers itself (one machine), or ``torchrun`` starts every rank (:func:`torchrun_launch`,
+several machines); either way rank 0 sends them its config (:meth:`DataParallel.broadcast_config`).
 """
 from __future__ import annotations
 
@@ -49,7 +49,8 @@ class DataParallel:
         return self.followed and self.rank == 0
 
     def announce(self, call: str | None, *args) -> None:
-        """Rank 0: the followers make this trainer call next, with these arguments (``None``: stop following)."""
+        """Rank 0: the followers make this call (a trainer's or an engine's) next, with these arguments
+        (``None``: stop following)."""
         dist.broadcast_object_list([(call, args)], src=0, device=self.device)
 
     def follow(self, *targets) -> None:
