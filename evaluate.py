@@ -12,17 +12,22 @@ prompt), scores with the task's rewards, writes ``eval_responses.jsonl`` (re-sco
 ``eval_metrics.json`` to the run directory, prints a table, and prints the metrics as one JSON object on
 the last line of stdout. Metrics: torchrl_grpo/evaluation.py.
 """
-import json
-from pathlib import Path
+from torchrl_grpo.allocator import run_with_tcmalloc
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+if __name__ == "__main__":
+    run_with_tcmalloc()  # first, before torch is imported: this command re-executed with tcmalloc preloaded
 
-from grpo_utils import build_eval_task
-from torchrl_grpo.command_line import checked_command_line
-from torchrl_grpo.console import quiet_libraries
-from torchrl_grpo.errors import exit_with_one_line
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from grpo_utils import build_eval_task  # noqa: E402
+from torchrl_grpo.command_line import checked_command_line  # noqa: E402
+from torchrl_grpo.console import quiet_libraries  # noqa: E402
+from torchrl_grpo.errors import exit_with_one_line  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 

@@ -9,17 +9,22 @@ It composes the same config tree as grpo.py with mode=async (added unless a mode
 Exit codes: 0 done (or stopped by SIGINT/SIGTERM with a checkpoint), 2 bad config, 1 a rollout actor
 died or hung (one line on stderr, after a checkpoint of the last finished step).
 """
-import sys
-from pathlib import Path
+from torchrl_grpo.allocator import run_with_tcmalloc
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+if __name__ == "__main__":
+    run_with_tcmalloc()  # first, before torch is imported: this command re-executed with tcmalloc preloaded
 
-from grpo_utils import build_async, data_parallel_ranks, torchrun_follower
-from torchrl_grpo.command_line import checked_command_line
-from torchrl_grpo.console import quiet_libraries
-from torchrl_grpo.errors import exit_with_one_line
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from grpo_utils import build_async, data_parallel_ranks, torchrun_follower  # noqa: E402
+from torchrl_grpo.command_line import checked_command_line  # noqa: E402
+from torchrl_grpo.console import quiet_libraries  # noqa: E402
+from torchrl_grpo.errors import exit_with_one_line  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 

@@ -6,16 +6,21 @@
     python grpo.py train.strategy=fsdp train_model.num_devices=2  # two data-parallel ranks (gloo on the CPU)
     torchrun --nnodes 2 --nproc-per-node 1 ... grpo.py            # data-parallel ranks torchrun starts
 """
-from pathlib import Path
+from torchrl_grpo.allocator import run_with_tcmalloc
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+if __name__ == "__main__":
+    run_with_tcmalloc()  # first, before torch is imported: this command re-executed with tcmalloc preloaded
 
-from grpo_utils import build_sync, data_parallel_ranks, torchrun_follower
-from torchrl_grpo.command_line import checked_command_line
-from torchrl_grpo.console import quiet_libraries
-from torchrl_grpo.errors import exit_with_one_line
+from pathlib import Path  # noqa: E402
+
+import hydra  # noqa: E402
+from hydra.core.hydra_config import HydraConfig  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
+
+from grpo_utils import build_sync, data_parallel_ranks, torchrun_follower  # noqa: E402
+from torchrl_grpo.command_line import checked_command_line  # noqa: E402
+from torchrl_grpo.console import quiet_libraries  # noqa: E402
+from torchrl_grpo.errors import exit_with_one_line  # noqa: E402
 
 CONFIG_DIR = str(Path(__file__).resolve().parent / "config")
 

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from torchrl_grpo.allocator import describe_allocator
 from torchrl_grpo.async_loop import AsyncRun
 from torchrl_grpo.collector import Collector
 from torchrl_grpo.config import BatchPlan, CollectSettings, TrainSettings, validate
@@ -338,7 +339,8 @@ class Common:
 def build_common(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> Common:
     """The checked inputs (:func:`read_inputs`), the batch plan printed, the evaluator and the trainer."""
     i = read_inputs(cfg, run_dir)
-    print(f"batch plan:\n{i.plan.table()}\nplacement: {i.placement.describe()}", flush=True)
+    print(f"batch plan:\n{i.plan.table()}\nplacement: {i.placement.describe()}\nallocator: {describe_allocator()}",
+          flush=True)
     evaluator = None if i.eval_task is None else Evaluator(
         i.eval_task, i.tokenizer, cfg.eval, i.plan.max_tokens, int(cfg.logging.eval_frequency), i.plan.total_steps,
         int(cfg.inference_model.max_model_len))

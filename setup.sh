@@ -13,8 +13,28 @@ case "$stack" in
 esac
 python="${PYTHON:-python3}"
 stamp=".venv/.installed-$stack"
+
+# tcmalloc, which the entry points preload (torchrl_grpo/allocator.py): Debian's build, fetched without root.
+# Tried on every call until it is there; where it cannot be had the trainer runs on glibc's malloc and says so.
+fetch_tcmalloc() {
+  local dest=.venv/lib/tcmalloc tmp
+  [ -f "$dest/libtcmalloc_minimal.so.4" ] && return 0
+  if ! command -v apt-get >/dev/null || ! command -v dpkg-deb >/dev/null; then
+    echo "setup: no apt-get here; install tcmalloc (gperftools) for ~25% faster CPU steps (README Speed)" >&2
+    return 0
+  fi
+  tmp="$(mktemp -d)"
+  if (cd "$tmp" && apt-get download -qq libtcmalloc-minimal4 >/dev/null 2>&1) &&
+     dpkg-deb -x "$tmp"/libtcmalloc-minimal4_*.deb "$tmp/root"; then
+    mkdir -p "$dest" && cp -L "$tmp"/root/usr/lib/*/libtcmalloc_minimal.so.4 "$dest/"
+  else
+    echo "setup: could not fetch Debian's libtcmalloc-minimal4; the trainer will use glibc's malloc" >&2
+  fi
+  rm -rf "$tmp"
+}
 want="$(cat requirements_*.txt setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+  fetch_tcmalloc
   exit 0
 fi
 echo "setup: installing the $stack stack into .venv (first time: a few minutes)" >&2
@@ -27,5 +47,6 @@ if [ "$stack" = cpu ]; then
 fi
 .venv/bin/python -c "import torch, torchrl, tensordict, transformers, hydra, vllm" >/dev/null
 .venv/bin/python -c "from torchrl_grpo.tasks.ifeval import ensure_punkt_tab; ensure_punkt_tab()"
+fetch_tcmalloc
 echo "$want" > "$stamp"
 echo "setup: done" >&2

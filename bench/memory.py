@@ -115,4 +115,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from torchrl_grpo.allocator import run_with_tcmalloc
+
+    run_with_tcmalloc()  # the malloc grpo.py runs with (GRPO_ALLOCATOR=glibc: glibc's)
     main()

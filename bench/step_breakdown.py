@@ -158,4 +158,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from torchrl_grpo.allocator import run_with_tcmalloc
+
+    run_with_tcmalloc()  # the ceilings run with the malloc the run gets (GRPO_ALLOCATOR=glibc: glibc's)
     main()

@@ -7,6 +7,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from helpers import SMALL, finite, metric_rows, needs_vllm, run, start, wait_until
+from torchrl_grpo.allocator import find_tcmalloc
 from torchrl_grpo.precision import native_bf16
 
 
@@ -19,6 +20,7 @@ def test_train_then_resume(tmp_path):
                  f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert "completions per step" in first.stdout and "summary:" in first.stdout
+    assert "allocator: " + ("tcmalloc" if find_tcmalloc() else "glibc malloc: tcmalloc not found") in first.stdout
     # start-up noise (vLLM's warnings, loading bars, Python warnings) goes to grpo.log, not the console
     assert "vLLM engine on cpu started" in first.stdout and "cpu_worker.py" not in first.stdout + first.stderr
     assert "Loading" not in first.stderr and "FutureWarning" not in first.stdout + first.stderr
