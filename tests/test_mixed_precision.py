@@ -35,7 +35,13 @@ def make_batch(vocab: int, n: int = 8, length: int = 24, prompt: int = 8) -> Ten
 def one_step(model_path: str, mixed: bool) -> tuple[dict, torch.Tensor, torch.nn.Module, list]:
     policy = load_policy(model_path, dtype=torch.float32, device="cpu")
     matmul_dtypes = []
-    policy.lm_head.register_forward_hook(lambda module, args, out: matmul_dtypes.append(out.dtype))
+    caching = []  # whether autocast keeps bf16 copies of the weights (it must not: Trainer._autocast)
+
+    def seen(module, args, out):
+        matmul_dtypes.append(out.dtype)
+        caching.append(torch.is_autocast_cache_enabled())
+
+    policy.lm_head.register_forward_hook(seen)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-3)
     trainer = Trainer(policy, None, GRPOLoss(policy, temperature=1.0), optimizer,
                       dataclasses.replace(SETTINGS, mixed_precision=mixed), torch.device("cpu"), None)
@@ -44,6 +50,7 @@ def one_step(model_path: str, mixed: bool) -> tuple[dict, torch.Tensor, torch.nn
     matmul_dtypes.clear()
     metrics = trainer.prepare(batch)
     metrics.update(trainer.optimize(batch))
+    assert not mixed or not any(caching)
     return metrics, before, policy, matmul_dtypes
 
 

@@ -160,10 +160,12 @@ class Trainer:
     def _autocast(self, device: torch.device | None = None):
         """``train.mixed_precision`` (resolved: :mod:`torchrl_grpo.precision`): bf16 compute over the float32
         master weights and optimizer state. The log-probs the ratio divides by are computed under it too, so a
-        ratio is 1 where the policy has not moved."""
+        ratio is 1 where the policy has not moved. No cast cache: a forward uses each weight once, and with
+        ``train_model.gradient_checkpointing`` the cache would hold a bf16 copy of every weight (0.25 GiB for
+        SmolLM2-135M) that the checkpointed layers do not need until their recompute."""
         device = self.device if device is None else device
         if self.settings.mixed_precision and device.type in ("cuda", "cpu"):
-            return torch.autocast(device.type, dtype=torch.bfloat16)
+            return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
         return contextlib.nullcontext()
 
     def _everywhere(self, call: str, *args) -> None:
