@@ -12,10 +12,10 @@ prompt), scores with the task's rewards, writes ``eval_responses.jsonl`` (re-sco
 ``eval_metrics.json`` to the run directory, prints a table, and prints the metrics as one JSON object on
 the last line of stdout. Metrics: torchrl_grpo/evaluation.py.
 """
-from torchrl_grpo.allocator import run_with_tcmalloc
+from torchrl_grpo.allocator import apply_memory_settings
 
 if __name__ == "__main__":
-    run_with_tcmalloc()  # first, before torch is imported: this command re-executed with tcmalloc preloaded
+    apply_memory_settings()  # first, before torch is imported: kernel caches bounded, tcmalloc preloaded
 
 import json  # noqa: E402
 from pathlib import Path  # noqa: E402

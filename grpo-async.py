@@ -9,10 +9,10 @@ It composes the same config tree as grpo.py with mode=async (added unless a mode
 Exit codes: 0 done (or stopped by SIGINT/SIGTERM with a checkpoint), 2 bad config, 1 a rollout actor
 died or hung (one line on stderr, after a checkpoint of the last finished step).
 """
-from torchrl_grpo.allocator import run_with_tcmalloc
+from torchrl_grpo.allocator import apply_memory_settings
 
 if __name__ == "__main__":
-    run_with_tcmalloc()  # first, before torch is imported: this command re-executed with tcmalloc preloaded
+    apply_memory_settings()  # first, before torch is imported: kernel caches bounded, tcmalloc preloaded
 
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402

@@ -6,10 +6,10 @@
     python grpo.py train.strategy=fsdp train_model.num_devices=2  # two data-parallel ranks (gloo on the CPU)
     torchrun --nnodes 2 --nproc-per-node 1 ... grpo.py            # data-parallel ranks torchrun starts
 """
-from torchrl_grpo.allocator import run_with_tcmalloc
+from torchrl_grpo.allocator import apply_memory_settings
 
 if __name__ == "__main__":
-    run_with_tcmalloc()  # first, before torch is imported: this command re-executed with tcmalloc preloaded
+    apply_memory_settings()  # first, before torch is imported: kernel caches bounded, tcmalloc preloaded
 
 from pathlib import Path  # noqa: E402
 

@@ -115,7 +115,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from torchrl_grpo.allocator import run_with_tcmalloc
+    from torchrl_grpo.allocator import apply_memory_settings
 
-    run_with_tcmalloc()  # the malloc grpo.py runs with (GRPO_ALLOCATOR=glibc: glibc's)
+    apply_memory_settings()  # grpo.py's malloc and kernel caches (GRPO_ALLOCATOR=glibc: glibc's)
     main()

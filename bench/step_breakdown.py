@@ -158,7 +158,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from torchrl_grpo.allocator import run_with_tcmalloc
+    from torchrl_grpo.allocator import apply_memory_settings
 
-    run_with_tcmalloc()  # the ceilings run with the malloc the run gets (GRPO_ALLOCATOR=glibc: glibc's)
+    apply_memory_settings()  # the ceilings get the run's malloc and kernel caches
     main()

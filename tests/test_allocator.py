@@ -1,14 +1,16 @@
-"""The entry points' allocator (torchrl_grpo/allocator.py): a command re-executed once, in the same process,
-with tcmalloc preloaded; glibc's malloc kept when asked for; a bad GRPO_ALLOCATOR refused in one line."""
+"""The entry points' memory settings (torchrl_grpo/allocator.py): a command re-executed once, in the same process,
+with tcmalloc preloaded; glibc's malloc kept when asked for; a bad GRPO_ALLOCATOR refused in one line; oneDNN's
+kernel caches bounded, so bf16 matmuls of ever new shapes do not grow the process."""
 import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
+import torch
 
 from helpers import ROOT
-from torchrl_grpo.allocator import find_tcmalloc
+from torchrl_grpo.allocator import KERNEL_CACHE_CAPACITIES, find_tcmalloc
 
 # prints its pid and arguments each time it starts, then what the process runs with
 PROGRAM = textwrap.dedent("""
@@ -18,7 +20,7 @@ PROGRAM = textwrap.dedent("""
     print("start", os.getpid(), sys.argv[1:], flush=True)
     if {broken!r}:
         allocator.find_tcmalloc = lambda: "/nonexistent/libtcmalloc_minimal.so.4"
-    allocator.run_with_tcmalloc()
+    allocator.apply_memory_settings()
     print("allocator:", allocator.describe_allocator(), flush=True)
 """)
 
@@ -67,3 +69,59 @@ def test_a_bad_value_is_one_line_and_exit_2(tmp_path):
     done = run_program(tmp_path, allocator="jemalloc")
     assert done.returncode == 2
     assert done.stderr.strip() == "error: GRPO_ALLOCATOR=jemalloc: use auto (tcmalloc where found) or glibc"
+
+
+# bf16 forward/backward through a linear layer for 80 new shapes; prints how much malloc'd memory that kept
+CACHES_PROGRAM = textwrap.dedent("""
+    import ctypes, os, sys
+    sys.path.insert(0, {root!r})
+    from torchrl_grpo import allocator
+    allocator.apply_memory_settings()
+    import torch
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost".split()]
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = MallInfo2
+
+    def in_use():
+        info = libc.mallinfo2()
+        return info.uordblks + info.hblkhd
+
+    layer = torch.nn.Linear(1024, 1024)
+    before = in_use()
+    for rows in range(8, 88):
+        x = torch.randn(rows, 1024, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().sum().backward()
+    print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"], (in_use() - before) / 2 ** 20)
+""")
+
+
+def kept_by_new_shapes(tmp_path, **env) -> tuple[str, str, float]:
+    script = tmp_path / "caches.py"
+    script.write_text(CACHES_PROGRAM.format(root=str(ROOT)))
+    base = {k: v for k, v in os.environ.items()
+            if k not in ("LD_PRELOAD", "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    done = subprocess.run([sys.executable, str(script)], env={**base, "GRPO_ALLOCATOR": "glibc", **env},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    onednn, ideep, mib = done.stdout.split()
+    return onednn, ideep, float(mib)
+
+
+@pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.cpu._is_avx512_bf16_supported()),
+                    reason="bf16 matmuls run in oneDNN only on a CPU with AVX-512 BF16 (or AMX)")
+def test_kernel_caches_are_bounded_and_a_users_capacity_is_kept(tmp_path):
+    """Each new shape leaves ~1.7 MiB in the caches here (buffers sized like the 1024x1024 weight): 80 shapes
+    kept 137 MiB with PyTorch's capacities of 1024 (a user's setting is kept) and 28 MiB with ours."""
+    *capacities, unbounded = kept_by_new_shapes(tmp_path, ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024",
+                                                LRU_CACHE_CAPACITY="1024")
+    assert capacities == ["1024", "1024"] and unbounded > 100
+    *capacities, bounded = kept_by_new_shapes(tmp_path)
+    assert capacities == [KERNEL_CACHE_CAPACITIES["ONEDNN_PRIMITIVE_CACHE_CAPACITY"],
+                          KERNEL_CACHE_CAPACITIES["LRU_CACHE_CAPACITY"]]
+    assert bounded < unbounded / 3
