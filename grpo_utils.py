@@ -159,7 +159,7 @@ def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume
     """Policy (from the checkpoint when resuming), reference when a KL to it is on, loss and optimizer; with
     ``parallel`` both models on the rank's own device (its GPU, or the CPU) and sharded over the ranks (FSDP2,
     with its bf16 policy under mixed precision) before the optimizer is built."""
-    from torchrl_grpo.models import load_policy
+    from torchrl_grpo.models import load_policy, sparse_tied_embedding_gradient
 
     train_on, ref_on = placement.train, placement.ref
     if parallel is not None:
@@ -173,6 +173,8 @@ def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume
     if parallel is not None:
         policy = shard_model(policy, mixed)
         ref_policy = None if ref_policy is None else shard_model(ref_policy, mixed)
+    elif not cfg.model.compile:  # FSDP2 reduces dense gradients; torch.compile was not tried with sparse ones
+        sparse_tied_embedding_gradient(policy)
     if mixed and not native_bf16(train_on[0]):
         print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
               "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)

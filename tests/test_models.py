@@ -82,3 +82,42 @@ def test_lora_trains_only_adapters_and_merges_exactly(tiny_model_path):
 def test_bad_lora_config_names_the_key(tiny_model_path):
     with pytest.raises(ConfigError, match=r"train_model\.lora\.r"):
         models.load_policy(tiny_model_path, dtype=torch.float32, device="cpu", lora={**LORA, "r": 0})
+
+
+def tied_model(seed: int = 0):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config).float().train()
+
+
+def test_a_tied_embedding_gets_the_same_dense_gradient_and_update_through_sparse_rows():
+    """Two micro-batches with repeated tokens, accumulated, clipped, and a fused AdamW step: the same as with the
+    dense embedding backward, to float rounding (the rows are summed in another order), and .grad stays dense."""
+    dense, sparse = tied_model(), tied_model()
+    assert models.sparse_tied_embedding_gradient(sparse) and sparse.get_input_embeddings().sparse
+    ids = torch.randint(0, 40, (2, 3, 10), generator=torch.Generator().manual_seed(1))  # 40 of 96 rows, repeated
+    updated = []
+    for model in (dense, sparse):
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+        for mb in ids:
+            model(input_ids=mb, labels=mb).loss.backward()
+        weight = model.get_input_embeddings().weight
+        assert weight.grad.layout == torch.strided
+        updated.append(weight.grad.clone())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        updated.append(weight.detach().clone())
+    dense_grad, dense_weight, sparse_grad, sparse_weight = updated
+    assert dense_grad[40:].abs().sum() > 0  # the head's gradient covers every row; the embedding's only 40
+    torch.testing.assert_close(sparse_grad, dense_grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(sparse_weight, dense_weight, rtol=1e-5, atol=1e-6)
+
+
+def test_an_untied_or_frozen_embedding_stays_dense(tiny_model_path):
+    untied = models.load_policy(tiny_model_path, dtype=torch.float32, device="cpu")  # the tiny model is untied
+    assert not models.sparse_tied_embedding_gradient(untied) and not untied.get_input_embeddings().sparse
+    frozen = tied_model().requires_grad_(False)
+    assert not models.sparse_tied_embedding_gradient(frozen)

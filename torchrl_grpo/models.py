@@ -77,6 +77,18 @@ def load_policy(
     return model
 
 
+def sparse_tied_embedding_gradient(model) -> bool:
+    """Have the input embedding's backward give only the rows of the batch's tokens, where its weight is also the
+    output head's (tied: SmolLM2, small Qwen2.5) and trained. Its dense backward built a second full-vocabulary
+    gradient (113 MB for SmolLM2-135M in float32) only to add it to the head's; now autograd adds the rows into
+    the head's dense gradient in place, so the weight's ``.grad`` stays dense (clipping and fused Adam need
+    that). Untied, a sparse gradient would become ``.grad`` itself: left dense. Returns whether it is on."""
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = isinstance(embedding, torch.nn.Embedding) and head is not None and head.weight is embedding.weight
+    embedding.sparse = bool(tied and embedding.weight.requires_grad)
+    return embedding.sparse
+
+
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
     """HF-named weights of the base model with any active LoRA merged in, for the inference engine:
     :func:`merged_weights` as one dict."""
