@@ -137,8 +137,16 @@ def test_vllm_cpu_kv_cache_holds_the_tokens_asked_for(tiny_model_path):
 
 
 @needs_vllm
+def gemm_handles(worker) -> dict[str, bool]:
+    """Whether the engine's embedding and head multiply through a packed handle (else torch's plain linear)."""
+    model = worker.model_runner.get_model()
+    return {name: model.get_submodule(name).cpu_linear is not torch.nn.functional.linear
+            for name in ("model.embed_tokens", "lm_head")}
+
+
 def test_vllm_push_weights_tied_embeddings_smollm2():
-    """SmolLM2 ties lm_head to the embedding: after a push the engine must not keep the old head."""
+    """SmolLM2 ties lm_head to the embedding: after a push the engine must not keep the old head. The input
+    embedding, which only looks rows up, keeps no packed copy of the vocabulary matrix, at start or after it."""
     try:
         path = resolve_model("smollm2-135m-instruct")
     except ConfigError as e:
@@ -153,12 +161,14 @@ def test_vllm_push_weights_tied_embeddings_smollm2():
     engine = VLLMEngine(path, dtype="float32", device="cpu", max_model_len=512, seed=0)
     try:
         assert engine.tied_embeddings
+        assert engine.llm.collective_rpc(gemm_handles) == [{"model.embed_tokens": False, "lm_head": True}]
         before = engine.generate(prompts, n=2, max_tokens=12, temperature=1.0)
         assert max_logprob_gap(trainer, prompts, before, 1.0) < LOGPROB_TOL
         perturb(trainer, scale=0.2)  # large enough that a stale head would be off by far more than TOL
         engine.push_weights(merged_state_dict(trainer))
         after = engine.generate(prompts, n=2, max_tokens=12, temperature=1.0)
         assert max_logprob_gap(trainer, prompts, after, 1.0) < LOGPROB_TOL
+        assert engine.llm.collective_rpc(gemm_handles) == [{"model.embed_tokens": False, "lm_head": True}]
     finally:
         engine.close()
 

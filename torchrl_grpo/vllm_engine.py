@@ -240,6 +240,8 @@ class VLLMEngine(Engine):
             _IN_PROCESS_ENGINES.add(id(self))
         if self._on_cpu and own_process:
             self.llm.collective_rpc(vllm_cpu_fixes.apply_in_worker)
+        if self._on_cpu:
+            self.llm.collective_rpc(vllm_cpu_fixes.redispatch_cpu_gemm)  # drops the input embedding's packed copy
         self.start_s = time.perf_counter() - t0
         # The engine's own stream for the (in-process) global torch generator vLLM samples from.
         self._rng_state = torch.Generator().manual_seed(seed).get_state()
