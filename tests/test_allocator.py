@@ -97,7 +97,8 @@ CACHES_PROGRAM = textwrap.dedent("""
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = layer(x)
         y.float().sum().backward()
-    print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"], (in_use() - before) / 2 ** 20)
+    capacities = os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"]
+    print(*capacities, (in_use() - before) / 2 ** 20)
 """)
 
 

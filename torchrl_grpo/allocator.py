@@ -5,9 +5,9 @@ glibc keeps the freed activations of one micro-batch in pieces that the next mic
 heap grows while a gigabyte of it lies free. On the comparison workload (README "Speed") tcmalloc makes a step
 about 25% faster and its peak resident set about 0.4 GiB lower (``bench/step_breakdown.py`` with each). PyTorch's
 and vLLM's CPU guides advise it too. A running process cannot change its malloc, so each entry point calls
-:func:`apply_memory_settings` before anything else: it re-executes the very command (same process id, arguments and
-interpreter options) with tcmalloc in ``LD_PRELOAD``, which the processes it starts (the engine's own process,
-Ray workers, data-parallel ranks) inherit. ``./setup.sh`` puts Debian's build in the venv; a system install
+:func:`apply_memory_settings` before anything else, which re-executes the very command (same process id,
+arguments and interpreter options) with tcmalloc in ``LD_PRELOAD``, which the processes it starts (the engine's
+own process, Ray workers, data-parallel ranks) inherit. ``./setup.sh`` puts Debian's build in the venv; a system install
 (``apt install libtcmalloc-minimal4``, ``dnf install gperftools-libs``) is found too.
 
 ``GRPO_ALLOCATOR=glibc`` keeps glibc's malloc; a malloc already in ``LD_PRELOAD`` (jemalloc, ...) is left alone.
@@ -15,8 +15,8 @@ Ray workers, data-parallel ranks) inherit. ``./setup.sh`` puts Debian's build in
 On the CPU, bf16 matmuls run in oneDNN, which caches what it builds for each input shape in two caches of 1024
 entries: oneDNN's primitive cache and ideep's (PyTorch's oneDNN wrapper). A micro-batch's length is a new shape
 almost every step, and an entry holds buffers that grow with the weights' size: with SmolLM2-135M a run's
-resident set grew by ~24 MiB a step (0.23 GiB in 10 steps) and would grow by gigabytes before the caches
-filled. :data:`KERNEL_CACHE_CAPACITIES` keeps them a few shapes deep (a micro-batch's forward, recompute and
+resident set grew by ~24 MiB a step (0.23 GiB in 10 steps), and would have for hundreds of steps before the
+caches filled. :data:`KERNEL_CACHE_CAPACITIES` keeps them a few shapes deep (a micro-batch's forward, recompute and
 backward still hit them); a value the user set is kept. Both are read when first used, so setting them in
 ``os.environ`` before the first matmul is enough, and the processes this one starts inherit them.
 """
