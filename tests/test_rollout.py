@@ -136,7 +136,6 @@ def test_vllm_cpu_kv_cache_holds_the_tokens_asked_for(tiny_model_path):
         engine.close()
 
 
-@needs_vllm
 def gemm_handles(worker) -> dict[str, bool]:
     """Whether the engine's embedding and head multiply through a packed handle (else torch's plain linear)."""
     model = worker.model_runner.get_model()
@@ -144,6 +143,7 @@ def gemm_handles(worker) -> dict[str, bool]:
             for name in ("model.embed_tokens", "lm_head")}
 
 
+@needs_vllm
 def test_vllm_push_weights_tied_embeddings_smollm2():
     """SmolLM2 ties lm_head to the embedding: after a push the engine must not keep the old head. The input
     embedding, which only looks rows up, keeps no packed copy of the vocabulary matrix, at start or after it."""
