@@ -5,9 +5,9 @@ glibc keeps the freed activations of one micro-batch in pieces that the next mic
 heap grows while a gigabyte of it lies free. On the comparison workload (README "Speed") tcmalloc makes a step
 about 25% faster and its peak resident set about 0.4 GiB lower (``bench/step_breakdown.py`` with each). PyTorch's
 and vLLM's CPU guides advise it too. A running process cannot change its malloc, so each entry point calls
-:func:`apply_memory_settings` before anything else, which re-executes the very command (same process id,
-arguments and interpreter options) with tcmalloc in ``LD_PRELOAD``, which the processes it starts (the engine's
-own process, Ray workers, data-parallel ranks) inherit. ``./setup.sh`` puts Debian's build in the venv; a system install
+:func:`apply_memory_settings` before anything else. It re-executes the very command (same process id, arguments
+and interpreter options) with tcmalloc in ``LD_PRELOAD``; the processes it starts (the engine's own process, Ray
+workers, data-parallel ranks) inherit it. ``./setup.sh`` puts Debian's build in the venv; a system install
 (``apt install libtcmalloc-minimal4``, ``dnf install gperftools-libs``) is found too.
 
 ``GRPO_ALLOCATOR=glibc`` keeps glibc's malloc; a malloc already in ``LD_PRELOAD`` (jemalloc, ...) is left alone.
