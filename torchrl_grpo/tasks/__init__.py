@@ -4,15 +4,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torchrl_grpo.errors import ConfigError, import_target
+from torchrl_grpo.core.errors import ConfigError, import_target
 from torchrl_grpo.tasks.arithmetic import build_arithmetic_task
 from torchrl_grpo.tasks.base import Reward, RewardFn, Task, per_task_means
 from torchrl_grpo.tasks.competition_math import HUB_DATASET as MATH_HUB, build_math_task
 from torchrl_grpo.tasks.gsm8k import build_gsm8k_task
 from torchrl_grpo.tasks.ifeval import build_ifeval_task
 from torchrl_grpo.tasks.reasoning_gym_tasks import build_reasoning_gym_task
-from torchrl_grpo.task_env import build_transforms
-from torchrl_grpo.turn_envs import build_turn_env
+from torchrl_grpo.episodes.task_env import build_transforms
+from torchrl_grpo.episodes.turn_envs import build_turn_env
 
 # env.dataset -> builder(env_cfg) -> Task. New tasks add themselves with register_task.
 TASK_BUILDERS: dict[str, Callable[[Any], Task]] = {

@@ -22,7 +22,7 @@ from typing import Any
 
 import datasets
 
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Task
 from torchrl_grpo.tasks.gsm8k import SYSTEM_PROMPT, gold_answer, gsm8k_rewards
 from torchrl_grpo.tasks.reasoning_gym_tasks import generate, interleaved

@@ -16,7 +16,7 @@ import datasets
 
 import logging
 
-from torchrl_grpo.errors import ConfigError, RunError, one_line
+from torchrl_grpo.core.errors import ConfigError, RunError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +44,9 @@ class Task:
     # components that are the share of a row's checks passed (IFEval: its instructions): name -> the row's
     # number of checks; evaluation also counts them pooled over all checks (IFEval's instruction-level accuracy)
     pooled: dict[str, Callable[[Mapping[str, Any]], int]] = field(default_factory=dict)
-    # the episodes (torchrl_grpo/task_env.py): engine turns per episode (env.max_steps), what answers in between
+    # the episodes (torchrl_grpo/episodes/task_env.py): engine turns per episode (env.max_steps), what answers in between
     max_turns: int = 1
-    turn_env: Any = None  # env.turn_env: a torchrl_grpo.turn_envs.TurnEnv, or None
+    turn_env: Any = None  # env.turn_env: a torchrl_grpo.episodes.turn_envs.TurnEnv, or None
     transforms: list = field(default_factory=list)  # env.transforms: TorchRL transforms' configs ({_target_: ...})
 
     def __post_init__(self):

@@ -17,7 +17,7 @@ from typing import Any
 
 import datasets
 
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
 from torchrl_grpo.tasks.sources import env_value, load_rows
 

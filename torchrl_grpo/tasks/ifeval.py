@@ -33,7 +33,7 @@ from typing import Any
 
 import datasets
 
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
 from torchrl_grpo.tasks.sources import env_value, load_rows
 
@@ -59,7 +59,7 @@ _PUNKT_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "or
 
 
 def _nltk_data_root() -> Path:
-    from torchrl_grpo.model_sources import cache_root
+    from torchrl_grpo.models.sources import cache_root
 
     return cache_root() / "nltk_data"
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import datasets
 
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
 
 DATASET = "reasoning_gym"

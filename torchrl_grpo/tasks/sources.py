@@ -10,7 +10,7 @@ from typing import Any
 
 import datasets
 
-from torchrl_grpo.errors import ConfigError, one_line
+from torchrl_grpo.core.errors import ConfigError, one_line
 
 
 def env_value(cfg: Any, key: str, default: Any = None) -> Any:

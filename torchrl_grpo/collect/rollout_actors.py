@@ -1,0 +1,333 @@
+"""Ray rollout actors for ``grpo-async.py``: each runs a :class:`Collector` over its own engine, and the
+:class:`ActorPool` keeps one ``collect`` in flight per actor, hands finished batches to the trainer and
+ships new weights to every actor.
+
+Each :class:`RolloutActor` (one Ray actor process) owns a task, a tokenizer, an engine (vLLM in the
+actor's own process on the CPU; on a GPU the one Ray gives it) and a prompt sampler seeded ``env.seed +
+actor index``; every batch carries ``policy_version``, the version of the weights that sampled it (0 = the
+starting weights; each push bumps it by one). A push is one ``ray.put``; each actor runs its calls in
+order, so the push lands after the collect it is running and the next collect samples with the new weights.
+
+An actor that dies (its process is gone: a crash, the OOM killer, a lost node) is replaced by a new one that
+continues from the dead one's last returned prompt position (the prompts of the batch it lost are drawn
+again) with the current weights and policy version, up to ``ray.max_actor_restarts`` times per actor; each
+restart is counted (``actor_restarts``) and printed. Other faults (an exception in an actor, no batch within
+``ray.collect_timeout_s``, a failed push, a death with no restart left) raise :class:`ActorFault`, which
+the loop turns into one line after a checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from torchrl_grpo.config.validate import CollectSettings
+from torchrl_grpo.core.console import quiet_libraries
+from torchrl_grpo.core.errors import ConfigError, one_line
+from torchrl_grpo.config.precision import engine_dtype_on, train_device
+from torchrl_grpo.engines.weight_check import Probe
+
+EXIT_GRACE_S = 5  # an actor asked to exit (after its collect in flight) is killed after this long
+# Test-only fault injection: an actor calls os._exit(1) at the start of its N-th collect (1-based). Read by
+# the trainer (not the actor) and handed to every actor's constructor; tests/test_async.py uses it.
+EXIT_AT_ENV = "TORCHRL_GRPO_TEST_ACTOR_EXIT_AT"
+
+
+def as_arrays(weights: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
+    """CPU tensors as (numpy array, torch dtype) for ``ray.put``: Ray hands numpy arrays to actors straight from its
+    object store, while pickled tensors are copied and unpickled in every actor, which took seconds for SmolLM2
+    while the trainer computed (bench/scheduler.py). bfloat16, which numpy lacks, travels as int16."""
+    def array(t: torch.Tensor) -> np.ndarray:
+        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+    return {name: (array(t.detach()), str(t.dtype).removeprefix("torch.")) for name, t in weights.items()}
+
+
+def from_arrays(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Tensor]:
+    """:func:`as_arrays` undone, without a copy (the tensors are read-only views of Ray's object store)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {name: torch.from_numpy(a).view(getattr(torch, dtype)) for name, (a, dtype) in arrays.items()}
+
+
+class ActorFault(Exception):
+    """A Ray-side failure: the run cannot go on."""
+
+
+class RolloutActor:
+    """One rollout worker (wrapped with ``ray.remote`` by :class:`ActorPool`; plain Python otherwise).
+
+    ``sampler_state``: a prompt sampler's ``state_dict`` to continue from (resume), else a fresh order seeded
+    ``env.seed + index``. ``exit_at``: test-only, ``os._exit(1)`` at the start of that collect.
+    """
+
+    def __init__(self, cfg: dict, index: int, engine_seed: int, sampler_state: dict | None = None,
+                 exit_at: int | None = None, log_file: str | None = None):
+        from torchrl_grpo.collect.collector import Collector
+        from torchrl_grpo.models.sources import resolve_model
+        from torchrl_grpo.models.loading import load_tokenizer
+        from torchrl_grpo.engines.factory import engine_options, make_engine
+        from torchrl_grpo.tasks import build_task
+        from torchrl_grpo.episodes.trajectories import PromptSampler
+
+        cfg = OmegaConf.create(cfg)
+        quiet_libraries(cfg.logging.verbose is True, log_file)
+        self.exit_at, self.calls, self.version = exit_at, 0, 0
+        self.probe_scores = None  # the engine's weight sync probe log-probs at the last push
+        task = build_task(cfg.env)
+        trust = bool(cfg.model.trust_remote_code)
+        model_path = resolve_model(str(cfg.model.name), trust)
+        dtype = str(actor_dtype(cfg)).removeprefix("torch.")
+        # the vLLM-only options: make_engine drops them for the transformers backend
+        kwargs = {"dtype": dtype, "device": actor_devices(cfg), "seed": engine_seed, **engine_options(cfg)}
+        sampler = PromptSampler(len(task.rows), int(cfg.env.seed) + index)
+        if sampler_state is not None:
+            sampler.load_state_dict(sampler_state)
+        engine = make_engine(cfg.inference_model.backend, model_path, **kwargs)
+        self.collector = Collector(task, load_tokenizer(model_path, trust), engine, sampler, CollectSettings.from_config(cfg))
+
+    def collect(self):
+        """One scored batch at the current weights: (batch, metrics, first texts, sampler state)."""
+        self.calls += 1
+        if self.exit_at is not None and self.calls >= self.exit_at:
+            os._exit(1)  # test-only: die like a crashed worker (no exception, no cleanup)
+        batch, metrics, texts = self.collector.collect(version=self.version)
+        return batch, metrics, texts[:4], self.collector.sampler.state_dict()
+
+    def push_weights(self, arrays: dict, version: int, probe: Probe | None = None) -> float | None:
+        """New weights (:func:`as_arrays`) into the engine; the version changes only once they are in. With
+        ``probe`` (the weight sync check), the engine's gap to the trainer's probe log-probs, or a RunError when
+        it is too large."""
+        self.collector.engine.push_weights(from_arrays(arrays))
+        gap = None
+        if probe is not None:
+            gap, self.probe_scores = probe.verify(self.collector.engine, self.probe_scores)
+        self.version = version
+        return gap
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        return self.collector.engine.score(token_ids)
+
+    def close(self) -> None:
+        self.collector.engine.close()
+
+
+def actor_devices(cfg: DictConfig) -> list[str]:
+    """Where an actor's engine runs: the GPUs Ray gives it (``ray.actor_num_gpus``: a share of one, one, or
+    several, which vLLM shards the model over: tensor parallel), if it asks for any and they are there; else
+    the CPU. Ray shows the actor only its own GPUs, so they are always the first ones it sees."""
+    gpus = float(cfg.ray.actor_num_gpus)
+    if gpus <= 0 or not torch.cuda.is_available():
+        return ["cpu"]
+    return [f"cuda:{i}" for i in range(max(1, int(gpus)))]
+
+
+def actor_dtype(cfg: DictConfig) -> torch.dtype:
+    """The actors' engine dtype (``inference_model.torch_dtype`` on :func:`actor_devices`)."""
+    return engine_dtype_on(cfg, actor_devices(cfg)[0], train_device())
+
+
+def actor_error(err: Exception) -> str:
+    """One line for an error raised inside an actor: the actor's own exception, not Ray's wrapper."""
+    return one_line(getattr(err, "cause", None) or err)
+
+
+def ray_init_kwargs(cfg: DictConfig) -> dict:
+    """``ray.init`` arguments: ``ray.address`` (null: start a private local Ray; auto or host:port: join one)
+    and every key of ``ray.init``; a local Ray gets ``num_cpus`` = what the actors ask for plus one for the
+    trainer's own tasks, unless ``ray.init.num_cpus`` says otherwise (Ray would otherwise count every core).
+    No dashboard unless ``ray.init.include_dashboard=true``, and then on 127.0.0.1 unless
+    ``ray.init.dashboard_host`` says otherwise. Ray 2.60 has no option that binds its own gRPC ports (GCS,
+    raylet, workers) to one interface: they listen on all, behind Ray's token authentication (on by default).
+    null maps to Ray's ``"local"``: a bare ``ray.init()`` joins whatever cluster ``RAY_ADDRESS`` or an earlier
+    ``ray start`` on this machine left behind, and then refuses ``num_cpus``."""
+    ray_cfg = cfg.ray
+    kwargs = {k: v for k, v in OmegaConf.to_container(ray_cfg.init, resolve=True).items() if v is not None}
+    address = ray_cfg.address or "local"
+    kwargs.setdefault("include_dashboard", False)
+    verbose = OmegaConf.select(cfg, "logging.verbose") is True  # Ray's own start-up lines: grpo.log has ours
+    kwargs.setdefault("logging_level", logging.INFO if verbose else logging.ERROR)
+    if address == "local":
+        kwargs.setdefault("dashboard_host", "127.0.0.1")  # a dashboard asked for (ray.init.include_dashboard)
+        kwargs.setdefault("num_cpus", max(1, int(round(ray_cfg.num_actors * float(ray_cfg.actor_num_cpus)))) + 1)
+    else:
+        kwargs.pop("num_cpus", None)  # a running cluster has its resources already
+    # workers import torchrl_grpo: make the repository importable from any working directory
+    root = str(Path(__file__).resolve().parents[1])
+    env_vars = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    runtime_env = kwargs.setdefault("runtime_env", {})
+    runtime_env.setdefault("env_vars", {}).update({**env_vars, **runtime_env.get("env_vars", {})})
+    return {"address": address, **kwargs}
+
+
+class ActorPool:
+    """Starts Ray and ``ray.num_actors`` actors (each continuing from its saved prompt position and seeded
+    ``train.seed + 1000 x actor + start step``), keeps one collect in flight per actor, restarts actors that
+    die, and shuts all down on exit. ``weights``: the checkpoint's weights to push before the first collect
+    (resume), else None; ``probe``: their weight sync probe, if the check is on; ``log_dir``: where each
+    actor writes its log (``rollout_actor_<i>.log``; None: its console only)."""
+
+    def __init__(self, cfg: DictConfig, actor_samplers: list[dict | None], start_step: int, version: int,
+                 weights: dict | None = None, probe: Probe | None = None, log_dir: Path | None = None):
+        import ray
+
+        self.ray, self.timeout, self.log_dir = ray, float(cfg.ray.collect_timeout_s), log_dir
+        self.max_restarts = int(cfg.ray.max_actor_restarts)
+        started, self.actors, self.pushes = time.perf_counter(), [], {}
+        try:
+            ray.init(**ray_init_kwargs(cfg))
+        except Exception as err:  # no cluster at ray.address, a bad ray.init key, ...
+            ray.shutdown()
+            raise ConfigError(f"ray.address={cfg.ray.address}: could not start or join Ray ({one_line(err)})") from None
+        try:
+            self._start(cfg, actor_samplers, start_step, version, weights, probe)
+        except BaseException:
+            self.__exit__()
+            raise
+        self.startup_time = time.perf_counter() - started
+
+    def _start(self, cfg: DictConfig, actor_samplers, start_step: int, version: int, weights: dict | None,
+               probe: Probe | None) -> None:
+        self.samplers, self.restarts = list(actor_samplers), [0] * len(actor_samplers)
+        self.delivered = [False] * len(actor_samplers)
+        self.version, self.weights_ref, self.probe, self.weight_sync_gap = version, None, None, None
+        self.seed, self.start_step = int(cfg.train.seed), start_step
+        self.exit_at = int(os.environ[EXIT_AT_ENV]) if os.environ.get(EXIT_AT_ENV) else None
+        self.remote_cls, self.plain_cfg = self.ray.remote(RolloutActor), OmegaConf.to_container(cfg, resolve=True)
+        self.actor_options = {"num_cpus": float(cfg.ray.actor_num_cpus), "num_gpus": float(cfg.ray.actor_num_gpus),
+                              "max_restarts": 0}  # restarts are ours: a new actor gets the current weights
+        self.actors = [self._new_actor(i) for i in range(len(actor_samplers))]
+        if weights is not None:  # the actors start from the base weights: give them the checkpoint's
+            self.push(weights, version, probe)
+        self.pending = {actor.collect.remote(): i for i, actor in enumerate(self.actors)}
+
+    def _new_actor(self, i: int):
+        """Actor ``i`` from its last known prompt position; a restarted one gets a seed of its own."""
+        seed = self.seed + 1000 * i + self.start_step + 1_000_000 * self.restarts[i]
+        log_file = str(self.log_dir / f"rollout_actor_{i}.log") if self.log_dir is not None else None
+        return self.remote_cls.options(**self.actor_options).remote(
+            self.plain_cfg, i, seed, self.samplers[i], self.exit_at, log_file)
+
+    @property
+    def total_restarts(self) -> int:
+        return sum(self.restarts)
+
+    def next_batch(self):
+        """The next finished collect: ``(actor index, (batch, metrics, texts, sampler state), seconds waited)``;
+        that actor's next collect starts at once, so generation overlaps the trainer's step. An actor found
+        dead is restarted (see the module docstring) and the wait goes on."""
+        from ray.exceptions import GetTimeoutError, RayActorError, RayError
+
+        waited = time.perf_counter()
+        while True:
+            ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=self.timeout)
+            if not ready:
+                busy = ", ".join(str(i) for i in sorted(self.pending.values()))
+                raise ActorFault(f"no batch from rollout actor(s) {busy} within ray.collect_timeout_s={self.timeout:g} s")
+            actor = self.pending.pop(ready[0])
+            try:
+                result = self.ray.get(ready[0], timeout=self.timeout)
+                break
+            except GetTimeoutError:
+                raise ActorFault(f"rollout actor {actor}'s batch could not be fetched within "
+                                 f"ray.collect_timeout_s={self.timeout:g} s") from None
+            except RayActorError as err:
+                self._restart(actor, err)
+            except RayError as err:
+                raise ActorFault(f"rollout actor {actor} failed during collect ({actor_error(err)})") from None
+        self.samplers[actor], self.delivered[actor] = result[3], True
+        wait_time = time.perf_counter() - waited
+        self.pending[self.actors[actor].collect.remote()] = actor
+        self._check_pushes()
+        return actor, result, wait_time
+
+    def _restart(self, i: int, err: Exception) -> None:
+        """Replace dead actor ``i`` (its restarts left permitting) and start its next collect."""
+        why = one_line(err)
+        if not self.delivered[i]:  # it never delivered a batch: a start-up failure, not a crash
+            raise ActorFault(f"rollout actor {i} failed before its first batch ({why})") from None
+        if self.restarts[i] >= self.max_restarts:
+            raise ActorFault(f"rollout actor {i} died during collect ({why}); ray.max_actor_restarts="
+                             f"{self.max_restarts} restart(s) used up") from None
+        self.restarts[i] += 1
+        self.pushes = {ref: a for ref, a in self.pushes.items() if a != i}  # pushes to the dead one are moot
+        try:
+            self.ray.kill(self.actors[i], no_restart=True)
+        except Exception:  # already gone
+            pass
+        self.actors[i] = self._new_actor(i)
+        if self.weights_ref is not None:
+            self.pushes[self.actors[i].push_weights.remote(self.weights_ref, self.version, self.probe)] = i
+        print(f"warning: rollout actor {i} died ({why[:200]}); restarted with policy version {self.version} "
+              f"(restart {self.restarts[i]} of ray.max_actor_restarts={self.max_restarts})", file=sys.stderr, flush=True)
+        self.pending[self.actors[i].collect.remote()] = i
+
+    def push(self, weights: dict, version: int, probe: Probe | None = None) -> None:
+        """``weights`` (CPU tensors) to every actor, as policy ``version``, each checking itself against
+        ``probe`` afterwards; kept for actors started later."""
+        self.weights_ref, self.version, self.probe = self.ray.put(as_arrays(weights)), version, probe
+        self.pushes.update({a.push_weights.remote(self.weights_ref, version, probe): i
+                            for i, a in enumerate(self.actors)})
+
+    def pop_weight_sync_gap(self) -> float | None:
+        """The largest weight sync gap of the pushes that finished since the last call (None: none did)."""
+        gap, self.weight_sync_gap = self.weight_sync_gap, None
+        return gap
+
+    def score(self, token_ids: list[int]) -> list[float]:
+        """Actor 0's engine's probe log-probs (the weight sync check's start-up gap), after its first collect."""
+        from ray.exceptions import RayError
+
+        try:
+            return self.ray.get(self.actors[0].score.remote(token_ids), timeout=self.timeout)
+        except RayError as err:  # it died or hung at start-up
+            raise ActorFault(f"rollout actor 0 could not score the weight sync probe ({actor_error(err)})") from None
+
+    def _check_pushes(self) -> None:
+        """Raise a finished weight push's error (a failed push leaves that actor's version unchanged; a push
+        that failed because its actor died is left to that actor's collect, which restarts it) and keep the
+        largest weight sync gap of the pushes that finished."""
+        from ray.exceptions import RayActorError, RayError
+
+        if not self.pushes:
+            return
+        done, _ = self.ray.wait(list(self.pushes), num_returns=len(self.pushes), timeout=0)
+        for ref in done:
+            actor = self.pushes.pop(ref)
+            try:
+                gap = self.ray.get(ref)
+            except RayActorError:
+                continue
+            except RayError as err:
+                raise ActorFault(f"a weight push to rollout actor {actor} failed ({actor_error(err)})") from None
+            if gap is not None:
+                self.weight_sync_gap = gap if self.weight_sync_gap is None else max(self.weight_sync_gap, gap)
+
+    def __enter__(self) -> ActorPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Each actor is asked to exit, so that its process runs its exit handlers (multiprocessing unlinks the
+        named semaphores it made in /dev/shm, which a killed process leaves behind); one still there after
+        ``EXIT_GRACE_S`` is killed."""
+        exits = []
+        for actor in self.actors:
+            try:
+                exits.append(actor.__ray_terminate__.remote())
+            except Exception:  # already dead
+                pass
+        if exits:
+            self.ray.wait(exits, num_returns=len(exits), timeout=EXIT_GRACE_S)
+        for actor in self.actors:
+            try:
+                self.ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self.ray.shutdown()

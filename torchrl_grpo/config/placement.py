@@ -1,0 +1,103 @@
+"""Which devices the train, reference and inference models get.
+
+With GPUs: explicit ``<role>.devices`` lists are taken as given (and must exist); otherwise each role takes
+``<role>.num_devices`` GPUs, disjoint when enough exist, else all roles share the first GPUs (the engine
+then keeps ``inference_model.gpu_memory_utilization`` of its device). Without GPUs everything runs on the
+CPU; asking for GPUs there is an error, never a silent downgrade, except for train ranks with
+``train.strategy=fsdp`` (:func:`train_strategy`): those are processes, gloo ranks on the CPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from omegaconf import DictConfig
+
+from torchrl_grpo.parallel.ranks import torchrun_launch
+from torchrl_grpo.core.errors import ConfigError
+
+ROLES = ("train_model", "inference_model", "ref_model")
+
+
+@dataclass(frozen=True)
+class Placement:
+    train: list[str]
+    inference: list[str]
+    ref: list[str]
+    shared: bool
+
+    def describe(self) -> str:
+        note = " (roles share devices)" if self.shared else ""
+        return f"train on {','.join(self.train)}, inference on {','.join(self.inference)}, reference on {','.join(self.ref)}{note}"
+
+
+def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Placement:
+    """Assign devices to the roles of ``cfg``; ``gpu_count`` defaults to what torch sees."""
+    available = torch.cuda.device_count() if gpu_count is None else gpu_count
+    ranks = train_strategy(cfg, available) == "fsdp"
+    # data-parallel ranks shard the reference like the policy, on their own devices
+    roles = [r for r in ROLES if r != "ref_model" or (needs_ref and not ranks)]
+    if available == 0:
+        for role in roles:
+            devices = cfg[role].get("devices")
+            if devices:
+                raise ConfigError(f"{role}.devices={list(devices)} but this machine has no GPU: set {role}.devices=null to run on the CPU")
+            if cfg[role].get("num_devices", 1) > 1 and not (role == "train_model" and ranks):
+                fix = " (or train.strategy=fsdp: gloo ranks)" if role == "train_model" else ""
+                raise ConfigError(f"{role}.num_devices={cfg[role].num_devices} but this machine has no GPU: set "
+                                  f"{role}.num_devices=1 to run on the CPU{fix}")
+        return Placement(["cpu"], ["cpu"], ["cpu"], shared=True)
+
+    chosen: dict[str, list[int]] = {}
+    if ranks and cfg.train_model.get("devices"):
+        raise ConfigError(f"train_model.devices={list(cfg.train_model.devices)} with train.strategy=fsdp: rank r "
+                          "trains on GPU r of its machine (its LOCAL_RANK); set train_model.devices=null and pick the "
+                          "GPUs with CUDA_VISIBLE_DEVICES")
+    for role in roles:
+        devices = cfg[role].get("devices")
+        if devices:
+            missing = [d for d in devices if not 0 <= int(d) < available]
+            if missing:
+                raise ConfigError(f"{role}.devices={list(devices)}: GPU(s) {missing} do not exist (this machine has {available}: 0..{available - 1})")
+            chosen[role] = [int(d) for d in devices]
+    wanted = {r: int(cfg[r].get("num_devices", 1)) for r in roles if r not in chosen}
+    if ranks:  # the ranks on this machine, each on the GPU of its local rank: 0, 1, ...
+        launch, local = torchrun_launch(), wanted.pop("train_model")
+        local = launch.local_world_size if launch is not None else local
+        if local > available:
+            raise ConfigError(f"{local} data-parallel ranks on this machine (train_model.num_devices, or torchrun's "
+                              f"--nproc-per-node) but it has {available} GPU(s): start at most {available} here")
+        chosen["train_model"] = list(range(local))
+    for role, n in wanted.items():
+        if n < 1 or n > available:
+            raise ConfigError(f"{role}.num_devices={n} but this machine has {available} GPU(s): set {role}.num_devices between 1 and {available}")
+    taken = {d for devs in chosen.values() for d in devs}
+    free = [d for d in range(available) if d not in taken]
+    if sum(wanted.values()) <= len(free):
+        for role, n in wanted.items():
+            chosen[role], free = free[:n], free[n:]
+    else:
+        for role, n in wanted.items():
+            chosen[role] = list(range(n))
+    as_names = {r: [f"cuda:{d}" for d in chosen[r]] for r in roles}
+    flat = [d for r in roles for d in chosen[r]]
+    return Placement(
+        train=as_names["train_model"],
+        inference=as_names["inference_model"],
+        ref=as_names.get("ref_model", as_names["train_model"]),
+        shared=len(flat) != len(set(flat)),
+    )
+
+
+def train_strategy(cfg: DictConfig, gpu_count: int | None = None) -> str:
+    """``train.strategy`` resolved: ``auto`` is ``fsdp`` under ``torchrun`` (the ranks it started) and for
+    several train devices on a machine without GPUs (``train_model.num_devices`` data-parallel gloo ranks), else
+    ``layer_split`` (FSDP on GPUs has not run yet)."""
+    chosen = cfg.get("train", {}).get("strategy", "auto")
+    if chosen != "auto":
+        return chosen
+    if torchrun_launch() is not None:
+        return "fsdp"
+    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    return "fsdp" if int(cfg.train_model.get("num_devices", 1)) > 1 and gpus == 0 else "layer_split"
+

@@ -1,0 +1,276 @@
+"""The config schema: one dataclass per section, one field per key, each with its type, range and meaning.
+
+It is the single source of what a key may hold: :func:`check_schema` checks every field of the composed
+config against it, once, before anything heavy starts, and fails in one line naming the key (exit code 2
+through ``errors.exit_with_one_line``). The values of the defaults live in ``config/*.yaml``, where
+users read and override them; ``tests/test_config.py`` checks that the YAML and this schema name the same
+keys. Checks that involve several keys (the batch arithmetic, combinations of loss variants) are
+:mod:`torchrl_grpo.config.validate`'s. ``env`` is open: each task reads its own keys (``tasks/``), the schema holds
+the keys every task shares.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from omegaconf import DictConfig
+
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.objective.terms import (
+    AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, MODIFIER_HINTS, OVERLONG, REWARD_SCALES,
+)
+from torchrl_grpo.engines.vllm import ENGINE_PROCESSES
+
+# kind -> (accepts(value), the default complaint)
+_KINDS = {
+    "int": (lambda v: _is_int(v), "must be an integer"),
+    "int>0": (lambda v: _is_int(v) and v >= 1, "must be a positive integer"),
+    "int>=0": (lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
+    "num>0": (lambda v: _is_num(v) and v > 0, "must be a number > 0"),
+    "num>=0": (lambda v: _is_num(v) and v >= 0, "must be a number >= 0"),
+    "prob": (lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
+    "bool": (lambda v: isinstance(v, bool), "must be true or false"),
+    "str": (lambda v: isinstance(v, str), "must be a string"),
+    "any": (lambda v: True, ""),
+}
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def key(kind: str, doc: str, *, choices: tuple[str, ...] = (), null: bool = False, hint: str | None = None):
+    """A schema field: ``kind`` (see ``_KINDS``, or ``choice`` with ``choices``), its meaning, whether null is
+    allowed, and the fix a bad value's error suggests (default: the kind's complaint)."""
+    return field(metadata={"kind": kind, "doc": doc, "choices": choices, "null": null, "hint": hint})
+
+
+def check_value(name: str, value: Any, meta: dict) -> None:
+    if value is None and meta["null"]:
+        return
+    if meta["kind"] == "choice":
+        if value not in meta["choices"]:
+            raise ConfigError(f"{name}={value!r}: {meta['hint'] or 'choose one of ' + ', '.join(meta['choices'])}")
+        return
+    require(name, value, meta["kind"], meta["hint"])
+
+
+def require(name: str, value: Any, kind: str, hint: str | None = None) -> None:
+    """``value`` of key ``name`` is of ``kind`` (see ``_KINDS``), else a one-line ConfigError with ``hint`` or
+    the kind's complaint."""
+    accepts, complaint = _KINDS[kind]
+    if not accepts(value):
+        raise ConfigError(f"{name}={value!r}: {hint or complaint}")
+
+
+@dataclass
+class Env:
+    num_envs: int = key("int>0", "prompts per collection step")
+    repeats: int = key("int>0", "completions per prompt: the group size G")
+    max_steps: int = key("int>0", "engine turns per episode (single-turn tasks: 1; more need env.turn_env)")
+    turn_env: Any = key("any", "what answers between turns: null (single-turn) | {_target_: a TurnEnv subclass, "
+                        "its keyword arguments} (torchrl_grpo/episodes/turn_envs.py)", null=True)
+    transforms: list = key("any", "TorchRL transforms on each episode's environment: [{_target_: a Transform class "
+                           "or a function returning one, its keyword arguments}] (torchrl_grpo/episodes/task_env.py)")
+    seed: int = key("int", "prompt order (shuffled each epoch of the dataset)")
+    reward_errors: str = key("choice", "a reward function that raises: raise (stop the run, naming it and the "
+                             "row) | zero (score 0, counted)", choices=("raise", "zero"))
+
+
+@dataclass
+class Model:
+    name: str = key("str", "tiny | smollm2-135m-instruct | a local HF-format dir or checkpoint | a hub id")
+    compile: bool = key("bool", "torch.compile the training model")
+    trust_remote_code: bool = key("bool", "let transformers and vLLM run the Python code a model folder ships "
+                                  "(its config.json's auto_map); only for a model whose code you trust",
+                                  hint="must be true or false (true runs the model folder's own code)")
+
+
+@dataclass
+class Train:
+    exp_name: str = key("str", "the run's name (wandb)")
+    seed: int = key("int", "global RNG and micro-batch shuffle")
+    total_dialog_turns: int = key("int>0", "completions over the whole run; steps = total / completions per step")
+    dialog_turns_per_batch: int = key("int>0", "completions per step; null = env.num_envs x env.repeats", null=True)
+    optim_batch_size: int = key("int>0", "completions per forward/backward micro-batch")
+    gradient_accumulation_steps: int = key("int>0", "micro-batches per optimizer step; null = all of a step's",
+                                           null=True)
+    epochs: int = key("int>0", "passes over each collected batch (mu / num_iterations)")
+    mixed_precision: bool | str = key("choice", "bf16 autocast over float32 master weights: auto (where bf16 is "
+                                      "native: GPUs, CPUs with AVX-512 BF16 or AMX), true, false",
+                                      choices=("auto", True, False),
+                                      hint="choose auto (bf16 autocast where bf16 is native), true or false")
+    max_nonfinite_updates: int = key("int>=0", "updates in a row skipped for a non-finite gradient that stop the "
+                                     "run (with a checkpoint); 0 = never stop")
+    weight_sync_check: bool = key("bool", "after every weight push, compare the engine's and the trainer's "
+                                  "log-probs of a probe text (torchrl_grpo/engines/weight_check.py)")
+    weight_sync_tolerance: float = key("num>0", "mean |log-prob gap| the weight sync check allows (null: by dtype)",
+                                       null=True)
+    kl_coef_in_loss: bool = key("bool", "KL to the reference in the loss (true) or subtracted from the reward")
+    kl_to_ref_coeff: float = key("num>=0", "0 skips the reference model entirely")
+    kl_to_inference_coeff: float = key("num>=0", "KL to the sampling policy, in the loss")
+    entropy_coeff: float = key("num>=0", "entropy bonus")
+    resume: str = key("any", "null | auto (newest checkpoint of this run dir) | a checkpoint or run dir", null=True)
+    sync_iter: bool = key("bool", "sync mode: false generates the next batch while this one trains")
+    strategy: str = key("choice", "training over train_model.num_devices: layer_split (the layers split over the "
+                        "GPUs) | fsdp (data-parallel ranks, FSDP2, started by grpo.py or torchrun; gloo on the CPU, "
+                        "nccl on GPUs) | auto (fsdp without GPUs or under torchrun, else layer_split)",
+                        choices=("auto", "fsdp", "layer_split"))
+
+
+@dataclass
+class Devices:
+    num_devices: int = key("int>0", "GPUs for this role (ignored on a machine without GPUs)")
+    devices: list = key("any", "explicit GPU ids, e.g. [0]; overrides num_devices", null=True)
+    torch_dtype: str = key("str", "auto = bfloat16 on GPU, float32 on CPU", null=True)
+
+
+@dataclass
+class TrainModel(Devices):
+    gradient_checkpointing: bool = key("bool", "recompute activations in the backward pass (memory)")
+    attn_implementation: str = key("str", "transformers' attention implementation (sdpa, eager, ...)")
+    lora: dict = key("any", "LoRA: enabled, r, alpha, dropout, target_modules")
+
+
+@dataclass
+class InferenceModel(Devices):
+    backend: str = key("choice", "rollout engine", choices=("vllm", "transformers"))
+    gpu_memory_utilization: float = key("prob", "share of its GPU vLLM may take")
+    temperature: float = key("num>0", "sampling temperature (the loss's log-probs use it too)")
+    top_p: float = key("prob", "nucleus sampling")
+    max_tokens: int = key("int>0", "completion tokens per sample")
+    max_model_len: int = key("int>0", "prompt + completion tokens the engine accepts")
+    engine_process: str = key("choice", "where vLLM's engine runs: same (this process), own (its own), auto "
+                              "(same on CPU, own on a GPU)", choices=ENGINE_PROCESSES)
+
+
+@dataclass
+class Optimizer:
+    name: str = key("choice", "optimizer", choices=("AdamW", "Adam", "SGD"))
+    lr: float = key("num>0", "learning rate")
+    eps: float = key("num>0", "Adam epsilon")
+    clip_grad_norm: float = key("num>0", "max gradient norm", null=True,
+                                hint="must be > 0, or null for no clipping")
+    weight_decay: float = key("num>=0", "decoupled weight decay (AdamW), L2 otherwise")
+
+
+@dataclass
+class Logging:
+    experiment_name: str = key("any", "wandb run name (null: the run directory's)", null=True)
+    checkpoint_dir: str = key("str", "relative to the run directory")
+    checkpoint_frequency: int = key("int>=0", "steps between checkpoints (the last step always saves); 0 = at the end")
+    keep_checkpoints: int = key("int>=0", "newest checkpoints kept; 0 = all")
+    log_frequency: int = key("int>=0", "steps between console lines")
+    eval_frequency: int = key("int>=0", "evaluate before the first step, every N steps and after the last; 0 = never")
+    show_completions: int = key("int>=0", "sample completions printed per log line")
+    progress_bar: bool = key("bool", "a progress bar with ETA on stderr, when stderr is a terminal")
+    verbose: bool = key("bool", "library warnings and progress bars on the console too (always in grpo.log)")
+    samples_frequency: int = key("int>=0", "steps between writes of the step's completions and rewards to "
+                                 "samples.jsonl (0: never)")
+    wandb: dict = key("any", "enabled, project, mode (auto = online with a WANDB_API_KEY)")
+
+
+@dataclass
+class Eval:
+    responses: str = key("str", "evaluate.py: score this JSONL instead of generating", null=True,
+                         hint="give the path of a JSONL file, or null to generate")
+    num_prompts: int = key("int>0", "the first N prompts of the evaluation split; null = all", null=True)
+    samples: int = key("int>0", "completions per prompt: pass@k for k = 1, 2, 4, ... up to it")
+    temperature: float = key("num>=0", "0 = greedy", hint="must be a number >= 0 (0 = greedy)")
+    max_tokens: int = key("int>0", "null = inference_model.max_tokens", null=True)
+
+
+@dataclass
+class Loss:
+    """docs/objective.md gives each variant's equation; config/loss/*.yaml the presets. Besides these keys,
+    each registered surrogate modifier (``objective_terms``: ``tis_cap``, ``off_policy_mask_threshold``, ...)
+    is a key of its own, a number > 0 or null (off): see :func:`section_keys`."""
+
+    clip_epsilon_low: float = key("num>=0", "ratio clipped below at 1 - eps_low")
+    clip_epsilon_high: float = key("num>=0", "ratio clipped above at 1 + eps_high (clip-higher when > low)")
+    aggregation: str = key("choice", "how token losses become one number", choices=AGGREGATIONS)
+    reward_scale: str = key("choice", "the std dividing the centred rewards", choices=REWARD_SCALES)
+    kl_estimator: str = key("choice", "estimator of the KL terms", choices=KL_ESTIMATORS)
+    old_log_probs: str = key("choice", "the ratio's denominator: engine, trainer, auto (trainer when it computes in "
+                             "bf16)", choices=("auto", "engine", "trainer"))
+    importance_level: str = key("choice", "one ratio per token, or per completion (GSPO)", choices=IMPORTANCE_LEVELS)
+    overlong: str = key("choice", "truncated completions: kept, masked, or penalised in the reward", choices=OVERLONG)
+    overlong_buffer: int = key("int>0", "soft overlong ramp in tokens; null = max_tokens // 5", null=True,
+                               hint="must be a positive number of tokens, or null for inference_model.max_tokens // 5")
+    dynamic_sampling: bool = key("bool", "DAPO: resample groups whose rewards all tie")
+    max_resample_rounds: int = key("int>=0", "dynamic sampling: extra collection rounds per step at most")
+
+
+@dataclass
+class Ray:
+    address: str = key("any", "null: start a private local Ray | auto | host:port of a running cluster", null=True)
+    num_actors: int = key("int>0", "rollout actors, each with its own engine")
+    actor_num_cpus: float = key("num>=0", "Ray CPUs per actor")
+    actor_num_gpus: float = key("num>=0", "Ray GPUs per actor")
+    collect_timeout_s: float = key("num>0", "no batch within this long: stop", hint="must be a number of seconds > 0")
+    max_actor_restarts: int = key("int>=0", "times each actor that dies is replaced (with the current weights) "
+                                  "before the run stops; 0 = stop at the first death")
+    init: dict = key("any", "extra ray.init keyword arguments for a local Ray")
+
+
+@dataclass
+class AsyncTrain:
+    weight_update_frequency: int = key("int>0", "steps between weight pushes to the actors")
+    max_staleness: int = key("num>=0", "batches sampled more than this many versions ago are dropped")
+
+
+SECTIONS: tuple[tuple[str, type], ...] = (
+    ("env", Env), ("model", Model), ("train", Train), ("train_model", TrainModel), ("ref_model", Devices),
+    ("inference_model", InferenceModel), ("optimizer", Optimizer), ("logging", Logging), ("eval", Eval),
+    ("loss", Loss),
+)
+ASYNC_SECTIONS: tuple[tuple[str, type], ...] = (("ray", Ray), ("train", AsyncTrain))  # config/mode/async.yaml
+
+
+def section_keys(section: str, schema: type) -> list[tuple[str, dict]]:
+    """``(key, rule)`` of a section: its dataclass fields, and for ``loss`` the registered surrogate modifiers."""
+    keys = [(f.name, dict(f.metadata)) for f in fields(schema)]
+    if section == "loss":
+        keys += [(name, {"kind": "num>0", "doc": "a surrogate modifier's parameter (docs/objective.md); null = off",
+                         "choices": (), "null": True, "hint": hint}) for name, hint in MODIFIER_HINTS.items()]
+    return keys
+
+
+def check_schema(cfg: DictConfig) -> None:
+    """Every schema key of ``cfg``: present, and of its kind and range."""
+    sections = SECTIONS
+    if cfg.get("mode") == "async":
+        if cfg.get("ray") is None:
+            raise ConfigError("mode=async needs the ray: block of config/mode/async.yaml; run grpo-async.py "
+                              "(it adds mode=async)")
+        sections += ASYNC_SECTIONS
+    _no_unknown_keys(cfg, sections)
+    for section, schema in sections:
+        node = cfg.get(section)
+        for field_name, rule in section_keys(section, schema):
+            name = f"{section}.{field_name}"
+            if node is None or field_name not in node:
+                raise ConfigError(f"{name} is missing from the config: add it (config/grpo_gsm8k.yaml documents every key)")
+            check_value(name, node[field_name], rule)
+
+
+def _no_unknown_keys(cfg: DictConfig, sections: tuple[tuple[str, type], ...]) -> None:
+    """A key the schema does not know (added with ``+key=...``) would be silently ignored: refuse it. ``env``
+    is open (each task reads its own keys)."""
+    known: dict[str, set[str]] = {"mode": set()}
+    for section, schema in sections:
+        known.setdefault(section, set()).update(name for name, _ in section_keys(section, schema))
+    for section in cfg:
+        if section not in known:
+            raise ConfigError(f"{section}: unknown config section; known: {', '.join(known)}")
+        node = cfg.get(section)
+        if section in ("env", "mode") or not isinstance(node, DictConfig):
+            continue
+        for name in node:
+            if name not in known[section]:
+                raise ConfigError(f"{section}.{name}: unknown key; drop it (config/grpo_gsm8k.yaml documents every "
+                                  "key)")

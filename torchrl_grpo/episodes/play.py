@@ -1,0 +1,82 @@
+"""Playing episodes: G completions per prompt, each an :class:`~torchrl_grpo.episodes.play.episode.Episode` of one or
+more engine turns, with what the environment inserts between them, scored at the end."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tensordict import NonTensorData, TensorDict
+
+from torchrl_grpo.episodes.play.episode import Episode
+from torchrl_grpo.episodes.task_env import make_env, messages_of
+
+ENDINGS = ("answer", "max_steps", "length", "context")  # why an episode ended: see Played
+
+
+@dataclass
+class Played:
+    """An episode played out: its ids (:class:`Episode`), the conversation as messages (the assistant's turns as
+    the engine's text), how its last engine turn finished ("stop" or "length"), why it ended ("answer": nothing
+    answered its last turn, "length": the same after a turn cut at max_tokens, "max_steps", "context": the next
+    turn would not fit max_model_len), the environment's counts (e.g. tool calls) and its reward components."""
+
+    episode: Episode
+    prompt_length: int
+    conversation: list[dict]
+    finish_reason: str = "stop"
+    ended: str = "answer"
+    counts: dict[str, int] = field(default_factory=dict)
+    components: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def text(self) -> str:
+        """The assistant's last turn: what the rewards judge by default."""
+        return next(m["content"] for m in reversed(self.conversation) if m["role"] == "assistant")
+
+
+def play(engine, tokenizer, task, rows: list[dict], *, n: int, max_tokens: int, temperature: float, top_p: float,
+         max_model_len: int | None, envs: list | None = None) -> tuple[list[Played], float]:
+    """``n`` episodes of each row (prompt-major, as ``Engine.generate``), each in its own TorchRL environment
+    (:func:`torchrl_grpo.episodes.task_env.make_env`; ``envs``: ones to reuse, at least ``len(rows) * n``), and the seconds
+    spent in the engine. The engine's turns go into the environments as sampled ids and text; what the
+    environments insert between turns comes back as ids. The first turn of the ``n`` episodes of a row is one
+    request (they share the prompt's cache); later turns are one request per episode still going."""
+    count, envs = len(rows) * n, [] if envs is None else envs
+    envs.extend(make_env(task, tokenizer, max_tokens=max_tokens, max_model_len=max_model_len)
+                for _ in range(count - len(envs)))
+    states = [env.reset(TensorDict({"row": NonTensorData(rows[i // n], batch_size=(1,))}, batch_size=(1,)))
+              for i, env in enumerate(envs[:count])]
+    played = []
+    for state in states:
+        prompt = state["tokens", "prompt"][0].tolist()
+        played.append(Played(Episode.start(prompt), len(prompt), messages_of(state)))
+    going, generating = list(range(count)), 0.0
+    while going:
+        started = time.perf_counter()
+        if played[0].episode.turns == 0:  # the first turn
+            prompts = [played[i * n].episode.tokens for i in range(len(rows))]
+            completions = engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+        else:
+            completions = engine.generate([played[i].episode.tokens for i in going], n=1, max_tokens=max_tokens,
+                                          temperature=temperature, top_p=top_p)
+        generating += time.perf_counter() - started
+        still = []
+        for i, c in zip(going, completions):
+            p, state = played[i], states[i]
+            state["tokens", "response"] = torch.tensor([list(c.token_ids)], dtype=torch.long)
+            state["text", "response"] = NonTensorData(c.text, batch_size=(1,))
+            state["finish_reason"] = NonTensorData(c.finish_reason, batch_size=(1,))
+            after = envs[i].step(state)["next"]
+            p.episode.add_sampled(list(c.token_ids), list(c.log_probs))
+            p.episode.add_inserted(after["tokens", "prompt"][0, len(p.episode.tokens):].tolist())
+            p.conversation, p.finish_reason = messages_of(after), c.finish_reason
+            if bool(after["done"].any()):
+                env = envs[i].base_env
+                p.ended, p.counts = env.ended, dict(env.counts)
+                p.components = {k: float(v) for k, v in after["rewards"].items()}
+            else:
+                states[i] = after
+                still.append(i)
+        going = still
+    return played, generating

@@ -1,0 +1,220 @@
+"""Run model-written Python in a separate, limited process: the sandbox of a Python tool (issue 12, point 3).
+
+`run_python(code)` starts a fresh `python -I` (not a fork of the trainer) in its own session, with its cwd a new
+temporary folder (removed afterwards) and an environment holding only PATH, HOME/TMPDIR (the folder) and the
+locale, so no API key or token of the parent is visible. It returns plain data (`SandboxResult`, picklable for
+Ray actors); a call that breaches a limit gets a status and a `[sandbox: ...]` line in its output, it never
+hangs the caller. The layers, measured on Linux 6.18 as root in a container (tests/test_sandbox.py):
+
+- wall clock: the parent reads with a deadline and SIGKILLs the whole process group on expiry;
+- rlimits, set in the child before the code runs (hard limits, so the code cannot raise them): RLIMIT_CPU
+  (SIGXCPU at the wall clock limit rounded up + 1 s, SIGKILL a second later), RLIMIT_AS (an allocation past it
+  is a MemoryError, the machine is untouched; it also bounds threads: 14 under 512 MB, measured), RLIMIT_FSIZE
+  (a bigger file write is OSError EFBIG), RLIMIT_NOFILE, RLIMIT_CORE=0.
+  RLIMIT_NPROC is not used: the kernel exempts uid 0 from it (measured: root forks past a limit of 1, in a
+  network namespace too; it does hold for uid 65534) and for other users it counts every process and thread of
+  the user (trainer, Ray, vLLM), so no fixed value is both safe and meaningful;
+- output: at most `max_output_bytes` are kept; past that the process group is killed (a flood costs no memory);
+- network namespace (kernel): `unshare(CLONE_NEWNET)`, or with CLONE_NEWUSER where that needs no privilege:
+  no interface but a down loopback, so connect, bind and DNS fail whatever the code does;
+- Landlock (kernel >= 5.13): file creation, writing, removal and renaming are refused outside the temporary
+  folder, for the process and every child; ABI >= 4 also refuses TCP bind/connect, ABI >= 6 signals to
+  processes outside the sandbox;
+- an audit hook (sys.addaudithook) installed just before the code: refuses sockets, DNS, subprocess, os.system,
+  os.exec*/spawn*/fork, os.kill, ctypes library and symbol loading (importing ctypes stays allowed: numpy needs
+  it), and writes or removals outside the folder, each with a clear error. It is defence in depth, not a
+  boundary: Python code can reach around it (patching the modules it calls, as tests/test_sandbox.py does to
+  start a child, `_posixsubprocess`, ctypes.memmove), so the kernel layers above are what hold.
+With `strict=True` (the default) a kernel layer that cannot be set up fails the call with RunError (never a
+silent fallback); `strict=False` runs with the layers that work. Not limited here: the number of files in the
+folder (disk use is bounded only by time x write speed) and processes started by reaching around the hook: they
+keep the namespace, Landlock and rlimits and are killed with the group, unless they call os.setsid (not audited)
+to leave it; a PID namespace or a pids cgroup would close that, and is not set up here.
+"""
+import dataclasses
+import math
+import os
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from torchrl_grpo.core.errors import RunError
+
+FILE_SIZE_LIMIT = 16 << 20  # bytes per file the code may write
+OPEN_FILES_LIMIT = 256
+MEMORY_EXIT = 120  # the child's exit code for a MemoryError
+READY = b"\0"  # the child's first output byte once its layers are set up, before the code runs
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxResult:
+    output: str  # stdout and stderr interleaved, capped, with a "[sandbox: ...]" line when a limit hit
+    status: str  # "ok", "error", "timeout", "memory" or "output_truncated"
+    exit_code: int | None  # the process's code (negative: killed by that signal); None if killed by the sandbox
+    seconds: float  # wall clock of the whole call
+
+
+# The child's bootstrap (run as `python -c`): limits, namespace, Landlock, audit hook, then the code.
+# argv: folder, memory bytes, CPU seconds, file size bytes, open files, strict (0/1).
+_BOOT = r'''
+import os, sys, resource, traceback
+def _setup():
+    root, mem, cpu, fsize, nofile, strict = sys.argv[1], *map(int, sys.argv[2:])
+    for lim, soft, hard in ((resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_CPU, cpu, cpu + 1),
+                            (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NOFILE, nofile, nofile),
+                            (resource.RLIMIT_CORE, 0, 0)):
+        resource.setrlimit(lim, (soft, hard))
+    import ctypes
+    libc = ctypes.CDLL(None, use_errno=True)
+    def fail(layer):
+        if strict:
+            sys.stderr.write(f"{layer}: {os.strerror(ctypes.get_errno())}\n")
+            os._exit(1)
+    if libc.unshare(0x40000000) != 0 and libc.unshare(0x40000000 | 0x10000000) != 0:  # NEWNET (| NEWUSER)
+        fail("network namespace (unshare CLONE_NEWNET)")
+    abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(NULL, 0, VERSION)
+    if abi < 1:
+        fail("Landlock (kernel >= 5.13 with landlock in its LSM list)")
+    else:
+        fs = 0b1_1111_1111_0010 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)  # writes
+        net = 0b11 if abi >= 4 else 0  # TCP bind, connect
+        scoped = 0b11 if abi >= 6 else 0  # abstract unix sockets, signals
+        attr = (ctypes.c_uint64 * 3)(fs, net, scoped)
+        size = 24 if abi >= 6 else 16 if abi >= 4 else 8
+        ruleset = libc.syscall(444, ctypes.byref(attr), size, 0)
+        beneath = ctypes.create_string_buffer(fs.to_bytes(8, "little") +
+                                              os.open(root, os.O_PATH).to_bytes(4, "little"), 12)
+        libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
+        if (ruleset < 0 or libc.syscall(445, ruleset, 1, beneath, 0) != 0
+                or libc.syscall(446, ruleset, 0) != 0):
+            fail("Landlock ruleset")
+    refused = ("socket.", "os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "os.forkpty",
+               "subprocess.", "os.kill", "gc.get_", "sys._current_frames", "ctypes.dlsym", "ctypes.call_function",
+               "ctypes.cdata", "ctypes.string_at", "ctypes.wstring_at")  # importing ctypes stays allowed: numpy
+    paths = ("open", "os.remove", "os.rmdir", "os.rename", "os.mkdir", "os.symlink", "os.link", "os.chmod",
+             "os.chown", "os.truncate", "os.utime", "shutil.rmtree", "os.setxattr", "os.removexattr")
+    write = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+    def inside(path):
+        path = os.path.realpath(os.fsdecode(path))
+        return path == root or path.startswith(root + os.sep)
+    def hook(event, args):
+        if event.startswith(refused) or event == "ctypes.dlopen" and args[0] is not None:
+            raise PermissionError(f"sandbox: {event} is not allowed")
+        if event == "object.__setattr__" and args[1] == "__code__":
+            raise PermissionError("sandbox: replacing a function's code is not allowed")
+        if event in paths:
+            flags, mode = args[2], args[1] or ""
+            if event == "open" and not (flags & write if isinstance(flags, int) else set(mode) & set("wax+")):
+                return  # reading
+            for arg in args:
+                if isinstance(arg, (str, bytes, os.PathLike)) and not inside(arg):
+                    raise PermissionError(f"sandbox: {event} outside the working folder is not allowed: {arg!r}")
+    sys.addaudithook(hook)
+_setup()
+del _setup
+os.write(1, b"\0")
+sys.argv = ["snippet.py"]
+with open("snippet.py") as f:
+    _code = compile(f.read(), "snippet.py", "exec")
+try:
+    exec(_code, {"__name__": "__main__", "__file__": "snippet.py", "__builtins__": __builtins__})
+except SystemExit:
+    raise
+except BaseException as err:
+    traceback.print_exception(type(err), err, err.__traceback__.tb_next)
+    os._exit(''' + str(MEMORY_EXIT) + r''' if isinstance(err, MemoryError) else 1)
+'''
+
+
+def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_output_bytes: int = 16384,
+               strict: bool = True) -> SandboxResult:
+    """Run `code` in the sandbox and return its output and status. Never raises for what the code does; raises
+    RunError when the sandbox itself cannot start (a kernel layer missing under `strict`, python not starting)."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    folder = os.path.realpath(tempfile.mkdtemp(prefix="sandbox-"))
+    try:
+        with open(os.path.join(folder, "snippet.py"), "w") as f:
+            f.write(code)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8",
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
+        argv = [sys.executable, "-I", "-u", "-B", "-X", "utf8", "-c", _BOOT, folder, str(memory_mb << 20),
+                str(_cpu_limit(timeout_s)), str(FILE_SIZE_LIMIT), str(OPEN_FILES_LIMIT), str(int(strict))]
+        proc = subprocess.Popen(argv, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        output, ending = _read_capped(proc, deadline, max_output_bytes + len(READY))
+        if ending == "eof" and not _exited(proc, deadline):  # closed its output but runs on
+            ending = "timeout"
+        try:  # the leader is not reaped yet (WNOWAIT), so its group id cannot have been reused
+            os.killpg(proc.pid, signal.SIGKILL)  # the code and anything it started
+        except ProcessLookupError:
+            pass
+        exit_code = proc.wait()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if not output.startswith(READY) and ending == "eof":
+        text = output.decode("utf-8", errors="replace").strip() or f"exit code {exit_code}"
+        raise RunError(f"sandbox: python did not start: {text}; run_python(strict=False) runs without a kernel "
+                       "layer this machine lacks")
+    text = output[len(READY):].decode("utf-8", errors="replace")
+    status, note = _status(ending, exit_code, timeout_s, memory_mb, max_output_bytes)
+    if note:
+        text += ("" if not text or text.endswith("\n") else "\n") + f"[sandbox: {note}]"
+    return SandboxResult(text, status, exit_code if ending == "eof" else None, time.monotonic() - start)
+
+
+def _cpu_limit(timeout_s: float) -> int:
+    """RLIMIT_CPU's soft limit (SIGXCPU; SIGKILL a second later): the wall clock limit rounded up, plus one."""
+    return math.ceil(timeout_s) + 1
+
+
+def _read_capped(proc, deadline: float, cap: int) -> tuple[bytes, str]:
+    """The process's output up to `cap` bytes and why reading stopped: "eof", "timeout" or "truncated"."""
+    fd, chunks, size = proc.stdout.fileno(), [], 0
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return b"".join(chunks), "timeout"
+            if not select.select([fd], [], [], left)[0]:
+                continue
+            data = os.read(fd, 65536)
+            if not data:
+                return b"".join(chunks), "eof"
+            chunks.append(data[: cap - size])
+            size += len(data)
+            if size > cap:
+                return b"".join(chunks), "truncated"
+    finally:
+        proc.stdout.close()
+
+
+def _exited(proc, deadline: float) -> bool:
+    """Whether the process exits by `deadline`, leaving it unreaped (a zombie keeps its process group id)."""
+    try:
+        while os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT | os.WNOHANG) is None:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.002)
+    except ChildProcessError:  # reaped already: the caller's process ignores SIGCHLD
+        pass
+    return True
+
+
+def _status(ending: str, code: int, timeout_s: float, memory_mb: int, cap: int) -> tuple[str, str | None]:
+    """The result's status and the note for the model, from why reading stopped and the exit code."""
+    if ending == "timeout":
+        return "timeout", f"timed out after {timeout_s:g} s (wall clock); killed"
+    if ending == "truncated":
+        return "output_truncated", f"output truncated at {cap} bytes; killed"
+    if code == -signal.SIGXCPU:
+        return "timeout", f"CPU time limit of {_cpu_limit(timeout_s)} s exceeded; killed"
+    if code == MEMORY_EXIT:
+        return "memory", f"memory limit of {memory_mb} MB exceeded"
+    if code < 0:
+        return "error", f"killed by signal {signal.Signals(-code).name}"
+    return ("ok", None) if code == 0 else ("error", None)

@@ -1,0 +1,260 @@
+"""The GRPO objective as one TorchRL ``LossModule``: the policy forward pass, and the registered terms of
+:mod:`torchrl_grpo.objective.terms` put together as the ``loss:`` config section selects them.
+
+:class:`GRPOLoss` knows no variant by name: it looks up ``loss.aggregation``, ``loss.kl_estimator``,
+``loss.importance_level`` and ``loss.overlong`` in their registries and applies every surrogate modifier
+whose key is set, so a new variant is a registered function, a preset line and a row of
+``docs/objective.md``.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from tensordict import TensorDict, TensorDictBase
+from torchrl.objectives import LossModule
+
+from torchrl_grpo.objective.terms import (
+    KL_ESTIMATORS, SURROGATE_MODIFIERS, SurrogateInputs, accumulation_weight, aggregate, kl_estimate,
+    loss_token_mask, per_token, term,
+)
+
+# the registered families that GRPOLoss takes by the name of their config key (loss.<family>)
+LOSS_CHOICES = ("aggregation", "kl_estimator", "importance_level", "overlong")
+
+
+def token_log_probs(model, tokens, attention_mask, temperature: float = 1.0, with_entropy: bool = False,
+                    wanted: torch.Tensor | None = None, entropy_grad: bool = False):
+    """Log-prob of each token given its prefix, under ``softmax(logits / temperature)``, as [N, L].
+
+    Only the ``wanted`` positions ([N, L] bool; default: all but the first, which has no prefix) are
+    computed, the rest are 0: the model's head and the log-softmax run on exactly those tokens (the
+    completions), never on prompt or padding positions, which would dominate both the cost and the memory
+    of short completions over a full vocabulary (:func:`head_only_at`). The temperature is the sampling
+    one, so that these log-probs and the engine's describe the same distribution. The per-position entropy
+    of that distribution too if asked, differentiable only if ``entropy_grad`` (otherwise it is a
+    diagnostic and must not cost a backward pass).
+    """
+    wanted = torch.ones_like(tokens, dtype=torch.bool) if wanted is None else wanted.to(tokens.device, torch.bool)
+    wanted = torch.cat([torch.zeros_like(wanted[:, :1]), wanted[:, 1:]], 1)
+    columns = wanted.any(0).nonzero()
+    start = int(columns.min()) if len(columns) else tokens.shape[1]
+    window = wanted[:, start:]  # position t's token is predicted from the hidden state at t - 1
+    with head_only_at(model, window):
+        logits = model(input_ids=tokens, attention_mask=attention_mask.long(),
+                       logits_to_keep=tokens.shape[1] - start + 1).logits[0].float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    log_probs = F.log_softmax(logits, dim=-1)
+    # with the layers split over several GPUs the logits live on the last one: come back to the inputs'
+    taken = log_probs.gather(-1, tokens[:, start:][window].unsqueeze(-1).to(log_probs.device)).squeeze(-1)
+    zeros = torch.zeros(tokens.shape, dtype=taken.dtype, device=tokens.device)
+    taken = zeros.masked_scatter(wanted, taken.to(tokens.device))
+    if not with_entropy:
+        return taken, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return taken, zeros.masked_scatter(wanted, entropy.to(tokens.device))
+
+
+@contextlib.contextmanager
+def head_only_at(model, window: torch.Tensor):
+    """Within this block, ``model``'s output head (``get_output_embeddings()``) sees only the hidden states
+    of ``window`` ([N, K] bool over the last K + 1 positions kept by ``logits_to_keep``, the last dropped:
+    it predicts nothing), flattened to [1, n, hidden]: the logits come out as [1, n, vocab]. A hook on the
+    head rather than the decoder's hidden states, so that the head is called where the model calls it, with
+    whatever wraps the model (PEFT, FSDP2, layers split over devices) in place."""
+    def select(module, args):
+        hidden = args[0][:, :-1]
+        return (hidden[window.to(hidden.device)].unsqueeze(0), *args[1:])
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+# the loss's diagnostics that are a maximum over the step's micro-batches (the others are means)
+MAX_METRICS = ("ratio_max", "engine_trainer_logp_gap_max")
+
+
+def _inside(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values`` as float32 with 0 outside ``mask``: whatever a batch holds in prompt or padding positions
+    can then never reach an exp (an inf there would make a NaN even multiplied by zero)."""
+    return torch.where(mask, values.float(), torch.zeros((), dtype=torch.float32, device=values.device))
+
+
+class GRPOLoss(LossModule):
+    """The GRPO objective family as one TorchRL loss: clipped surrogate (token or sequence level), the
+    surrogate modifiers (truncated importance sampling, off-policy masking), KL to the reference and to the
+    sampling policy, and an entropy bonus.
+
+    Reads from the batch: ``tokens``, ``attention_mask``, ``completion_mask`` [N, L], ``advantage`` [N],
+    ``old_log_probs`` [N, L] (the ratio's denominator: the engine's sampling log-probs, or the policy's
+    own recomputed before the update), ``sample_log_probs`` [N, L] (the engine's: KL to the sampling
+    policy, TIS, off-policy mask), ``ref_log_probs`` [N, L] when ``kl_to_ref_coeff > 0`` (and for the
+    ``kl_k*`` diagnostics whenever present), ``truncated`` [N] when ``overlong="mask"``.
+
+    Returns ``loss_objective``, ``loss_kl_to_inference``, ``loss_entropy``, ``loss_kl_to_ref`` (their sum
+    is what to minimise) and detached diagnostics: ``clip_fraction_low/high``, ``ratio_mean/max``, ``ess``
+    (over completion tokens; over completions at the sequence level), ``entropy``, ``kl_to_inference``,
+    ``kl_inference_k1/k2/k3`` and, with reference log-probs, ``kl_k1/k2/k3`` (token means), ``kl_to_ref``
+    (aggregated like the loss, when in the loss), and each surrogate modifier's own
+    (``tis_truncated_fraction``, ``tis_weight_mean``, ``off_policy_masked_fraction``).
+
+    ``modifiers`` are the surrogate modifiers by key (``tis_cap=2``): each is on with a parameter > 0,
+    off with ``None``.
+    """
+
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        *,
+        clip_epsilon_low: float = 0.2,
+        clip_epsilon_high: float = 0.2,
+        aggregation: str = "sequence_mean",
+        aggregation_constant: float = 1.0,
+        kl_to_ref_coeff: float = 0.0,
+        kl_to_inference_coeff: float = 0.0,
+        kl_estimator: str = "k3",
+        entropy_coeff: float = 0.0,
+        temperature: float = 1.0,
+        importance_level: str = "token",
+        overlong: str = "none",
+        **modifiers: float | None,
+    ):
+        super().__init__()
+        unknown = sorted(set(modifiers) - set(SURROGATE_MODIFIERS))
+        if unknown:
+            raise TypeError(f"GRPOLoss got unknown options {unknown}; surrogate modifiers: {SURROGATE_MODIFIERS}")
+        for family, name in zip(LOSS_CHOICES, (aggregation, kl_estimator, importance_level, overlong)):
+            term(family, name)
+        if importance_level == "sequence" and aggregation != "sequence_mean":
+            raise ValueError("importance_level='sequence' (GSPO) averages one loss per completion: "
+                             f"aggregation must be 'sequence_mean', not {aggregation!r}")
+        for key in SURROGATE_MODIFIERS:
+            value = modifiers.get(key)
+            if value is not None and not value > 0:
+                raise ValueError(f"{key}={value!r} must be > 0 (or None)")
+        self.policy = policy
+        self.clip_epsilon_low = clip_epsilon_low
+        self.clip_epsilon_high = clip_epsilon_high
+        self.aggregation = aggregation
+        self.aggregation_constant = aggregation_constant
+        self.kl_to_ref_coeff = kl_to_ref_coeff
+        self.kl_to_inference_coeff = kl_to_inference_coeff
+        self.kl_estimator = kl_estimator
+        self.entropy_coeff = entropy_coeff
+        self.temperature = temperature
+        self.importance_level = importance_level
+        self.overlong = overlong
+        # in registry order, which fixes the order of their float operations
+        self.modifiers = {key: modifiers[key] for key in SURROGATE_MODIFIERS if modifiers.get(key) is not None}
+
+    @classmethod
+    def from_config(cls, policy: torch.nn.Module, loss_cfg: Mapping, *, max_tokens: int, temperature: float,
+                    kl_to_ref_coeff: float, kl_to_inference_coeff: float, entropy_coeff: float) -> "GRPOLoss":
+        """The loss a ``loss:`` config section describes: the clip range, each family of
+        :data:`LOSS_CHOICES` and each surrogate modifier by its key, which every preset sets. The section's
+        other keys (``reward_scale``, ``old_log_probs``, ``overlong_buffer``, dynamic sampling) are the loop's.
+        ``max_tokens`` is the ``constant_sum`` constant; the rest are the ``train.*`` / sampling values."""
+        modifiers = {key: None if loss_cfg[key] is None else float(loss_cfg[key]) for key in SURROGATE_MODIFIERS}
+        return cls(
+            policy,
+            clip_epsilon_low=float(loss_cfg["clip_epsilon_low"]),
+            clip_epsilon_high=float(loss_cfg["clip_epsilon_high"]),
+            aggregation_constant=float(max_tokens),
+            kl_to_ref_coeff=float(kl_to_ref_coeff),
+            kl_to_inference_coeff=float(kl_to_inference_coeff),
+            entropy_coeff=float(entropy_coeff),
+            temperature=float(temperature),
+            **{family: loss_cfg[family] for family in LOSS_CHOICES},
+            **modifiers,
+        )
+
+    def _mean(self, values, mask):
+        return aggregate(values, mask, self.aggregation, self.aggregation_constant)
+
+    def token_mask(self, batch: TensorDictBase) -> torch.Tensor:
+        """The tokens that enter the loss: see :func:`loss_token_mask`."""
+        truncated = batch["truncated"] if "truncated" in batch.keys() else None
+        return loss_token_mask(batch["completion_mask"], truncated, self.overlong)
+
+    def accumulation_weight(self, batch: TensorDictBase) -> float:
+        """:func:`accumulation_weight` of this loss's aggregation on the micro-batch's loss mask (so that
+        completions dropped by ``overlong="mask"`` do not count)."""
+        return accumulation_weight(self.aggregation, self.token_mask(batch))
+
+    def forward(self, batch: TensorDictBase) -> TensorDict:
+        completion = batch["completion_mask"]
+        mask = self.token_mask(batch)
+        logp, entropy = token_log_probs(
+            self.policy, batch["tokens"], batch["attention_mask"], self.temperature, with_entropy=True,
+            wanted=completion, entropy_grad=self.entropy_coeff > 0,
+        )
+        logp = _inside(logp, completion)
+        sample = _inside(batch["sample_log_probs"], completion)
+        # no old log-probs: this forward's own are the policy's before its update (Trainer.prepare)
+        own_old = "old_log_probs" not in batch.keys()
+        inputs = SurrogateInputs(
+            logp=logp, logp_old=logp.detach() if own_old else _inside(batch["old_log_probs"], completion),
+            logp_sample=sample,
+            advantages=batch["advantage"].to(logp.dtype), mask=mask, importance_level=self.importance_level,
+            eps_low=self.clip_epsilon_low, eps_high=self.clip_epsilon_high,
+        )
+        loss, ratio, clipped_low, clipped_high = term("importance_level", self.importance_level)(inputs)
+        surrogate = per_token(loss, mask)
+        unit = mask.any(-1) if ratio.dim() == 1 else mask  # ratio statistics per completion or per token
+        extra = {}
+        for key, parameter in self.modifiers.items():
+            surrogate, diagnostics = term("surrogate_modifier", key)(surrogate, parameter, inputs)
+            extra.update(diagnostics)
+
+        kl_inference = kl_estimate(logp, sample, self.kl_estimator)
+        out = {
+            "loss_objective": self._mean(surrogate, mask),
+            "loss_kl_to_inference": self.kl_to_inference_coeff * self._mean(kl_inference, mask),
+            "loss_entropy": -self.entropy_coeff * self._mean(entropy, mask),
+        }
+        ref = _inside(batch["ref_log_probs"], completion) if "ref_log_probs" in batch.keys() else None
+        if self.kl_to_ref_coeff > 0:
+            kl_ref = kl_estimate(logp, ref, self.kl_estimator)
+            out["loss_kl_to_ref"] = self.kl_to_ref_coeff * self._mean(kl_ref, mask)
+            out["kl_to_ref"] = self._mean(kl_ref, mask).detach()
+        else:
+            out["loss_kl_to_ref"] = torch.zeros((), device=logp.device)
+        out.update(self._diagnostics(mask, unit, ratio.detach(), clipped_low, clipped_high, entropy,
+                                     kl_inference, logp.detach(), sample, ref))
+        out.update(extra)
+        if own_old:  # the trainer's log-probs against the engine's, as Trainer.prepare reports them otherwise
+            out["engine_trainer_logp_gap_max"] = (logp.detach() - sample).abs().max()
+        return TensorDict(out, batch_size=[])
+
+    def _diagnostics(self, mask, unit, ratio, clipped_low, clipped_high, entropy, kl_inference, logp, sample, ref):
+        """Statistics that tell whether the update is healthy: token means over completion tokens, except
+        the ratio statistics, over ``unit`` (tokens, or completions at the sequence level)."""
+        units = unit.sum().clamp(min=1)
+        w = ratio[unit]
+        ess = w.sum().pow(2) / (w.numel() * w.pow(2).sum()).clamp(min=1e-12) if w.numel() else ratio.new_ones(())
+        out = {
+            "clip_fraction_low": (clipped_low & unit).sum() / units,
+            "clip_fraction_high": (clipped_high & unit).sum() / units,
+            "ratio_mean": w.mean() if w.numel() else ratio.new_ones(()),
+            "ratio_max": w.max() if w.numel() else ratio.new_ones(()),
+            "ess": ess,
+            "entropy": aggregate(entropy.detach(), mask, "token_mean"),
+            "kl_to_inference": aggregate(kl_inference.detach(), mask, "token_mean"),
+        }
+        for estimator in KL_ESTIMATORS:
+            out[f"kl_inference_{estimator}"] = aggregate(kl_estimate(logp, sample, estimator), mask, "token_mean")
+            if ref is not None:
+                out[f"kl_{estimator}"] = aggregate(kl_estimate(logp, ref, estimator), mask, "token_mean")
+        return out
+
+
+def total_loss(losses: TensorDictBase) -> torch.Tensor:
+    """Sum of the ``loss_*`` entries only (TensorDict's own mean/sum would mix in the diagnostics)."""
+    return sum(value for key, value in losses.items() if key.startswith("loss_"))

@@ -1,0 +1,132 @@
+"""Where a run stands, saved and resumed here only: the step, the data position (a prompt sampler, or the
+async loop's :class:`AsyncProgress`), the global RNG states, the trainer's optimizer and shuffle (through
+:meth:`Trainer.state_dict`) and the config. The weights are the checkpoint's HF-format policy, which the
+builder loads before the trainer exists (:attr:`RunState.resume_from`).
+
+``trainer_state.pt`` holds ``step``, ``optimizer``, ``sampler`` (the data position), ``rng``, ``shuffle_rng``,
+``engine_rng`` (the engine's sampling state) and ``config``; a data-parallel run's, ``world_size``
+instead of ``optimizer``, whose shards are in the checkpoint's ``optimizer_shards/``. The files and their atomic
+write are :mod:`torchrl_grpo.core.checkpoint`'s.
+
+What resumes exactly: a sync run (``train.sync_iter=true``) gives, step for step, the metrics of the
+uninterrupted run, its engine in this process or its own. Not exactly: with ``train.sync_iter=false`` the
+batch prefetched at save time is sampled again with the checkpoint's weights; the async loop's actors are
+reseeded with the step, and the batches in flight in the actors are drawn again.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from torchrl_grpo.core import checkpoint
+from torchrl_grpo.core.errors import ConfigError, RunError
+from torchrl_grpo.config.placement import train_strategy
+
+
+class RunState:
+    """The checkpoint to resume from (read once, at start) and the saving of new ones."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path):
+        self.run_dir, self.config = run_dir, cfg
+        self.directory = run_dir / cfg.logging.checkpoint_dir
+        self.frequency, self.keep = int(cfg.logging.checkpoint_frequency), int(cfg.logging.keep_checkpoints)
+        self.resume_from = checkpoint.find_resume_point(cfg.train.resume, self.directory)
+        self._saved = checkpoint.load_state(self.resume_from) if self.resume_from is not None else None
+        if self._saved is not None:
+            check_world_size(cfg, self._saved, self.resume_from)
+        self.step = int(self._saved["step"]) if self._saved is not None else 0  # the last finished step
+
+    def restore(self, trainer, data, engine=None) -> None:
+        """Continue where the checkpoint left off: the trainer's state, ``data``'s position (anything with
+        ``load_state_dict``), the global RNGs and, when both the checkpoint and ``engine`` have one, the
+        engine's sampling state (then the run samples exactly what it would have without the interruption).
+        A fresh run has nothing to restore."""
+        if self._saved is None:
+            return
+        trainer.load_state_dict(self._saved, self.resume_from)
+        data.load_state_dict(self._saved["sampler"])
+        checkpoint.set_rng_state(self._saved["rng"])
+        if engine is not None and self._saved.get("engine_rng") is not None:
+            engine.load_sampling_state(self._saved["engine_rng"])
+        print(f"resumed from {self.resume_from} (step {self.step})", flush=True)
+
+    def due(self, step: int, total_steps: int) -> bool:
+        """A checkpoint every ``logging.checkpoint_frequency`` steps (0: never) and after the last step."""
+        return step == total_steps or (self.frequency > 0 and step % self.frequency == 0)
+
+    def save(self, step: int, trainer, tokenizer, data, engine=None) -> Path:
+        """Checkpoint ``step`` atomically: the policy, the tokenizer and the state above (``data``: anything
+        with ``state_dict``; ``engine``: an engine whose sampling state to keep, when nothing samples from it
+        meanwhile)."""
+        self.step = step
+        state = {"step": step, **trainer.state_dict(), "sampler": data.state_dict(), "rng": checkpoint.rng_state(),
+                 "engine_rng": engine.sampling_state() if engine is not None else None,
+                 "config": OmegaConf.to_container(self.config, resolve=True)}
+        return checkpoint.save(self.directory, step, trainer, tokenizer, state, keep=self.keep)
+
+    def after_step(self, step: int, total_steps: int, trainer, tokenizer, data, stop_requested: bool,
+                   engine=None, fault: str | None = None) -> str | None:
+        """Checkpoint when due, when a stop was asked (SIGINT/SIGTERM), when training diverged or when ``fault``
+        says why the run cannot go on (both then raise a :class:`RunError`). Returns the line to print when the
+        run stops here as asked, else None."""
+        diverged = fault or trainer.divergence()
+        if self.due(step, total_steps) or stop_requested or diverged:
+            saved = self.save(step, trainer, tokenizer, data, engine)
+        if diverged:
+            raise RunError(f"{diverged}; stopped (checkpoint of step {step} saved in {saved.parent})")
+        if stop_requested:
+            return f"stopped after step {step} (checkpoint saved); {self.continue_hint()}"
+        return None
+
+    def stopped_by(self, cause, last_step: int, start_step: int, trainer, tokenizer, data) -> RunError:
+        """The one-line error for a run that cannot go on after ``last_step`` (a failed actor, a reward function
+        that raised): a checkpoint of that step first, when this run finished any; ``data`` is its position."""
+        where = "no step finished in this run, nothing new to save"
+        if last_step > start_step:
+            where = f"checkpoint of step {last_step} saved in {self.save(last_step, trainer, tokenizer, data).parent}"
+        return RunError(f"{cause}; stopped ({where}; {self.continue_hint()})")
+
+    def continue_hint(self) -> str:
+        return f"continue with train.resume=auto hydra.run.dir={self.run_dir}"
+
+
+def check_world_size(cfg: DictConfig, saved: dict, resume_from: Path) -> None:
+    """A checkpoint resumes with the data-parallel ranks that wrote it (its optimizer state is in their shards;
+    a one-process one holds it whole): else a one-line ConfigError, before anything heavy starts."""
+    written = int(saved.get("world_size", 1))
+    ranks = int(cfg.train_model.num_devices) if train_strategy(cfg) == "fsdp" else 1
+    if written != ranks:
+        raise ConfigError(f"train.resume={cfg.train.resume}: {resume_from} was trained by {_ranks(written)} and "
+                          f"this run has {_ranks(ranks)}; resume with train_model.num_devices={written}"
+                          f"{' train.strategy=fsdp' if written > 1 else ''}, or start a new run from its weights "
+                          f"with model.name={resume_from}")
+
+
+def _ranks(n: int) -> str:
+    return f"{n} data-parallel ranks (train.strategy=fsdp)" if n > 1 else "one process"
+
+
+class AsyncProgress:
+    """The async loop's data position and counters: each actor's prompt-sampler state as of the last batch
+    the trainer received from it (taken or dropped; the prompts of batches in flight are drawn again after a
+    resume), the policy version, and the staleness counters."""
+
+    def __init__(self, num_actors: int):
+        self.actor_samplers: list[dict | None] = [None] * num_actors
+        self.policy_version = 0
+        self.stale_dropped = 0
+        self.staleness_max = 0
+
+    def state_dict(self) -> dict:
+        return {"actor_samplers": list(self.actor_samplers), "policy_version": self.policy_version,
+                "stale_dropped": self.stale_dropped, "staleness_max": self.staleness_max}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "actor_samplers" not in state:  # a sync checkpoint: its prompt position continues as actor 0's
+            state = {"actor_samplers": [state]}
+        saved = list(state["actor_samplers"])[: len(self.actor_samplers)]
+        self.actor_samplers[: len(saved)] = saved
+        self.policy_version = int(state.get("policy_version", 0))
+        self.stale_dropped = int(state.get("stale_dropped", 0))
+        self.staleness_max = int(state.get("staleness_max", 0))

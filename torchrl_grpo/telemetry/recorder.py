@@ -1,0 +1,218 @@
+"""Metrics out of the trainer: a CSV in the run directory (always), sample completions in a JSONL file,
+console lines with a progress bar and ETA, wandb when asked (offline mode when no API key is set), and the
+run's figures at its end (plots.py)."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+CONSOLE_KEYS = (
+    ("reward", "reward"),
+    ("kl_to_ref", "kl_ref"),
+    ("clip_fraction", "clip"),
+    ("entropy", "ent"),
+    ("completion_length", "len"),
+    ("turns/engine_turns", "turns"),  # multi-turn episodes only
+    ("turns/tool_calls", "calls"),
+    ("grad_norm", "gnorm"),
+    ("step_time", "s/step"),
+)
+
+EVAL_CONSOLE_KEYS = ("accuracy", "reward")
+
+
+class MetricsCSV:
+    """One row per step; the header grows when a new metric appears (the file is rewritten then)."""
+
+    def __init__(self, path: Path, resume_step: int | None = None):
+        self.path = path
+        self.header: list[str] = []
+        self.rows: list[dict] = []
+        if path.exists() and resume_step is not None:
+            with open(path, newline="") as f:
+                reader = csv.DictReader(f)
+                self.header = list(reader.fieldnames or [])
+                # rows logged after the checkpoint we resume from will be produced again
+                self.rows = [r for r in reader if int(float(r["step"])) <= resume_step]
+            self._rewrite()
+        elif path.exists():
+            path.unlink()
+
+    def write(self, row: dict) -> None:
+        self.rows.append(row)
+        new = [k for k in row if k not in self.header]
+        if new or not self.path.exists():
+            self.header += new
+            self._rewrite()
+            return
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, self.header, restval="").writerow(row)
+
+    def _rewrite(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        with open(tmp, "w", newline="") as f:
+            writer = csv.DictWriter(f, self.header, restval="")
+            writer.writeheader()
+            writer.writerows(self.rows)
+        os.replace(tmp, self.path)
+
+
+class SamplesJSONL:
+    """Completions with their rewards, one JSON object per line (``samples.jsonl``): what the model actually
+    wrote, to read beside the curves. On resume the lines of steps after the checkpoint are dropped (they
+    are produced again)."""
+
+    def __init__(self, path: Path, resume_step: int | None = None):
+        self.path = path
+        if path.exists() and resume_step is not None:
+            kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, path)
+        elif path.exists():
+            path.unlink()
+
+    def write(self, step: int, samples: list[tuple[str, float]]) -> None:
+        with open(self.path, "a") as f:
+            for text, reward in samples:
+                f.write(json.dumps({"step": step, "reward": reward, "completion": text}, ensure_ascii=False) + "\n")
+
+
+class Telemetry:
+    def __init__(self, cfg, run_dir: Path, total_steps: int, start_step: int, resumed: bool):
+        self.csv = MetricsCSV(run_dir / "metrics.csv", resume_step=start_step if resumed else None)
+        self.samples = SamplesJSONL(run_dir / "samples.jsonl", resume_step=start_step if resumed else None)
+        self.samples_frequency = int(cfg.logging.samples_frequency)
+        self.log_frequency = max(1, int(cfg.logging.log_frequency))
+        self.show_completions = int(cfg.logging.show_completions)
+        # a bar redraws with carriage returns: only on a terminal (a file, CI or `| tee` gets the step lines)
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step", dynamic_ncols=True,
+                        disable=not (cfg.logging.progress_bar and sys.stderr.isatty()), file=sys.stderr)
+        self.wandb = _start_wandb(cfg, run_dir) if cfg.logging.wandb.enabled else None
+
+    def record(self, step: int, metrics: dict) -> dict:
+        """Write ``metrics`` as the row of ``step`` (CSV, wandb) and print its evaluation line, if any; the
+        trainer's evaluation before the first step is recorded as step 0."""
+        row = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
+        self.csv.write(row)
+        if self.wandb is not None:
+            self.wandb.log(row, step=step)
+        shown = [(key, row.get(f"eval/{key}")) for key in EVAL_CONSOLE_KEYS]
+        if any(isinstance(value, float) for _, value in shown):
+            self.print(f"eval at step {step}: " + " | ".join(
+                f"{key} {value:.4g}" for key, value in shown if isinstance(value, float)))
+        return row
+
+    def log(self, step: int, metrics: dict, samples: list[tuple[str, float]]) -> None:
+        """One training step: its row, the progress bar, a console line every ``logging.log_frequency`` steps,
+        its (completion, reward) ``samples`` in samples.jsonl (and wandb) every ``logging.samples_frequency``."""
+        row = self.record(step, metrics)
+        if self.samples_frequency and step % self.samples_frequency == 0:
+            self.samples.write(step, samples)
+            if self.wandb is not None:
+                import wandb
+
+                self.wandb.log({"samples": wandb.Table(columns=["step", "reward", "completion"],
+                                                       data=[[step, r, t] for t, r in samples])}, step=step)
+        self.bar.update(1)
+        self.bar.set_postfix(reward=f"{row.get('reward', float('nan')):.3f}")
+        if step % self.log_frequency == 0:
+            parts = [f"step {step}"] + [
+                f"{short} {row[key]:.4g}" for key, short in CONSOLE_KEYS if isinstance(row.get(key), float)
+            ]
+            self.print(" | ".join(parts))
+            for text, reward in samples[: self.show_completions]:
+                self.print(f"    sample (reward {reward:.2f}): {text.strip()[:200]!r}")
+
+    def print(self, line: str) -> None:
+        self.bar.write(line, file=sys.stdout)
+        sys.stdout.flush()
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+    def __enter__(self) -> Telemetry:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close()
+        if exc_type is not None:  # a run stopped by a fault still leaves the figures of its steps
+            self.write_plots()
+
+    def write_plots(self) -> None:
+        """The run's figures in ``<run dir>/plots/`` and one line saying where; never raises."""
+        from torchrl_grpo.telemetry.plots import write_run_plots
+
+        write_run_plots(self.csv.path.parent, say=self.print)
+
+    def summary(self, reward_names: list[str], total_steps: int) -> dict[str, Trend]:
+        """Print and return the end-of-run summary: the reward and each component over the first step, the
+        first and the last steps; and the first vs the last evaluation, when there were several. Then the
+        run's figures."""
+        window = max(1, min(5, total_steps // 4))
+        trends = summarize(self.csv.rows, ["reward"] + [f"reward/{n}" for n in reward_names], window)
+        width = max([len(key) for key in trends] + [8])
+        self.print(f"{'summary:':<{width + 2}} {'first step':>12} {f'first {window} mean':>14} {f'last {window} mean':>14}")
+        for key, trend in trends.items():
+            self.print(f"  {key:<{width}} {trend.first_step:>12.3f} {trend.first_mean:>14.3f} {trend.last_mean:>14.3f}")
+        evaluated = [r for r in self.csv.rows if r.get("eval/accuracy") not in (None, "")]
+        if len(evaluated) > 1:  # before vs after training, on the held-out evaluation split
+            first, last = evaluated[0], evaluated[-1]
+            self.print(f"  eval, step {int(first['step'])} -> step {int(last['step'])}: " + " | ".join(
+                f"{key} {float(first[f'eval/{key}']):.3f} -> {float(last[f'eval/{key}']):.3f}" for key in ("accuracy", "reward")))
+        self.write_plots()
+        return trends
+
+
+def _plain(value):
+    if hasattr(value, "item"):
+        value = value.item()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    return value
+
+
+def _start_wandb(cfg, run_dir: Path):
+    import wandb
+
+    mode = cfg.logging.wandb.mode
+    if mode == "auto":
+        mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+    from omegaconf import OmegaConf
+
+    return wandb.init(
+        project=cfg.logging.wandb.project,
+        name=cfg.logging.experiment_name or f"{cfg.train.exp_name}-{run_dir.name}",
+        dir=str(run_dir),
+        mode=mode,
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+
+
+@dataclass(frozen=True)
+class Trend:
+    """How one metric moved over a run: its first step, and its mean over the first and last steps."""
+
+    first_step: float
+    first_mean: float
+    last_mean: float
+
+
+def summarize(rows: list[dict], keys: list[str], window: int) -> dict[str, Trend]:
+    """The end-of-run summary: a :class:`Trend` per key, means over ``window`` steps."""
+    out = {}
+    for key in keys:
+        values = [float(r[key]) for r in rows if r.get(key) not in (None, "") and not math.isnan(float(r[key]))]
+        if values:
+            head, tail = values[:window], values[-window:]
+            out[key] = Trend(values[0], sum(head) / len(head), sum(tail) / len(tail))
+    return out

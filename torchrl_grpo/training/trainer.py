@@ -1,0 +1,255 @@
+"""The trainer: policy, reference, optimizer and loss. It turns a collected batch into an update and gives
+the weights to push; the piece that data-parallel training shards.
+
+A step is :meth:`Trainer.prepare` (the log-probs only the policy's holder can compute, the KL penalty in
+the reward, group advantages) then :meth:`Trainer.optimize` (``epochs`` passes of shuffled micro-batches,
+gradient accumulation weighted so that an optimizer step sees exactly its whole batch's loss, clipping)
+then :meth:`Trainer.push_weights` into the engine(s).
+
+With ``parallel`` (:mod:`torchrl_grpo.parallel.ranks`), the same loop runs on each of N ranks over a
+policy sharded with FSDP2: every rank holds the whole batch and takes its share of each micro-batch, the
+accumulation normaliser is summed over ranks, and the metrics are those of the whole micro-batches. Rank 0
+announces each call that holds a collective to the other ranks, which make the same call
+(:meth:`torchrl_grpo.parallel.ranks.DataParallel.follow`).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from torchrl_grpo.config.validate import TrainSettings
+from torchrl_grpo.core.checkpoint import OPTIMIZER_SHARDS
+from torchrl_grpo.parallel.ranks import DataParallel, full_tensor, gathered, load_optimizer, save_optimizer
+from torchrl_grpo.models.loading import merged_state_dict, merged_weights
+from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, token_log_probs, total_loss
+from torchrl_grpo.objective.terms import group_advantages
+from torchrl_grpo.engines.weight_check import probe_log_probs
+from torchrl_grpo.engines.weight_stream import StreamedWeights
+
+
+class Trainer:
+    def __init__(self, policy: torch.nn.Module, ref_policy: torch.nn.Module | None, loss: GRPOLoss,
+                 optimizer: torch.optim.Optimizer, settings: TrainSettings, device: torch.device,
+                 ref_device: torch.device | None, parallel: DataParallel | None = None):
+        self.policy, self.ref_policy, self.loss, self.optimizer = policy, ref_policy, loss, optimizer
+        self.settings, self.device, self.ref_device = settings, device, ref_device
+        self.parallel = parallel  # None: one process
+        self.shuffle = torch.Generator().manual_seed(settings.seed)  # micro-batch order, saved for exact resume
+        self.nonfinite_streak = 0  # optimizer steps in a row skipped for a non-finite gradient norm
+
+    def prepare(self, batch) -> dict:
+        """Make a collected batch trainable, in place: the policy's own log-probs before its update (when the
+        ratio's denominator is the trainer's), the reference's, the KL penalty in the reward (k1 summed over
+        the completion, with ``train.kl_coef_in_loss=false``) and the group advantages; returns metrics.
+
+        When the step makes a single update (one epoch, one optimizer step) every training forward runs on the
+        weights the batch's old log-probs would be computed with: the batch then carries none, and the loss
+        takes its forward's own, detached (a ratio of exactly 1), saving that forward."""
+        self._everywhere("prepare", batch)
+        s, metrics, started = self.settings, {}, time.perf_counter()
+        if s.recompute_old_log_probs and self.single_update(len(batch)):
+            batch.pop("old_log_probs", None)
+        elif s.recompute_old_log_probs:
+            batch["old_log_probs"] = self.log_probs(self.policy, self.device, batch)
+            gap = (batch["old_log_probs"] - batch["sample_log_probs"]).abs()[batch["completion_mask"]]
+            metrics["engine_trainer_logp_gap_max"] = gap.max().item()
+        if self.ref_policy is not None:
+            batch["ref_log_probs"] = self.log_probs(self.ref_policy, self.ref_device, batch)
+            if s.kl_in_reward_coeff > 0:
+                kl = ((batch["sample_log_probs"] - batch["ref_log_probs"]) * batch["completion_mask"]).sum(-1)
+                batch["reward"] = batch["reward"] - s.kl_in_reward_coeff * kl
+                metrics["kl_penalty_in_reward"] = kl.mean().item()
+        advantage, tied = group_advantages(batch["reward"], s.group_size, s.reward_scale)
+        batch["advantage"] = advantage
+        metrics.update({
+            "reward": batch["reward"].mean().item(),
+            "reward_std": batch["reward"].std().item() if len(batch) > 1 else 0.0,
+            "advantage_abs_mean": advantage.abs().mean().item(),
+            "tied_group_fraction": tied.float().mean().item(),
+            "prepare_time": time.perf_counter() - started,
+        })
+        return metrics
+
+    def single_update(self, rows: int) -> bool:
+        """A step of ``rows`` completions makes one optimizer step, from the weights it was prepared with."""
+        return self.settings.epochs == 1 and self.settings.micro_batch * self.settings.accumulation >= rows
+
+    @torch.no_grad()
+    def log_probs(self, model: torch.nn.Module, device: torch.device, batch) -> torch.Tensor:
+        """Completion-token log-probs of ``batch`` under ``model`` (reference, or the policy before its
+        update), in micro-batches; 0 outside completions. Data-parallel: each rank its share, then gathered."""
+        rows = batch if self.parallel is None else batch[self.parallel.share(len(batch))]
+        out = torch.zeros_like(rows["sample_log_probs"])
+        for idx in by_length(torch.arange(len(rows)), rows["attention_mask"]).split(self.settings.micro_batch):
+            mb = trim_padding(rows[idx]).to(device)
+            with self._autocast(device):
+                logp, _ = token_log_probs(model, mb["tokens"], mb["attention_mask"], self.settings.temperature,
+                                          wanted=mb["completion_mask"])
+            out[idx, : logp.shape[1]] = logp.float().cpu()
+        return out if self.parallel is None else self.parallel.gather_shares(out)
+
+    def optimize(self, batch) -> dict:
+        """``epochs`` passes of shuffled micro-batches; one optimizer step per ``accumulation`` micro-batches.
+        A non-finite gradient norm skips that update (counted in ``skipped_updates``). Data-parallel: this
+        rank's share of each micro-batch, weights normalised over every rank's."""
+        self._everywhere("optimize", batch)
+        s, parallel = self.settings, self.parallel
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        history: dict[str, list[float]] = {}
+        share_weights: list[float] = []  # each micro-batch's accumulation weight (data-parallel metrics)
+        trained_tokens, skipped, optimizer_time, started = 0, 0, 0.0, time.perf_counter()
+        self.policy.train()
+        for _ in range(s.epochs):
+            # each optimizer step's rows (a shuffled window), cut into micro-batches of similar lengths
+            windows = torch.randperm(len(batch), generator=self.shuffle).split(s.micro_batch * s.accumulation)
+            for window in windows:
+                order = by_length(window, batch["attention_mask"]).split(s.micro_batch)
+                if parallel is not None:
+                    order = [idx[parallel.share(len(idx))] for idx in order]
+                micro = [trim_padding(batch[idx]).to(self.device) for idx in order]
+                weights = [self.loss.accumulation_weight(mb) for mb in micro]
+                total = sum(weights) if parallel is None else parallel.sum(sum(weights))
+                share_weights += weights
+                for mb, weight in zip(micro, weights):
+                    with self._autocast():
+                        losses = self.loss(mb)
+                    (total_loss(losses) * (weight / max(total, 1e-9))).backward()
+                    for key, value in losses.items():
+                        history.setdefault(key, []).append(value.detach().float().item())
+                    trained_tokens += int(mb["attention_mask"].sum())
+                step_started = time.perf_counter()
+                grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm or math.inf))
+                if torch.isfinite(grad_norm):
+                    self.optimizer.step()
+                    self.nonfinite_streak = 0
+                else:  # a NaN/inf gradient would poison the weights: drop this update, say so in the metrics
+                    skipped += 1
+                    self.nonfinite_streak += 1
+                self.optimizer.zero_grad(set_to_none=True)
+                optimizer_time += time.perf_counter() - step_started
+                history.setdefault("grad_norm", []).append(grad_norm.item())
+        self.policy.eval()
+        elapsed = time.perf_counter() - started
+        if parallel is not None:
+            history = parallel.global_history(history, share_weights)
+            trained_tokens = parallel.sum(trained_tokens)
+        metrics = {key: sum(v) / len(v) for key, v in history.items()}
+        metrics["loss"] = sum(metrics[k] for k in metrics if k.startswith("loss_"))
+        metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
+        metrics.update({key: max(history[key]) for key in MAX_METRICS if key in history})
+        metrics.update({"skipped_updates": skipped, "lr": self.optimizer.param_groups[0]["lr"],
+                        "train_time": elapsed, "optimizer_time": optimizer_time, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
+        return metrics
+
+    def divergence(self) -> str | None:
+        """Why training cannot go on, or None: ``train.max_nonfinite_updates`` updates in a row were skipped for
+        a non-finite gradient norm (one is noise; a streak means every step would be thrown away)."""
+        limit = self.settings.max_nonfinite_updates
+        if not limit or self.nonfinite_streak < limit:
+            return None
+        return (f"{self.nonfinite_streak} updates in a row had a non-finite gradient norm and were skipped "
+                f"(train.max_nonfinite_updates={limit}); likely causes: a learning rate too high "
+                f"(optimizer.lr={self.optimizer.param_groups[0]['lr']:g}), bf16 overflow (try "
+                "train_model.torch_dtype=float32), or an empty loss mask (e.g. loss.overlong=mask with every "
+                "completion truncated: raise inference_model.max_tokens)")
+
+    def _autocast(self, device: torch.device | None = None):
+        """``train.mixed_precision`` (resolved: :mod:`torchrl_grpo.config.precision`): bf16 compute over the float32
+        master weights and optimizer state. The log-probs the ratio divides by are computed under it too, so a
+        ratio is 1 where the policy has not moved. No cast cache: a forward uses each weight once, and with
+        ``train_model.gradient_checkpointing`` the cache would hold a bf16 copy of every weight (0.25 GiB for
+        SmolLM2-135M) that the checkpointed layers do not need until their recompute."""
+        device = self.device if device is None else device
+        if self.settings.mixed_precision and device.type in ("cuda", "cpu"):
+            return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
+        return contextlib.nullcontext()
+
+    def _everywhere(self, call: str, *args) -> None:
+        """Data-parallel rank 0: every other rank makes this call too (their collectives must match)."""
+        if self.parallel is not None and self.parallel.leads:
+            self.parallel.announce(call, *args)
+
+    def weights(self) -> dict[str, torch.Tensor] | StreamedWeights:
+        """The policy's HF-named weights (LoRA merged in): what an engine loads. Data-parallel: on rank 0 each
+        is gathered from the shards when the consumer reaches it (:class:`StreamedWeights`: read them once, to
+        the end), while the other ranks gather them all in step and keep none (an empty dict)."""
+        self._everywhere("weights")
+        if self.parallel is None:
+            return merged_state_dict(self.policy)
+        if self.parallel.rank == 0:
+            return StreamedWeights(list(merged_weights(self.policy, shapes_only=True)), merged_weights(self.policy))
+        return gathered(merged_weights(self.policy), keep=False)
+
+    def probe_log_probs(self, token_ids: list[int]) -> torch.Tensor:
+        """The weight sync check's probe under the policy (:func:`probe_log_probs`)."""
+        self._everywhere("probe_log_probs", token_ids)
+        return probe_log_probs(self.policy, token_ids)
+
+    def save_pretrained(self, path, safe_serialization: bool = True) -> None:
+        """What a checkpoint holds of the policy: HF format (the LoRA adapter with LoRA). Data-parallel: the
+        weights gathered whole from the shards and written by rank 0, and the optimizer state as the ranks hold
+        it, each rank its shards, in ``path/optimizer_shards`` (a folder every rank can write)."""
+        if self.parallel is None:
+            self.policy.save_pretrained(path, safe_serialization=safe_serialization)
+            return
+        self._everywhere("save_pretrained", str(path))
+        state = gathered(((name, t.detach()) for name, t in self.policy.state_dict().items()),
+                         keep=self.parallel.rank == 0)
+        if self.parallel.rank == 0:
+            self.policy.save_pretrained(path, state_dict=state, safe_serialization=safe_serialization)
+        save_optimizer(self.policy, self.optimizer, Path(path) / OPTIMIZER_SHARDS)
+
+    def cpu_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """:meth:`weights` as CPU tensors, for engines in other processes (``ray.put`` ships them); floating-point
+        ones in ``dtype`` (the engines') when given: an engine casts what it loads to its dtype anyway, so
+        float32 master weights sent cast to bf16 give it the same weights in half the bytes."""
+        def cast(t: torch.Tensor) -> torch.Tensor:
+            return t.to("cpu", dtype) if dtype is not None and t.is_floating_point() else t.to("cpu")
+
+        return {name: cast(t.detach()) for name, t in self.weights().items()}
+
+    def samples_with_policy(self, engine) -> bool:
+        """Whether ``engine`` samples with this very policy object (the transformers engine built on the
+        trained model): it never needs a push, nor a check that one landed."""
+        return getattr(engine, "model", None) is self.policy
+
+    def push_weights(self, engine) -> None:
+        """The policy's weights into an in-process ``engine`` (nothing to do for one that
+        :meth:`samples_with_policy`)."""
+        if not self.samples_with_policy(engine):
+            engine.push_weights(self.weights())
+
+    def state_dict(self) -> dict:
+        """The optimizer and the micro-batch shuffle: what a checkpoint needs besides the weights. Data-parallel:
+        the world size instead of the optimizer, whose shards :meth:`save_pretrained` writes."""
+        if self.parallel is None:
+            return {"optimizer": self.optimizer.state_dict(), "shuffle_rng": self.shuffle.get_state()}
+        return {"optimizer": None, "world_size": self.parallel.world_size, "shuffle_rng": self.shuffle.get_state()}
+
+    def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
+        """:meth:`state_dict` back; data-parallel: on every rank, with the optimizer's shards read from
+        ``checkpoint_dir`` (the same world size: :class:`torchrl_grpo.run.state.RunState` checks it)."""
+        if self.parallel is None:
+            self.optimizer.load_state_dict(state["optimizer"])
+        else:
+            self._everywhere("load_state_dict", {"shuffle_rng": state["shuffle_rng"]}, str(checkpoint_dir))
+            load_optimizer(self.policy, self.optimizer, Path(checkpoint_dir) / OPTIMIZER_SHARDS)
+        self.shuffle.set_state(state["shuffle_rng"])
+
+
+def by_length(rows: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``rows`` (indices into the batch) sorted by their token count, so that micro-batches cut from them in
+    order hold sequences of similar lengths: less compute on padding, and an optimizer step over a window of
+    micro-batches still sees the same rows (stable sort: ties keep their shuffled order)."""
+    lengths = attention_mask[rows].sum(-1)
+    return rows[torch.sort(lengths, stable=True).indices]
+
+
+def trim_padding(batch):
+    """Drop the padding columns no row of this micro-batch uses."""
+    used = int(batch["attention_mask"].any(0).nonzero().max()) + 1
+    return batch.apply(lambda t: t[:, :used] if t.dim() == 2 else t)
