@@ -1,4 +1,4 @@
-"""Figures of finished runs (torchrl_grpo/plots.py; a run writes its own at its end).
+"""Figures of finished runs (torchrl_grpo/telemetry/plots.py; a run writes its own at its end).
 
     python plot.py outputs/2026-11-22/14-00-00            # one run: PNGs in <run dir>/plots/
     python plot.py multirun/2026-11-22/14-00-00           # a sweep: its jobs overlaid, ranked in sweep.md
@@ -8,8 +8,8 @@ Exit codes: 0 done, 2 a path that is not a run or sweep directory (one line on s
 """
 import argparse
 
-from torchrl_grpo.errors import exit_with_one_line
-from torchrl_grpo.plots import main
+from torchrl_grpo.core.errors import exit_with_one_line
+from torchrl_grpo.telemetry.plots import main
 
 
 @exit_with_one_line

@@ -14,7 +14,7 @@ esac
 python="${PYTHON:-python3}"
 stamp=".venv/.installed-$stack"
 
-# tcmalloc, which the entry points preload (torchrl_grpo/allocator.py): Debian's build, fetched without root.
+# tcmalloc, which the entry points preload (torchrl_grpo/core/allocator.py): Debian's build, fetched without root.
 # Tried on every call until it is there; where it cannot be had the trainer runs on glibc's malloc and says so.
 fetch_tcmalloc() {
   local dest=.venv/lib/tcmalloc tmp

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
+
 GiB = 2 ** 30
 
 
@@ -77,9 +78,9 @@ def main() -> None:
     import vllm  # noqa: F401
     ledger.mark("imports (torch, transformers, vllm)")
 
-    from grpo_utils import build_common, build_engine, build_weight_check, engine_dtype
-    from torchrl_grpo.collector import CollectSettings, Collector
-    from torchrl_grpo.trajectories import PromptSampler
+    from torchrl_grpo.collect.collector import Collector, CollectSettings
+    from torchrl_grpo.episodes.trajectories import PromptSampler
+    from torchrl_grpo.run.build import build_common, build_engine, build_weight_check, engine_dtype
 
     cfg = workload_config(opts.data, *opts.overrides)
     run_dir = ROOT / "outputs" / "bench-memory"
@@ -115,7 +116,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from torchrl_grpo.allocator import apply_memory_settings
+    from torchrl_grpo.core.allocator import apply_memory_settings
 
     apply_memory_settings()  # grpo.py's malloc and kernel caches (GRPO_ALLOCATOR=glibc: glibc's)
     main()

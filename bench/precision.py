@@ -19,10 +19,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_mixed_precision import SETTINGS, make_batch  # noqa: E402  (the test's batch, at the workload's size)
-from torchrl_grpo.model_sources import resolve_model  # noqa: E402
-from torchrl_grpo.models import load_policy  # noqa: E402
-from torchrl_grpo.objective import GRPOLoss  # noqa: E402
-from torchrl_grpo.trainer import Trainer  # noqa: E402
+
+from torchrl_grpo.models.loading import load_policy  # noqa: E402
+from torchrl_grpo.models.sources import resolve_model  # noqa: E402
+from torchrl_grpo.objective.loss import GRPOLoss  # noqa: E402
+from torchrl_grpo.training.trainer import Trainer  # noqa: E402
 
 MODES = {"float32": (torch.float32, False), "mixed_precision": (torch.float32, True), "bf16 weights": (torch.bfloat16, False)}
 

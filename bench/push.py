@@ -17,7 +17,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from memory import GiB, ROOT, reset_peak, status  # noqa: E402
+from memory import ROOT, GiB, reset_peak, status  # noqa: E402
+
 from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
 
 
@@ -29,7 +30,7 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import psutil
 
-    from grpo_utils import build_common, build_engine
+    from torchrl_grpo.run.build import build_common, build_engine
 
     cfg = workload_config(GSM8K_DATA)
     run_dir = ROOT / "outputs" / "bench-push"

@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from step_breakdown import GSM8K_DATA, WORKLOAD, workload_config  # noqa: E402
+
 WAIT_ENV = "BENCH_STAND_IN_WAIT_S"
 
 
@@ -35,7 +36,7 @@ class FixedWaitEngine:
         self.seconds, self.token_id = seconds, token_id
 
     def generate(self, prompt_token_ids, *, n, max_tokens, temperature=1.0, top_p=1.0):
-        from torchrl_grpo.rollout import Completion
+        from torchrl_grpo.engines.base import Completion
 
         time.sleep(self.seconds)
         return [Completion(i, [self.token_id] * max_tokens, [-1.0] * max_tokens, "length", "42")
@@ -58,13 +59,13 @@ def stand_in(tokenizer, seconds: float) -> FixedWaitEngine:
 
 def stand_in_hook() -> None:
     """Ray worker setup hook: in this worker, engines are the stand-in waiting ``$BENCH_STAND_IN_WAIT_S``."""
-    import torchrl_grpo.rollout as rollout
-    from torchrl_grpo.models import load_tokenizer
+    import torchrl_grpo.engines.factory as factory
+    from torchrl_grpo.models.loading import load_tokenizer
 
     def make_engine(backend, model_path, **kwargs):
         return stand_in(load_tokenizer(model_path), float(os.environ[WAIT_ENV]))
 
-    rollout.make_engine = make_engine
+    factory.make_engine = make_engine
 
 
 def async_completions_per_s(data: str, steps: int, wait: float, run_dir: Path) -> float:
@@ -98,10 +99,10 @@ def efficiency(rows: list[dict], wait: float, overlap: bool) -> float:
 def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[float, float, float]:
     """(completions/s over the steps after the first, median train time, :func:`efficiency` over those steps)
     of a sync run on the stand-in."""
-    from grpo_utils import build_common
-    from torchrl_grpo.collector import CollectSettings, Collector
-    from torchrl_grpo.sync_loop import SyncRun, run_sync
-    from torchrl_grpo.trajectories import PromptSampler
+    from torchrl_grpo.collect.collector import Collector, CollectSettings
+    from torchrl_grpo.episodes.trajectories import PromptSampler
+    from torchrl_grpo.run.build import build_common
+    from torchrl_grpo.run.sync_loop import SyncRun, run_sync
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)

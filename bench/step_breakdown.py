@@ -89,7 +89,7 @@ def bare_train_step_s(model_path: str, prompts: list[list[int]], repeats: int, b
     """Median seconds of forward (completion logits only) + log-softmax + backward + AdamW step, 16 sequences."""
     import torch
 
-    from torchrl_grpo.models import load_policy
+    from torchrl_grpo.models.loading import load_policy
 
     model = load_policy(model_path, dtype=torch.float32, device="cpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=2e-5, fused=True)
@@ -128,12 +128,12 @@ def main() -> None:
 
     from omegaconf import OmegaConf
 
-    from torchrl_grpo.model_sources import resolve_model
-    from torchrl_grpo.models import load_tokenizer
-    from torchrl_grpo.precision import autocast_bf16, engine_dtype_on
+    from torchrl_grpo.config.precision import autocast_bf16, engine_dtype_on
+    from torchrl_grpo.engines.vllm import VLLMEngine
+    from torchrl_grpo.episodes.trajectories import prompt_token_ids
+    from torchrl_grpo.models.loading import load_tokenizer
+    from torchrl_grpo.models.sources import resolve_model
     from torchrl_grpo.tasks import build_task
-    from torchrl_grpo.trajectories import prompt_token_ids
-    from torchrl_grpo.vllm_engine import VLLMEngine
 
     cfg = workload_config(opts.data, *opts.overrides)  # the ceilings take the run's dtypes
     engine_dtype = str(engine_dtype_on(cfg, "cpu", "cpu")).removeprefix("torch.")
@@ -158,7 +158,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from torchrl_grpo.allocator import apply_memory_settings
+    from torchrl_grpo.core.allocator import apply_memory_settings
 
     apply_memory_settings()  # the ceilings get the run's malloc and kernel caches
     main()

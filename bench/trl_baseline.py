@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 from step_breakdown import GSM8K_DATA, SYSTEM_PROMPT  # noqa: E402  (the workload is defined there)
+
 INSTALL = "pip install trl==1.16.0 in a venv on top of .venv (bench/trl_baseline.py's docstring says how)"
 PER_STEP = 16  # 2 prompts x 8 completions
 ANSWER_RE = re.compile(r"####\s*(-?[\d,]*\.?\d+)")
@@ -64,7 +65,7 @@ def correct(completions, answer, **_) -> list[float]:
 
 
 def main() -> None:
-    from torchrl_grpo.model_sources import resolve_model
+    from torchrl_grpo.models.sources import resolve_model
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="HF model folder (default: the repo's smollm2-135m-instruct)")

@@ -7,7 +7,6 @@ import pytest
 
 from helpers import importable
 
-
 # ===================================================================================================
 # skip marks for optional stacks (tests/helpers.py: needs_vllm, needs_ray_and_vllm)
 # ===================================================================================================
@@ -26,14 +25,14 @@ def pytest_runtest_setup(item):
 
 
 # ===================================================================================================
-# rollout fixtures (torchrl_grpo/rollout.py, tests/test_rollout.py): one vLLM engine per session
+# rollout fixtures (torchrl_grpo/engines/base.py, tests/test_rollout.py): one vLLM engine per session
 # ===================================================================================================
 
 
 @pytest.fixture(scope="session")
 def tiny_model_path() -> str:
     """The tiny random Qwen2 (model_sources.resolve_model("tiny")), built once into the model cache."""
-    from torchrl_grpo.model_sources import resolve_model
+    from torchrl_grpo.models.sources import resolve_model
 
     return resolve_model("tiny")
 
@@ -41,7 +40,7 @@ def tiny_model_path() -> str:
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model_path):
     """The tiny model's tokenizer (nothing mutates it: shared by the session)."""
-    from torchrl_grpo.models import load_tokenizer
+    from torchrl_grpo.models.loading import load_tokenizer
 
     return load_tokenizer(tiny_model_path)
 
@@ -56,7 +55,7 @@ def vllm_engine(tiny_model_path):
         import vllm  # noqa: F401
     except Exception as e:  # missing, or a broken install
         pytest.skip(f"vllm is not importable here ({type(e).__name__}: {e})")
-    from torchrl_grpo.vllm_engine import VLLMEngine
+    from torchrl_grpo.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(tiny_model_path, dtype="float32", device="cpu", max_model_len=512, seed=0)
     yield engine

@@ -71,7 +71,7 @@ def trainer_logprobs(model, prompt, completion, temperature, top_p=1.0):
     """Log-probs of `completion` after `prompt` as the trainer computes them (optionally nucleus-renormalised)."""
     import torch
 
-    from torchrl_grpo.hf_engine import nucleus_mask
+    from torchrl_grpo.engines.hf import nucleus_mask
 
     ids = torch.tensor([list(prompt) + list(completion)])
     with torch.no_grad():
@@ -105,7 +105,7 @@ def perturb(model, scale=0.05, seed=0):
 
 def check_completions(completions, n_prompts, n, max_tokens, tokenizer):
     """Shapes, prompt-major order, finish reasons, text and log-prob sanity."""
-    from torchrl_grpo.rollout import Completion
+    from torchrl_grpo.engines.base import Completion
 
     assert len(completions) == n_prompts * n
     assert [c.prompt_index for c in completions] == [i for i in range(n_prompts) for _ in range(n)]

@@ -1,4 +1,4 @@
-"""The entry points' memory settings (torchrl_grpo/allocator.py): a command re-executed once, in the same process,
+"""The entry points' memory settings (torchrl_grpo/core/allocator.py): a command re-executed once, in the same process,
 with tcmalloc preloaded; glibc's malloc kept when asked for; a bad GRPO_ALLOCATOR refused in one line; oneDNN's
 kernel caches bounded, so bf16 matmuls of ever new shapes do not grow the process."""
 import os
@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from helpers import ROOT
-from torchrl_grpo.allocator import KERNEL_CACHE_CAPACITIES, find_tcmalloc
+from torchrl_grpo.core.allocator import KERNEL_CACHE_CAPACITIES, find_tcmalloc
 
 # prints its pid and arguments each time it starts, then what the process runs with
 PROGRAM = textwrap.dedent("""
     import os, sys
     sys.path.insert(0, {root!r})
-    from torchrl_grpo import allocator
+    from torchrl_grpo.core import allocator
     print("start", os.getpid(), sys.argv[1:], flush=True)
     if {broken!r}:
         allocator.find_tcmalloc = lambda: "/nonexistent/libtcmalloc_minimal.so.4"
@@ -75,7 +75,7 @@ def test_a_bad_value_is_one_line_and_exit_2(tmp_path):
 CACHES_PROGRAM = textwrap.dedent("""
     import ctypes, os, sys
     sys.path.insert(0, {root!r})
-    from torchrl_grpo import allocator
+    from torchrl_grpo.core import allocator
     allocator.apply_memory_settings()
     import torch
 

@@ -1,16 +1,17 @@
 """grpo-async.py as users run it (real subprocess, Hydra, Ray, the tiny model, the vLLM CPU engine in a Ray
-actor), its fault path, and the small pure-Python pieces of torchrl_grpo/run_state.py and rollout_actors.py."""
+actor), its fault path, and the small pure-Python pieces of torchrl_grpo/run/state.py and rollout_actors.py."""
 import logging
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from helpers import (CONFIG_DIR, FLOAT32, ROOT, SMALL, finite, metric_rows, needs_ray_and_vllm, ray_processes, run_async,
-                     start, wait_until)
+from helpers import (CONFIG_DIR, FLOAT32, ROOT, SMALL, finite, metric_rows, needs_ray_and_vllm, ray_processes,
+                     run_async, start, wait_until)
 
 
 @needs_ray_and_vllm
@@ -67,8 +68,9 @@ def test_a_dying_actor_is_replaced_with_the_current_weights_until_restarts_run_o
     # is on-policy, where the base weights would be 2 versions stale and dropped), delivers steps 3 and 4 and
     # dies too; with ray.max_actor_restarts=1 that stops the run with one line and a checkpoint of step 4.
     crashed = run_async([*SMALL, "train.total_dialog_turns=80", "logging.checkpoint_frequency=0",
-                         "ray.max_actor_restarts=1", f"hydra.run.dir={run_dir}"], cwd=tmp_path, timeout=300,
-                        env_extra={"TORCHRL_GRPO_TEST_ACTOR_EXIT_AT": "3"})
+                         "ray.max_actor_restarts=1", f"hydra.run.dir={run_dir}",
+                         "+ray.init.runtime_env.worker_process_setup_hook=actor_faults.exit_at_third_collect"],
+                        cwd=tmp_path, timeout=300, env_extra={"PYTHONPATH": str(Path(__file__).parent)})
     assert crashed.returncode == 1, crashed.stderr[-3000:]
     warnings = [line for line in crashed.stderr.splitlines() if line.startswith("warning: rollout actor 0 died")]
     assert len(warnings) == 1 and "restarted with policy version 2 (restart 1 of ray.max_actor_restarts=1)" in warnings[0]
@@ -100,7 +102,7 @@ def test_ctrl_c_finishes_the_step_checkpoints_and_leaves_no_ray(tmp_path):
 
 
 def test_async_state_resumes_sync_and_async_checkpoints():
-    from torchrl_grpo.run_state import AsyncProgress
+    from torchrl_grpo.run.state import AsyncProgress
 
     state = AsyncProgress(2)
     state.load_state_dict({"size": 64, "seed": 0, "epoch": 1, "position": 5})  # a sync checkpoint's sampler
@@ -115,7 +117,7 @@ def test_async_state_resumes_sync_and_async_checkpoints():
 
 
 def test_ray_init_arguments():
-    from torchrl_grpo.rollout_actors import ray_init_kwargs
+    from torchrl_grpo.collect.rollout_actors import ray_init_kwargs
 
     cfg = OmegaConf.load(CONFIG_DIR / "mode" / "async.yaml")
     local = ray_init_kwargs(cfg)
@@ -129,7 +131,7 @@ def test_ray_init_arguments():
 
 
 def test_a_local_ray_has_no_dashboard_and_binds_an_asked_for_one_to_localhost():
-    from torchrl_grpo.rollout_actors import ray_init_kwargs
+    from torchrl_grpo.collect.rollout_actors import ray_init_kwargs
 
     cfg = OmegaConf.load(CONFIG_DIR / "mode" / "async.yaml")
     local = ray_init_kwargs(cfg)
@@ -143,7 +145,7 @@ def test_a_local_ray_has_no_dashboard_and_binds_an_asked_for_one_to_localhost():
 
 def test_weights_travel_to_actors_as_arrays_bit_for_bit():
     """The push's wire form (numpy arrays Ray hands over without a copy) gives back every tensor exactly."""
-    from torchrl_grpo.rollout_actors import as_arrays, from_arrays
+    from torchrl_grpo.collect.rollout_actors import as_arrays, from_arrays
 
     weights = {"w": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "h": torch.randn(2, 2).half(),
                "t": torch.randn(4, 3).t()}

@@ -1,6 +1,6 @@
 """Bad input, one table: each row is a user's mistake (a config value, a file or folder it points at) and the
 one-line error it must give, naming the key or the file, before the batch plan and before any model or
-engine is built. In-process rows go through ``grpo_utils.read_inputs`` (what ``grpo.py`` reads first, in
+engine is built. In-process rows go through ``torchrl_grpo.run.build.read_inputs`` (what ``grpo.py`` reads first, in
 order: the config, the checkpoint, the task's data and rewards, the model folder and its tokenizer); a few
 go through a real ``grpo.py`` / ``evaluate.py`` to show the whole path: exit code 2, one line on stderr, no
 traceback, no batch plan on stdout."""
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from grpo_utils import read_inputs
 from helpers import CONFIG_DIR, cfg_with, run
-from torchrl_grpo.command_line import check_overrides
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.config.command_line import check_overrides
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.run.build import read_inputs
 
 GSM = ["model=tiny", "env=gsm_symbolic", "env.size=16"]  # a valid base: each row breaks one thing
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from torchrl_grpo.checkpoint import STATE_FILE, damage, find_resume_point, load_state, rng_state, set_rng_state
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.core.checkpoint import STATE_FILE, damage, find_resume_point, load_state, rng_state, set_rng_state
+from torchrl_grpo.core.errors import ConfigError
 
 
 def make_checkpoint(directory, step):
@@ -93,8 +93,8 @@ class Position:
 
 def test_after_step_checkpoints_when_due_asked_or_diverged(tmp_path):
     from helpers import cfg_with
-    from torchrl_grpo.errors import RunError
-    from torchrl_grpo.run_state import RunState
+    from torchrl_grpo.core.errors import RunError
+    from torchrl_grpo.run.state import RunState
 
     state = RunState(cfg_with("logging.checkpoint_frequency=2"), tmp_path)
     assert state.after_step(1, 10, FakeTrainer(), FakeTokenizer(), Position(), False) is None

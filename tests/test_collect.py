@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from helpers import cfg_with
-from torchrl_grpo.collector import Collector
-from torchrl_grpo.config import CollectSettings
-from torchrl_grpo.rollout import Completion
+from torchrl_grpo.collect.collector import Collector
+from torchrl_grpo.config.validate import CollectSettings
+from torchrl_grpo.engines.base import Completion
+from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.tasks import Reward, Task
-from torchrl_grpo.trajectories import PromptSampler
 
 
 class ScriptedEngine:

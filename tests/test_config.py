@@ -2,10 +2,10 @@
 import pytest
 
 from helpers import cfg_with
-from torchrl_grpo.config import batch_plan, validate
-from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.placement import place, train_strategy
-from torchrl_grpo.trajectories import PromptSampler
+from torchrl_grpo.config.placement import place, train_strategy
+from torchrl_grpo.config.validate import batch_plan, validate
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.episodes.trajectories import PromptSampler
 
 
 def test_default_config_composes_and_validates():
@@ -117,8 +117,8 @@ def test_fsdp_ranks_on_gpus_take_gpus_0_to_n_and_the_engine_the_next():
 def test_torchrun_ranks(monkeypatch):
     """Under torchrun (its variables set): auto is fsdp, train_model.num_devices takes its world size (another
     value is one line), and on GPUs each machine's ranks take its first GPUs: 4 ranks over 2 machines of 4."""
-    from grpo_utils import adopt_torchrun_ranks
-    from torchrl_grpo.data_parallel import Launch, torchrun_launch
+    from torchrl_grpo.config.placement import Launch, torchrun_launch
+    from torchrl_grpo.parallel.launcher import adopt_torchrun_ranks
 
     assert torchrun_launch({}) is None
     rendezvous = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
@@ -145,7 +145,7 @@ def test_an_actor_with_several_gpus_runs_a_tensor_parallel_engine(monkeypatch):
     one line."""
     import torch
 
-    from torchrl_grpo.rollout_actors import actor_devices
+    from torchrl_grpo.collect.rollout_actors import actor_devices
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     devices = {gpus: actor_devices(cfg_with("mode=async", f"ray.actor_num_gpus={gpus}")) for gpus in (0, 0.5, 1, 4)}

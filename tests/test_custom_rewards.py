@@ -2,7 +2,7 @@
 import pytest
 
 from helpers import ROOT, SMALL, cfg_with, metric_rows, needs_vllm, run
-from torchrl_grpo.errors import ConfigError, RunError
+from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.tasks import build_task
 
 

@@ -1,4 +1,4 @@
-"""Data-parallel training (torchrl_grpo/data_parallel.py): two real gloo ranks with the policy (and the
+"""Data-parallel training (torchrl_grpo/parallel/ranks.py): two real gloo ranks with the policy (and the
 reference) sharded by FSDP2 take the same update as one process on the same batch and seed: losses, gradient
 norm and the updated weights (gathered by streaming, LoRA merged) within 1e-5 in float32, for every
 aggregation, with a reference model and with LoRA.
@@ -10,6 +10,7 @@ with its own time limit, and both are killed whatever happens. Then grpo.py as u
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import subprocess
@@ -24,14 +25,14 @@ from tensordict import TensorDict
 
 from helpers import (FLOAT32, LOGPROB_TOL, LORA, SMALL, finite, free_port, max_logprob_gap, metric_rows,
                      needs_ray_and_vllm, needs_vllm, ray_processes, run_async, start, wait_until)
-from torchrl_grpo.config import TrainSettings
-from torchrl_grpo.data_parallel import DataParallel, process_group, shard_model
-from torchrl_grpo.models import load_policy, merged_weights
-from torchrl_grpo.objective import GRPOLoss
-from torchrl_grpo.objective_terms import AGGREGATIONS
-from torchrl_grpo.rollout import Completion
-from torchrl_grpo.trainer import Trainer
-from torchrl_grpo.weight_check import probe_log_probs
+from torchrl_grpo.config.validate import TrainSettings
+from torchrl_grpo.engines.base import Completion
+from torchrl_grpo.engines.weight_check import probe_log_probs
+from torchrl_grpo.models.loading import load_policy, merged_weights
+from torchrl_grpo.objective.loss import GRPOLoss
+from torchrl_grpo.objective.terms import AGGREGATIONS
+from torchrl_grpo.parallel.ranks import DataParallel, process_group, shard_model
+from torchrl_grpo.training.trainer import Trainer
 
 WORLD = 2
 GROUP = 4
@@ -134,15 +135,16 @@ def sample_case(model_path: str, parallel: DataParallel | None) -> dict:
     """The transformers engine over the (sharded) policy: greedy with n=1 (3 rows: 2 ranks take 2 each, one a
     copy of the first) where one prompt's rows stop at step 1 while the others run on, and sampled with n=2 at
     temperature 0.9. Data-parallel: rank 0 generates, the other rank follows the engine's announced calls."""
-    from torchrl_grpo.hf_engine import TransformersEngine
-    from torchrl_grpo.models import load_tokenizer
+    from torchrl_grpo.engines.hf import TransformersEngine
+    from torchrl_grpo.models.loading import load_tokenizer
 
     torch.manual_seed(0)
     policy = load_policy(model_path, dtype=torch.float32, device="cpu")
     engine = TransformersEngine(policy, load_tokenizer(model_path), seed=3)
     first = engine.generate(SAMPLED_PROMPTS[:1], n=1, max_tokens=6, temperature=0.0)[0].token_ids[0]
     eos = sorted({*engine.eos_token_ids, first})
-    if parallel is not None:
+    if parallel is not None:  # rank 0 leads: the engine's collective calls are announced to the follower
+        parallel = dataclasses.replace(parallel, followed=True)
         engine = TransformersEngine(shard_model(policy), engine.tokenizer, seed=3, parallel=parallel)
     engine.eos_token_ids = eos
     if parallel is not None and parallel.rank != 0:

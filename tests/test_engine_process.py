@@ -17,13 +17,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (
-    FLOAT32, LOGPROB_TOL, SMALL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb, run,
-)
-from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.models import load_policy, merged_state_dict
-from torchrl_grpo import vllm_engine, weight_stream
-from torchrl_grpo.vllm_engine import MULTIPROCESSING_ENV, VLLMEngine, wants_own_process
+from helpers import (FLOAT32, LOGPROB_TOL, SMALL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm,
+                     perturb, run)
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.engines import vllm as vllm_engine
+from torchrl_grpo.engines import weight_stream
+from torchrl_grpo.engines.vllm import MULTIPROCESSING_ENV, VLLMEngine, wants_own_process
+from torchrl_grpo.models.loading import load_policy, merged_state_dict
 
 SHM = "/dev/shm"
 PUSH_PREFIX = "torchrl_grpo_push_"
@@ -108,7 +108,7 @@ def own(tied_model_path):
 
 @pytest.fixture(scope="module")
 def prompts(tied_model_path):
-    from torchrl_grpo.models import load_tokenizer
+    from torchrl_grpo.models.loading import load_tokenizer
 
     tokenizer = load_tokenizer(tied_model_path)
     return tokenizer, [tokenizer(q)["input_ids"] for q in QUESTIONS]
@@ -133,7 +133,7 @@ def test_own_process_worker_has_the_cpu_fixes(own):
 
         import vllm.v1.sample.sampler as sampler
 
-        from torchrl_grpo import vllm_cpu_fixes as fixes
+        from torchrl_grpo.engines import vllm_cpu_fixes as fixes
 
         filters = logging.getLogger(fixes.RELOAD_LOGGER).filters
         return (sampler.batched_count_greater_than is fixes.eager_rank_count, os.getpid(),

@@ -1,13 +1,13 @@
-"""Multi-turn episodes token in, token out (torchrl_grpo/episodes.py): a scripted policy (fixed ids) through
+"""Multi-turn episodes token in, token out (torchrl_grpo/episodes/play.py): a scripted policy (fixed ids) through
 three turns with feedback in between, on the tiny model's and SmolLM2's ChatML templates. The episode's ids
 must be what the whole conversation renders and tokenizes to, the loss mask exactly the sampled ids, the
 log-probs at their places; sampled ids that text would not give back are kept as sampled."""
 import pytest
 
-from torchrl_grpo.episodes import Episode, inserted_ids
-from torchrl_grpo.errors import RunError
-from torchrl_grpo.model_sources import resolve_model
-from torchrl_grpo.models import load_tokenizer
+from torchrl_grpo.core.errors import RunError
+from torchrl_grpo.episodes.episode import Episode, inserted_ids
+from torchrl_grpo.models.loading import load_tokenizer
+from torchrl_grpo.models.sources import resolve_model
 
 FEEDBACK = {"role": "user", "content": "Wrong, try again."}
 

@@ -9,8 +9,8 @@ from omegaconf import OmegaConf
 
 from helpers import (GSM8K, SMALL, metric_rows, needs_files, needs_ray_and_vllm, needs_vllm, ray_processes, run,
                      run_async)
-from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.evaluation import ks_for, match_rows, pass_at_k, read_responses, score_responses
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.run.evaluation import ks_for, match_rows, pass_at_k, read_responses, score_responses
 from torchrl_grpo.tasks import build_task, eval_env_config
 
 

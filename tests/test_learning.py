@@ -4,18 +4,18 @@ the well-formedness of tool calls over two-turn episodes."""
 import datasets
 import torch
 
-from grpo_utils import build_loss, build_optimizer, build_policy
 from helpers import cfg_with, metric_rows
-from torchrl_grpo.collector import Collector
-from torchrl_grpo.config import CollectSettings, TrainSettings, validate
-from torchrl_grpo.models import load_tokenizer, merged_state_dict
-from torchrl_grpo.run_state import RunState
-from torchrl_grpo.sync_loop import SyncRun, run_sync
-from torchrl_grpo.trainer import Trainer
-from torchrl_grpo.trajectories import PromptSampler
+from torchrl_grpo.collect.collector import Collector
+from torchrl_grpo.config.validate import CollectSettings, TrainSettings, validate
+from torchrl_grpo.engines.weight_check import WeightCheck
+from torchrl_grpo.episodes.trajectories import PromptSampler
+from torchrl_grpo.episodes.turn_envs import Reply, TurnEnv
+from torchrl_grpo.models.loading import load_tokenizer, merged_state_dict
+from torchrl_grpo.run.build import build_loss, build_optimizer, build_policy
+from torchrl_grpo.run.state import RunState
+from torchrl_grpo.run.sync_loop import SyncRun, run_sync
 from torchrl_grpo.tasks import Reward, Task
-from torchrl_grpo.turn_envs import Reply, TurnEnv
-from torchrl_grpo.weight_check import WeightCheck
+from torchrl_grpo.training.trainer import Trainer
 
 
 def digit_share(completion: str, row) -> float:

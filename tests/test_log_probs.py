@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from helpers import LORA
-from torchrl_grpo.models import load_policy
-from torchrl_grpo.objective import token_log_probs
+from torchrl_grpo.models.loading import load_policy
+from torchrl_grpo.objective.loss import token_log_probs
 
 
 def mixed_batch(vocab: int):

@@ -7,8 +7,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import SMALL, cfg_with, metric_rows, run
-from torchrl_grpo.config import validate
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.config.validate import validate
+from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks import build_task, eval_env_config
 from torchrl_grpo.tasks.competition_math import equivalent, last_boxed, normalize_answer
 

@@ -7,10 +7,10 @@ import dataclasses
 import torch
 from tensordict import TensorDict
 
-from torchrl_grpo.config import TrainSettings
-from torchrl_grpo.models import load_policy
-from torchrl_grpo.objective import GRPOLoss
-from torchrl_grpo.trainer import Trainer
+from torchrl_grpo.config.validate import TrainSettings
+from torchrl_grpo.models.loading import load_policy
+from torchrl_grpo.objective.loss import GRPOLoss
+from torchrl_grpo.training.trainer import Trainer
 
 SETTINGS = TrainSettings(group_size=4, micro_batch=4, accumulation=2, epochs=1, temperature=1.0,
                          recompute_old_log_probs=True, kl_in_reward_coeff=0.0, reward_scale="group",
@@ -72,9 +72,8 @@ def test_bf16_autocast_on_cpu_stays_close_to_float32(tiny_model_path):
 
 def test_a_cpu_without_native_bf16_is_warned_once(tiny_model_path, monkeypatch, capsys):
     from helpers import cfg_with
-
-    from grpo_utils import build_trainer
-    from torchrl_grpo.placement import place
+    from torchrl_grpo.config.placement import place
+    from torchrl_grpo.run.build import build_trainer
 
     cfg = cfg_with("model=tiny", "train.mixed_precision=true")
     placement = place(cfg, needs_ref=False, gpu_count=0)

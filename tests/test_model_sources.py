@@ -12,9 +12,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from torchrl_grpo import model_sources, models, packaged_smollm2
-from torchrl_grpo.errors import ConfigError
 from helpers import LORA
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.models import loading as models
+from torchrl_grpo.models import packaged_smollm2
+from torchrl_grpo.models import sources as model_sources
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +174,8 @@ def test_a_folder_asking_to_run_its_own_code_needs_trust_remote_code(tiny_dir, t
 def test_every_loader_is_told_trust_remote_code_explicitly(tiny_dir, monkeypatch):
     import transformers
 
-    from torchrl_grpo import vllm_cpu_fixes, vllm_engine
+    from torchrl_grpo.engines import vllm as vllm_engine
+    from torchrl_grpo.engines import vllm_cpu_fixes
 
     seen = []
 
@@ -207,7 +210,7 @@ def test_every_loader_is_told_trust_remote_code_explicitly(tiny_dir, monkeypatch
 
 RANK_BUILDS = """
 import sys, torch.distributed as dist
-from torchrl_grpo.model_sources import resolve_model
+from torchrl_grpo.models.sources import resolve_model
 rank, store = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
 if rank == 1:

@@ -3,9 +3,8 @@ import pytest
 import torch
 
 from helpers import LORA
-from torchrl_grpo import models
-from torchrl_grpo.errors import ConfigError
-
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.models import loading as models
 
 
 def test_reference_model_is_frozen(tiny_model_path):

@@ -1,4 +1,4 @@
-"""Multi-turn episodes through the collector (torchrl_grpo/episodes.py's play, torchrl_grpo/turn_envs.py): a
+"""Multi-turn episodes through the collector (torchrl_grpo/episodes/play.py's play, torchrl_grpo/episodes/turn_envs.py): a
 scripted policy (fixed ids per turn) with the Python tool and with retry feedback. The batch must hold exactly the
 sampled ids and the inserted ones, in order, the loss mask exactly the sampled ids, the engine's log-probs at their
 places; rewards, ending reasons and per-turn metrics as the script implies. Then a real engine: the trainer's
@@ -7,15 +7,18 @@ import datasets
 import pytest
 import torch
 
-from helpers import LOGPROB_TOL, SMALL, cfg_with, finite, metric_rows, needs_ray_and_vllm, needs_vllm, ray_processes, run, run_async
-from torchrl_grpo.collector import Collector
-from torchrl_grpo.config import CollectSettings
-from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.objective import token_log_probs
-from torchrl_grpo.rollout import Completion, make_engine
-from torchrl_grpo.tasks import Reward, Task, build_task
-from torchrl_grpo.trajectories import PromptSampler
-from torchrl_grpo.turn_envs import PythonTool, RetryFeedback, python_call
+from helpers import (LOGPROB_TOL, SMALL, cfg_with, finite, metric_rows, needs_ray_and_vllm, needs_vllm, ray_processes,
+                     run, run_async)
+from torchrl_grpo.collect.collector import Collector
+from torchrl_grpo.config.validate import CollectSettings
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.engines.base import Completion
+from torchrl_grpo.engines.factory import make_engine
+from torchrl_grpo.episodes.setup import build_episode_task
+from torchrl_grpo.episodes.trajectories import PromptSampler
+from torchrl_grpo.episodes.turn_envs import PythonTool, RetryFeedback, python_call
+from torchrl_grpo.objective.loss import token_log_probs
+from torchrl_grpo.tasks import Reward, Task
 
 CALL = "```python\nprint(6 * 7)\n```"
 
@@ -148,25 +151,25 @@ def test_the_python_tool_reports_errors_and_timeouts_to_the_model():
 
 @pytest.mark.parametrize("env, message", [
     ({"max_steps": 3}, "env.max_steps=3 without env.turn_env"),
-    ({"max_steps": 1, "turn_env": {"_target_": "torchrl_grpo.turn_envs.RetryFeedback"}}, "env.max_steps=1"),
+    ({"max_steps": 1, "turn_env": {"_target_": "torchrl_grpo.episodes.turn_envs.RetryFeedback"}}, "env.max_steps=1"),
     ({"max_steps": 2, "turn_env": {"_target_": "no_such.Env"}}, "env.turn_env._target_=no_such.Env: cannot import"),
     ({"max_steps": 2, "turn_env": {"_target_": "collections.OrderedDict"}}, "not a subclass"),
-    ({"max_steps": 2, "turn_env": {"_target_": "torchrl_grpo.turn_envs.RetryFeedback", "colour": 1}}, "colour"),
-    ({"max_steps": 2, "turn_env": {"_target_": "torchrl_grpo.turn_envs.RetryFeedback", "discount": 2}},
+    ({"max_steps": 2, "turn_env": {"_target_": "torchrl_grpo.episodes.turn_envs.RetryFeedback", "colour": 1}}, "colour"),
+    ({"max_steps": 2, "turn_env": {"_target_": "torchrl_grpo.episodes.turn_envs.RetryFeedback", "discount": 2}},
      "env.turn_env.discount=2"),
-    ({"max_steps": 2, "turn_env": {"_target_": "torchrl_grpo.turn_envs.PythonTool", "timeout_s": 0}},
+    ({"max_steps": 2, "turn_env": {"_target_": "torchrl_grpo.episodes.turn_envs.PythonTool", "timeout_s": 0}},
      "env.turn_env.timeout_s=0"),
 ])
 def test_bad_turn_env_settings_are_one_line_errors(env, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("(", r"\(")):
-        build_task({"dataset": "gsm_symbolic", "size": 5, **env})
+        build_episode_task({"dataset": "gsm_symbolic", "size": 5, **env})
 
 
 def test_soft_overlong_is_refused_with_several_turns():
-    from torchrl_grpo.config import validate
+    from torchrl_grpo.config.validate import validate
 
     cfg = cfg_with("model=tiny", "loss=dapo", "env.max_steps=2",
-                   "env.turn_env={_target_: torchrl_grpo.turn_envs.RetryFeedback}")
+                   "env.turn_env={_target_: torchrl_grpo.episodes.turn_envs.RetryFeedback}")
     with pytest.raises(ConfigError, match="loss.overlong=soft with env.max_steps=2"):
         validate(cfg)
 
@@ -175,7 +178,7 @@ def test_the_trainer_scores_every_sampled_id_of_a_played_episode_as_the_engine_d
     """A real engine plays three-turn episodes (the tiny model never answers right, its turns are cut at max_tokens:
     every episode retries):
     the trainer's log-probs at the sampled ids of every turn equal the engine's, and nothing is scored elsewhere."""
-    from torchrl_grpo.models import load_policy
+    from torchrl_grpo.models.loading import load_policy
 
     engine = make_engine("transformers", tiny_model_path, seed=0)
     c = collector(tokenizer, engine, RetryFeedback(), max_steps=3)

@@ -6,25 +6,15 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
-from grpo_utils import build_loss
 from helpers import CONFIG_DIR, cfg_with
-from torchrl_grpo.config import validate
-from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.objective import GRPOLoss, token_log_probs, total_loss
-from torchrl_grpo.objective_terms import (
-    accumulation_weight,
-    aggregate,
-    clipped_surrogate,
-    completion_mean,
-    group_advantages,
-    kl_estimate,
-    loss_token_mask,
-    off_policy_keep,
-    overlong_buffer_tokens,
-    overlong_penalty,
-    sequence_clipped_surrogate,
-    tis_weights,
-)
+from torchrl_grpo.config.validate import validate
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.objective.loss import GRPOLoss, token_log_probs, total_loss
+from torchrl_grpo.objective.terms import (accumulation_weight, aggregate, clipped_surrogate, completion_mean,
+                                          group_advantages, kl_estimate, loss_token_mask, off_policy_keep,
+                                          overlong_buffer_tokens, overlong_penalty, sequence_clipped_surrogate,
+                                          tis_weights)
+from torchrl_grpo.run.build import build_loss
 
 
 def _mean(xs):
@@ -324,7 +314,7 @@ def _variant_batch(model):
 
 def _hand_objective(logp, batch, v):
     """The objective of variant ``v`` written out per completion and per token with torch scalars
-    (differentiable in ``logp``), sharing no code with torchrl_grpo.objective."""
+    (differentiable in ``logp``), sharing no code with torchrl_grpo.objective.loss."""
     mask, adv = batch["completion_mask"], batch["advantage"]
     old, sample = batch["old_log_probs"], batch["sample_log_probs"]
     lo, hi = 1 - v["eps_low"], 1 + v["eps_high"]

@@ -1,4 +1,4 @@
-"""Figures of a run and of a sweep (torchrl_grpo/plots.py, plot.py), from metrics.csv files written by the real
+"""Figures of a run and of a sweep (torchrl_grpo/telemetry/plots.py, plot.py), from metrics.csv files written by the real
 Telemetry class: PNGs that read back, the sweep's ranking, one-line errors."""
 import subprocess
 import sys
@@ -8,8 +8,8 @@ from omegaconf import OmegaConf
 from PIL import Image
 
 from helpers import ROOT
-from torchrl_grpo import plots
-from torchrl_grpo.telemetry import Telemetry
+from torchrl_grpo.telemetry import plots
+from torchrl_grpo.telemetry.recorder import Telemetry
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 LOGGING = OmegaConf.create({"logging": {"log_frequency": 100, "show_completions": 0, "progress_bar": False,

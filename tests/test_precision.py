@@ -1,13 +1,13 @@
-"""What ``auto`` resolves to for the precision keys (torchrl_grpo/precision.py), on a CPU with native bf16, one
+"""What ``auto`` resolves to for the precision keys (torchrl_grpo/config/precision.py), on a CPU with native bf16, one
 without (torch's check made to answer no) and a GPU; explicit values always win; validate() refuses what the
 resolved values cannot do."""
 import pytest
 import torch
-from helpers import cfg_with
 
-from torchrl_grpo.config import TrainSettings, validate
-from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.precision import autocast_bf16, engine_dtype_on, recompute_old_log_probs
+from helpers import cfg_with
+from torchrl_grpo.config.precision import autocast_bf16, engine_dtype_on, recompute_old_log_probs
+from torchrl_grpo.config.validate import TrainSettings, validate
+from torchrl_grpo.core.errors import ConfigError
 
 
 @pytest.fixture(params=[True, False], ids=["native-bf16-cpu", "emulated-bf16-cpu"])

@@ -4,7 +4,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import SMALL, cfg_with, metric_rows, needs_vllm, run
-from torchrl_grpo.errors import ConfigError
+from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks import build_task, eval_env_config, per_task_means
 from torchrl_grpo.tasks.reasoning_gym_tasks import answer_text
 

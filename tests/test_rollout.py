@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from helpers import LOGPROB_TOL, check_completions, max_logprob_gap, needs_vllm, perturb, trainer_logprobs
-from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.hf_engine import TransformersEngine
-from torchrl_grpo.model_sources import resolve_model
-from torchrl_grpo.models import load_policy, load_tokenizer, merged_state_dict
-from torchrl_grpo.rollout import make_engine
-from torchrl_grpo.vllm_cpu_fixes import ExpectedReloadWarnings, eager_rank_count
-from torchrl_grpo.vllm_engine import VLLMEngine
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.engines.factory import make_engine
+from torchrl_grpo.engines.hf import TransformersEngine
+from torchrl_grpo.engines.vllm import VLLMEngine
+from torchrl_grpo.engines.vllm_cpu_fixes import ExpectedReloadWarnings, eager_rank_count
+from torchrl_grpo.models.loading import load_policy, load_tokenizer, merged_state_dict
+from torchrl_grpo.models.sources import resolve_model
 
 QUESTIONS = ["Ana has 5 apples.", "Each box holds 3 eggs. There are 12 boxes. How many eggs are there in total?", "12"]
 
@@ -121,7 +121,7 @@ def test_vllm_cpu_kv_cache_holds_the_tokens_asked_for(tiny_model_path):
     """``kv_cache_tokens``: a key and a value per layer and KV head per token, in whole blocks."""
     from transformers import AutoConfig
 
-    from torchrl_grpo.vllm_engine import kv_cache_bytes
+    from torchrl_grpo.engines.vllm import kv_cache_bytes
 
     config = AutoConfig.from_pretrained(tiny_model_path)
     head_dim = config.hidden_size // config.num_attention_heads
@@ -177,9 +177,9 @@ def test_vllm_push_weights_tied_embeddings_smollm2():
 def test_weights_sent_cast_to_a_bf16_engine_load_as_the_float32_ones(tiny_model_path):
     """grpo-async.py sends its pushes cast to the engines' dtype (``Trainer.cpu_weights(dtype)``): a bf16 engine
     casts float32 weights on load to the very values it is sent cast, so its scores are equal bit for bit."""
-    from torchrl_grpo.config import TrainSettings
-    from torchrl_grpo.objective import GRPOLoss
-    from torchrl_grpo.trainer import Trainer
+    from torchrl_grpo.config.validate import TrainSettings
+    from torchrl_grpo.objective.loss import GRPOLoss
+    from torchrl_grpo.training.trainer import Trainer
 
     policy = _policy(tiny_model_path)
     perturb(policy, scale=0.05)

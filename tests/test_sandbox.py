@@ -1,4 +1,4 @@
-"""The code sandbox (torchrl_grpo/sandbox.py): each limit and refusal, measured in a real child process."""
+"""The code sandbox (torchrl_grpo/episodes/sandbox.py): each limit and refusal, measured in a real child process."""
 import os
 import pickle
 import tempfile
@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from torchrl_grpo.errors import RunError
-from torchrl_grpo.sandbox import run_python
+from torchrl_grpo.core.errors import RunError
+from torchrl_grpo.episodes.sandbox import run_python
 
 
 @pytest.fixture(scope="module", autouse=True)

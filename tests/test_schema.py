@@ -1,13 +1,13 @@
-"""The config schema (torchrl_grpo/schema.py) against the real config tree: the YAML and the schema name the
+"""The config schema (torchrl_grpo/config/schema.py) against the real config tree: the YAML and the schema name the
 same keys, every key says what it means, null only where allowed (bad values: tests/test_bad_inputs.py)."""
 from dataclasses import fields
 
 import pytest
 
-from torchrl_grpo.config import validate
-from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.schema import ASYNC_SECTIONS, SECTIONS, check_schema, section_keys
 from helpers import cfg_with as composed
+from torchrl_grpo.config.schema import ASYNC_SECTIONS, SECTIONS, check_schema, section_keys
+from torchrl_grpo.config.validate import validate
+from torchrl_grpo.core.errors import ConfigError
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

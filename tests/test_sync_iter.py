@@ -2,9 +2,10 @@
 subprocess, Hydra, the tiny model and the vLLM CPU engine, then a resume; and the key's validation."""
 import pytest
 
-from helpers import FLOAT32, SMALL as BASE, cfg_with, finite, metric_rows, needs_vllm, run
-from torchrl_grpo.config import validate
-from torchrl_grpo.errors import ConfigError
+from helpers import FLOAT32, cfg_with, finite, metric_rows, needs_vllm, run
+from helpers import SMALL as BASE
+from torchrl_grpo.config.validate import validate
+from torchrl_grpo.core.errors import ConfigError
 
 SMALL = [*BASE, *FLOAT32, "train.sync_iter=false"]
 

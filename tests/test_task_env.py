@@ -1,17 +1,18 @@
-"""Tasks as TorchRL environments (torchrl_grpo/task_env.py): single-turn rewards are the task's own for the same
+"""Tasks as TorchRL environments (torchrl_grpo/episodes/task_env.py): single-turn rewards are the task's own for the same
 completions, on every kind of task; a TorchRL transform plugged by import path answers between turns and its
 message enters the ids token by token; the upstream defect that makes us own the token insertion is pinned."""
 import pytest
 import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
+from test_multi_turn import ScriptedPolicy
 
 from helpers import GSM8K, IFEVAL, cfg_with, needs_files, run
-from test_multi_turn import ScriptedPolicy
-from torchrl_grpo.episodes import play
-from torchrl_grpo.errors import ConfigError
-from torchrl_grpo.rollout import Completion
-from torchrl_grpo.task_env import TaskEnv, make_env
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.engines.base import Completion
+from torchrl_grpo.episodes.play import play
+from torchrl_grpo.episodes.setup import build_episode_task
+from torchrl_grpo.episodes.task_env import TaskEnv, make_env
 from torchrl_grpo.tasks import build_task
 
 
@@ -67,7 +68,7 @@ CALL = '<tool>add\n{"a": 2, "b": 3}</tool>'
 
 
 def test_a_torchrl_tool_transform_plugged_by_import_path_answers_token_by_token(tokenizer):
-    task = build_task({"dataset": "gsm_symbolic", "size": 4, "max_steps": 3,
+    task = build_episode_task({"dataset": "gsm_symbolic", "size": 4, "max_steps": 3,
                        "transforms": [{"_target_": "test_task_env.calculator"}]})
     assert task.turn_env is None and task.max_turns == 3
     policy = ScriptedPolicy(tokenizer, [CALL, "#### 5"])
@@ -89,7 +90,7 @@ def test_a_torchrl_tool_transform_plugged_by_import_path_answers_token_by_token(
 ])
 def test_bad_transforms_are_one_line_errors(transforms, message):
     with pytest.raises(ConfigError, match=message):
-        build_task({"dataset": "gsm_symbolic", "size": 4, "max_steps": 2, "transforms": transforms})
+        build_episode_task({"dataset": "gsm_symbolic", "size": 4, "max_steps": 2, "transforms": transforms})
 
 
 def test_the_task_env_is_a_torchrl_env_with_the_prompt_ids_and_the_conversation(tokenizer):

@@ -3,7 +3,7 @@ resume like metrics.csv."""
 import json
 
 from helpers import cfg_with
-from torchrl_grpo.telemetry import Telemetry
+from torchrl_grpo.telemetry.recorder import Telemetry
 
 
 def _lines(path):

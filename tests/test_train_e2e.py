@@ -7,8 +7,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from helpers import SMALL, finite, metric_rows, needs_vllm, run, start, wait_until
-from torchrl_grpo.allocator import find_tcmalloc
-from torchrl_grpo.precision import native_bf16
+from torchrl_grpo.config.precision import native_bf16
+from torchrl_grpo.core.allocator import find_tcmalloc
 
 
 @needs_vllm
@@ -134,8 +134,8 @@ def _assert_adapter_restores(saved: Path, config_file: Path):
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from grpo_utils import build_policy
-    from torchrl_grpo.model_sources import resolve_model
+    from torchrl_grpo.models.sources import resolve_model
+    from torchrl_grpo.run.build import build_policy
 
     policy = build_policy(OmegaConf.load(config_file), resolve_model("tiny"), ["cpu"], saved)
     restored = get_peft_model_state_dict(policy)

@@ -7,9 +7,9 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from torchrl_grpo.config import TrainSettings
-from torchrl_grpo.objective import GRPOLoss
-from torchrl_grpo.trainer import Trainer, by_length
+from torchrl_grpo.config.validate import TrainSettings
+from torchrl_grpo.objective.loss import GRPOLoss
+from torchrl_grpo.training.trainer import Trainer, by_length
 
 VOCAB = 7
 
@@ -202,8 +202,8 @@ def test_several_updates_a_step_recompute_the_old_log_probs_first():
 def test_adam_runs_torchs_fused_kernel_on_cpu_with_the_per_tensor_loops_update(name):
     """build_optimizer picks the fused kernel (on CPU torch would loop tensor by tensor): same update to float
     rounding."""
-    from grpo_utils import build_optimizer
     from helpers import cfg_with
+    from torchrl_grpo.run.build import build_optimizer
 
     cfg = cfg_with(f"optimizer.name={name}", "optimizer.lr=0.1", "optimizer.weight_decay=0.1")
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The weight sync check (torchrl_grpo/weight_check.py): its arithmetic on hand-made numbers, the probe's
+"""The weight sync check (torchrl_grpo/engines/weight_check.py): its arithmetic on hand-made numbers, the probe's
 log-probs against a softmax computed here, the real vLLM engine's score before and after a push, and a sync
 run whose engine ignores pushes stopping with one line and a checkpoint."""
 import copy
@@ -7,19 +7,20 @@ import datasets
 import pytest
 import torch
 
-from grpo_utils import build_loss, build_optimizer, build_policy
 from helpers import cfg_with, metric_rows
-from torchrl_grpo.collector import Collector
-from torchrl_grpo.config import CollectSettings, TrainSettings, validate
-from torchrl_grpo.errors import RunError
-from torchrl_grpo.hf_engine import TransformersEngine
-from torchrl_grpo.models import load_policy, merged_state_dict
-from torchrl_grpo.run_state import RunState
-from torchrl_grpo.sync_loop import SyncRun, run_sync
+from torchrl_grpo.collect.collector import Collector
+from torchrl_grpo.config.validate import CollectSettings, TrainSettings, validate
+from torchrl_grpo.core.errors import RunError
+from torchrl_grpo.engines.hf import TransformersEngine
+from torchrl_grpo.engines.weight_check import (MOVED, Probe, WeightCheck, probe_ids, probe_log_probs, sync_problem,
+                                               tolerance)
+from torchrl_grpo.episodes.trajectories import PromptSampler
+from torchrl_grpo.models.loading import load_policy, merged_state_dict
+from torchrl_grpo.run.build import build_loss, build_optimizer, build_policy
+from torchrl_grpo.run.state import RunState
+from torchrl_grpo.run.sync_loop import SyncRun, run_sync
 from torchrl_grpo.tasks import Reward, Task
-from torchrl_grpo.trainer import Trainer
-from torchrl_grpo.trajectories import PromptSampler
-from torchrl_grpo.weight_check import MOVED, Probe, WeightCheck, probe_ids, probe_log_probs, sync_problem, tolerance
+from torchrl_grpo.training.trainer import Trainer
 
 
 class FixedScores:

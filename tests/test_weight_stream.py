@@ -1,4 +1,4 @@
-"""The weight stream's protocol (torchrl_grpo/weight_stream.py) against workers in real processes: every tensor
+"""The weight stream's protocol (torchrl_grpo/engines/weight_stream.py) against workers in real processes: every tensor
 arrives bit for bit through buckets far smaller than the weights, at every worker, and a failure on either side
 ends the push with an error instead of a hang. The vLLM engine's use of it: tests/test_engine_process.py."""
 import io
@@ -10,8 +10,8 @@ import weakref
 import pytest
 import torch
 
-from torchrl_grpo import weight_stream
-from torchrl_grpo.weight_stream import ALIGN, WeightStream, bucket_size, plan_buckets, receive_weights
+from torchrl_grpo.engines import weight_stream
+from torchrl_grpo.engines.weight_stream import ALIGN, WeightStream, bucket_size, plan_buckets, receive_weights
 
 JOIN_S = 60
 

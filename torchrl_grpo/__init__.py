@@ -1,1 +1,1 @@
-"""GRPO post-training on TorchRL: one module per concern (see README.md)."""
+"""GRPO post-training on TorchRL: one subpackage per layer, from core up to run (docs/architecture.md)."""

@@ -28,16 +28,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from torchrl_grpo.config.precision import engine_dtype_on, train_device
 from torchrl_grpo.config.validate import CollectSettings
 from torchrl_grpo.core.console import quiet_libraries
 from torchrl_grpo.core.errors import ConfigError, one_line
-from torchrl_grpo.config.precision import engine_dtype_on, train_device
 from torchrl_grpo.engines.weight_check import Probe
 
 EXIT_GRACE_S = 5  # an actor asked to exit (after its collect in flight) is killed after this long
-# Test-only fault injection: an actor calls os._exit(1) at the start of its N-th collect (1-based). Read by
-# the trainer (not the actor) and handed to every actor's constructor; tests/test_async.py uses it.
-EXIT_AT_ENV = "TORCHRL_GRPO_TEST_ACTOR_EXIT_AT"
 
 
 def as_arrays(weights: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
@@ -65,23 +62,23 @@ class RolloutActor:
     """One rollout worker (wrapped with ``ray.remote`` by :class:`ActorPool`; plain Python otherwise).
 
     ``sampler_state``: a prompt sampler's ``state_dict`` to continue from (resume), else a fresh order seeded
-    ``env.seed + index``. ``exit_at``: test-only, ``os._exit(1)`` at the start of that collect.
+    ``env.seed + index``.
     """
 
     def __init__(self, cfg: dict, index: int, engine_seed: int, sampler_state: dict | None = None,
-                 exit_at: int | None = None, log_file: str | None = None):
+                 log_file: str | None = None):
         from torchrl_grpo.collect.collector import Collector
-        from torchrl_grpo.models.sources import resolve_model
-        from torchrl_grpo.models.loading import load_tokenizer
         from torchrl_grpo.engines.factory import engine_options, make_engine
-        from torchrl_grpo.tasks import build_task
+        from torchrl_grpo.episodes.setup import build_episode_task
         from torchrl_grpo.episodes.trajectories import PromptSampler
+        from torchrl_grpo.models.loading import load_tokenizer
+        from torchrl_grpo.models.sources import resolve_model
 
         cfg = OmegaConf.create(cfg)
         quiet_libraries(cfg.logging.verbose is True, log_file)
-        self.exit_at, self.calls, self.version = exit_at, 0, 0
+        self.version = 0
         self.probe_scores = None  # the engine's weight sync probe log-probs at the last push
-        task = build_task(cfg.env)
+        task = build_episode_task(cfg.env)
         trust = bool(cfg.model.trust_remote_code)
         model_path = resolve_model(str(cfg.model.name), trust)
         dtype = str(actor_dtype(cfg)).removeprefix("torch.")
@@ -95,9 +92,6 @@ class RolloutActor:
 
     def collect(self):
         """One scored batch at the current weights: (batch, metrics, first texts, sampler state)."""
-        self.calls += 1
-        if self.exit_at is not None and self.calls >= self.exit_at:
-            os._exit(1)  # test-only: die like a crashed worker (no exception, no cleanup)
         batch, metrics, texts = self.collector.collect(version=self.version)
         return batch, metrics, texts[:4], self.collector.sampler.state_dict()
 
@@ -199,7 +193,6 @@ class ActorPool:
         self.delivered = [False] * len(actor_samplers)
         self.version, self.weights_ref, self.probe, self.weight_sync_gap = version, None, None, None
         self.seed, self.start_step = int(cfg.train.seed), start_step
-        self.exit_at = int(os.environ[EXIT_AT_ENV]) if os.environ.get(EXIT_AT_ENV) else None
         self.remote_cls, self.plain_cfg = self.ray.remote(RolloutActor), OmegaConf.to_container(cfg, resolve=True)
         self.actor_options = {"num_cpus": float(cfg.ray.actor_num_cpus), "num_gpus": float(cfg.ray.actor_num_gpus),
                               "max_restarts": 0}  # restarts are ours: a new actor gets the current weights
@@ -213,7 +206,7 @@ class ActorPool:
         seed = self.seed + 1000 * i + self.start_step + 1_000_000 * self.restarts[i]
         log_file = str(self.log_dir / f"rollout_actor_{i}.log") if self.log_dir is not None else None
         return self.remote_cls.options(**self.actor_options).remote(
-            self.plain_cfg, i, seed, self.samplers[i], self.exit_at, log_file)
+            self.plain_cfg, i, seed, self.samplers[i], log_file)
 
     @property
     def total_restarts(self) -> int:

@@ -8,12 +8,12 @@ CPU; asking for GPUs there is an error, never a silent downgrade, except for tra
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 from omegaconf import DictConfig
 
-from torchrl_grpo.parallel.ranks import torchrun_launch
 from torchrl_grpo.core.errors import ConfigError
 
 ROLES = ("train_model", "inference_model", "ref_model")
@@ -101,3 +101,22 @@ def train_strategy(cfg: DictConfig, gpu_count: int | None = None) -> str:
     gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
     return "fsdp" if int(cfg.train_model.get("num_devices", 1)) > 1 and gpus == 0 else "layer_split"
 
+
+@dataclass(frozen=True)
+class Launch:
+    """The ranks a launcher started (``torchrun``: its ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and
+    rendezvous variables)."""
+
+    rank: int
+    world_size: int
+    local_world_size: int  # the ranks on this machine (on GPUs: GPUs 0..local_world_size-1 train)
+
+
+def torchrun_launch(environ=os.environ) -> Launch | None:
+    """This process's rank when ``torchrun`` (or a launcher setting the same variables) started several
+    ranks; ``None`` for a plain process or a world of one. The ranks then join with ``init_method="env://"``."""
+    if not all(key in environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    world = int(environ["WORLD_SIZE"])
+    local = int(environ.get("LOCAL_WORLD_SIZE", world))
+    return Launch(int(environ["RANK"]), world, local) if world > 1 else None

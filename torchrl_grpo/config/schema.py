@@ -16,10 +16,10 @@ from typing import Any
 from omegaconf import DictConfig
 
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.objective.terms import (
-    AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, MODIFIER_HINTS, OVERLONG, REWARD_SCALES,
-)
-from torchrl_grpo.engines.vllm import ENGINE_PROCESSES
+from torchrl_grpo.objective.terms import (AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, MODIFIER_HINTS, OVERLONG,
+                                          REWARD_SCALES)
+
+ENGINE_PROCESSES = ("auto", "same", "own")  # inference_model.engine_process
 
 # kind -> (accepts(value), the default complaint)
 _KINDS = {

@@ -14,15 +14,16 @@ The batch vocabulary (see README.md):
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from omegaconf import DictConfig
 
-from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.models.loading import check_lora
 from torchrl_grpo.config.placement import train_strategy
 from torchrl_grpo.config.precision import autocast_bf16, recompute_old_log_probs, train_device
 from torchrl_grpo.config.schema import check_schema, require
+from torchrl_grpo.core.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -252,3 +253,23 @@ def validate(cfg: DictConfig) -> BatchPlan:
         raise ConfigError(f"eval.samples={samples} with eval.temperature=0: greedy decoding gives {samples} identical "
                           "responses; set eval.temperature>0 (e.g. 1.0) for pass@k, or eval.samples=1")
     return plan
+
+
+def check_lora(lora: Mapping[str, Any]) -> dict[str, Any]:
+    """``train_model.lora``'s knobs, checked (a one-line ConfigError naming ``train_model.lora.<key>``) and with
+    their defaults: r, alpha, dropout, target_modules. :func:`validate` calls it first."""
+    known = {"enabled", "r", "alpha", "dropout", "target_modules"}
+    unknown = sorted(set(lora) - known)
+    if unknown:
+        raise ConfigError(f"train_model.lora.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
+    r, alpha, dropout = lora.get("r", 8), lora.get("alpha", 16), lora.get("dropout", 0.0)
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise ConfigError(f"train_model.lora.r={r!r}: must be a positive integer (e.g. 8)")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise ConfigError(f"train_model.lora.alpha={alpha!r}: must be a positive number (e.g. 2*r)")
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ConfigError(f"train_model.lora.dropout={dropout!r}: must be in [0, 1)")
+    targets = lora.get("target_modules", "all-linear") or "all-linear"
+    if not isinstance(targets, str):
+        targets = [str(t) for t in targets]  # OmegaConf ListConfig -> list
+    return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": targets}

@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from safetensors import safe_open
 
 from torchrl_grpo.core.errors import ConfigError, one_line

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from torchrl_grpo.engines.base import Completion, Engine
+from torchrl_grpo.parallel.ranks import collective
 
 
 def nucleus_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -85,12 +86,12 @@ class TransformersEngine(Engine):
             sampled = self._sample(rows, max_tokens, temperature, top_p, generator, stop=bool)
         else:  # each rank samples a share with the sharded policy; rank 0's generator seeds the call
             call_seed = int(torch.randint(2 ** 62, (1,), generator=self._generator(torch.device("cpu"))))
-            self.parallel.announce("sample_share", rows, max_tokens, temperature, top_p, call_seed)
             sampled = self.sample_share(rows, max_tokens, temperature, top_p, call_seed)
         return [Completion(i // n, ids, logps, "stop" if stopped else "length",
                            self.tokenizer.decode(ids, skip_special_tokens=True))
                 for i, (ids, logps, stopped) in enumerate(sampled)]
 
+    @collective
     @torch.no_grad()
     def sample_share(self, rows: list[list[int]], max_tokens: int, temperature: float, top_p: float,
                      call_seed: int) -> list[tuple[list[int], list[float], bool]] | None:

@@ -16,8 +16,9 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from torchrl_grpo.engines import vllm_cpu_fixes
+from torchrl_grpo.config.schema import ENGINE_PROCESSES
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.engines import vllm_cpu_fixes
 from torchrl_grpo.engines.base import Completion, Engine
 from torchrl_grpo.engines.weight_stream import StreamedWeights, WeightStream, receive_weights
 
@@ -76,7 +77,6 @@ def _visible_cuda_devices(devices: Sequence[torch.device]) -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
-ENGINE_PROCESSES = ("auto", "same", "own")
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 SHUTDOWN_GRACE_S = 30.0  # how long close() lets an engine process exit by itself
 

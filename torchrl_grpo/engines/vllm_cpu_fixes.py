@@ -11,6 +11,7 @@ import os
 
 import torch
 
+
 def allow_pickled_rpc() -> None:
     """Let :func:`redispatch_cpu_gemm` and :func:`apply_in_worker` reach an engine in its own process.
 

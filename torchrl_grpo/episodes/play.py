@@ -1,4 +1,4 @@
-"""Playing episodes: G completions per prompt, each an :class:`~torchrl_grpo.episodes.play.episode.Episode` of one or
+"""Playing episodes: G completions per prompt, each an :class:`~torchrl_grpo.episodes.episode.Episode` of one or
 more engine turns, with what the environment inserts between them, scored at the end."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 from tensordict import NonTensorData, TensorDict
 
-from torchrl_grpo.episodes.play.episode import Episode
+from torchrl_grpo.episodes.episode import Episode
 from torchrl_grpo.episodes.task_env import make_env, messages_of
 
 ENDINGS = ("answer", "max_steps", "length", "context")  # why an episode ended: see Played

@@ -28,8 +28,8 @@ from torchrl.data import Composite, NonTensor, Unbounded
 from torchrl.data.llm import History
 from torchrl.envs import Compose, EnvBase, Transform, TransformedEnv
 
-from torchrl_grpo.episodes.episode import inserted_ids
 from torchrl_grpo.core.errors import ConfigError, import_target, one_line
+from torchrl_grpo.episodes.episode import inserted_ids
 
 
 def _chat_history(messages: list[dict]):

@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from torchrl_grpo.parallel.ranks import full_tensor
+from torchrl_grpo.config.validate import check_lora
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.parallel.ranks import full_tensor
 
 log = logging.getLogger(__name__)
 
@@ -129,26 +130,6 @@ def merged_weights(model, shapes_only: bool = False) -> Iterator[tuple[str, torc
 
 # ---------------------------------------------------------------------------------------------------
 # LoRA
-
-
-def check_lora(lora: Mapping[str, Any]) -> dict[str, Any]:
-    """``train_model.lora``'s knobs, checked (a one-line ConfigError naming ``train_model.lora.<key>``) and with
-    their defaults: r, alpha, dropout, target_modules. :func:`torchrl_grpo.config.validate.validate` calls it first."""
-    known = {"enabled", "r", "alpha", "dropout", "target_modules"}
-    unknown = sorted(set(lora) - known)
-    if unknown:
-        raise ConfigError(f"train_model.lora.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
-    r, alpha, dropout = lora.get("r", 8), lora.get("alpha", 16), lora.get("dropout", 0.0)
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise ConfigError(f"train_model.lora.r={r!r}: must be a positive integer (e.g. 8)")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-        raise ConfigError(f"train_model.lora.alpha={alpha!r}: must be a positive number (e.g. 2*r)")
-    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ConfigError(f"train_model.lora.dropout={dropout!r}: must be in [0, 1)")
-    targets = lora.get("target_modules", "all-linear") or "all-linear"
-    if not isinstance(targets, str):
-        targets = [str(t) for t in targets]  # OmegaConf ListConfig -> list
-    return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": targets}
 
 
 def _wrap_lora(model, lora: Mapping[str, Any]):

@@ -32,10 +32,11 @@ from collections.abc import Callable
 
 import torch
 
-from torchrl_grpo.models import packaged_smollm2
-from torchrl_grpo.models import tiny as tiny_model
 from torchrl_grpo.core.checkpoint import weights_damage
 from torchrl_grpo.core.errors import ConfigError, one_line
+from torchrl_grpo.core.paths import cache_root
+from torchrl_grpo.models import packaged_smollm2
+from torchrl_grpo.models import tiny as tiny_model
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +48,6 @@ _OFFLINE_FIX = (
 _MARKER = ".torchrl_grpo_build"
 # Temporary build directories older than this are leftovers of killed builds and get swept.
 _STALE_TMP_S = 3600.0
-
-
-def cache_root() -> pathlib.Path:
-    """Where built models live: $TORCHRL_GRPO_CACHE if set, else ~/.cache/torchrl_grpo."""
-    env = os.environ.get("TORCHRL_GRPO_CACHE")
-    return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "torchrl_grpo"
 
 
 def resolve_model(name: str, trust_remote_code: bool = False) -> str:

@@ -16,10 +16,8 @@ import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
-from torchrl_grpo.objective.terms import (
-    KL_ESTIMATORS, SURROGATE_MODIFIERS, SurrogateInputs, accumulation_weight, aggregate, kl_estimate,
-    loss_token_mask, per_token, term,
-)
+from torchrl_grpo.objective.terms import (KL_ESTIMATORS, SURROGATE_MODIFIERS, SurrogateInputs, accumulation_weight,
+                                          aggregate, kl_estimate, loss_token_mask, per_token, term)
 
 # the registered families that GRPOLoss takes by the name of their config key (loss.<family>)
 LOSS_CHOICES = ("aggregation", "kl_estimator", "importance_level", "overlong")

@@ -22,8 +22,9 @@ several machines); either way rank 0 sends them its config (:meth:`DataParallel.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -48,21 +49,22 @@ class DataParallel:
         """Rank 0 when followed: runs the loop and announces its trainer's calls to the followers."""
         return self.followed and self.rank == 0
 
-    def announce(self, call: str | None, *args) -> None:
-        """Rank 0: the followers make this call (a trainer's or an engine's) next, with these arguments
-        (``None``: stop following)."""
-        dist.broadcast_object_list([(call, args)], src=0, device=self.device)
+    def announce(self, call: str | None, *args, **kwargs) -> None:
+        """Rank 0: the followers make this :func:`collective` call (a trainer's or an engine's) next, with these
+        arguments (``None``: stop following)."""
+        dist.broadcast_object_list([(call, args, kwargs)], src=0, device=self.device)
 
     def follow(self, *targets) -> None:
         """A follower rank: make rank 0's announced calls, each on the first of ``targets`` (its trainer, its
-        engine) that has that method, until rank 0 announces the end."""
+        engine) whose class declares that method :func:`collective`, until rank 0 announces the end."""
         while True:
             box = [None]
             dist.broadcast_object_list(box, src=0, device=self.device)
-            call, args = box[0]
+            call, args, kwargs = box[0]
             if call is None:
                 return
-            getattr(next(t for t in targets if hasattr(t, call)), call)(*args)
+            target = next(t for t in targets if getattr(getattr(type(t), call, None), "collective", False))
+            getattr(target, call)(*args, **kwargs)
 
     def broadcast_config(self, config: dict | None) -> dict:
         """Rank 0's run config (given there, ``None`` elsewhere) on every rank: the followers build the same
@@ -125,24 +127,20 @@ class DataParallel:
         return out
 
 
-@dataclass(frozen=True)
-class Launch:
-    """The ranks a launcher started (``torchrun``: its ``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and
-    rendezvous variables)."""
+def collective(method: Callable) -> Callable:
+    """Declare a method that every data-parallel rank must call together (it holds collectives), on an object
+    that keeps its ranks in ``self.parallel`` (None: one process). On the leading rank (:attr:`DataParallel.leads`)
+    a call first announces itself with its arguments, and the followers make the same call on their own object
+    (:meth:`DataParallel.follow`): no method is named by a string, and only declared ones can be called so."""
 
-    rank: int
-    world_size: int
-    local_world_size: int  # the ranks on this machine (on GPUs: GPUs 0..local_world_size-1 train)
+    @functools.wraps(method)
+    def announced(self, *args, **kwargs):
+        if self.parallel is not None and self.parallel.leads:
+            self.parallel.announce(method.__name__, *args, **kwargs)
+        return method(self, *args, **kwargs)
 
-
-def torchrun_launch(environ=os.environ) -> Launch | None:
-    """This process's rank when ``torchrun`` (or a launcher setting the same variables) started several
-    ranks; ``None`` for a plain process or a world of one. The ranks then join with ``init_method="env://"``."""
-    if not all(key in environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
-        return None
-    world = int(environ["WORLD_SIZE"])
-    local = int(environ.get("LOCAL_WORLD_SIZE", world))
-    return Launch(int(environ["RANK"]), world, local) if world > 1 else None
+    announced.collective = True
+    return announced
 
 
 @contextlib.contextmanager

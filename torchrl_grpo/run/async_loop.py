@@ -28,13 +28,13 @@ from dataclasses import dataclass
 
 import torch
 
-from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.collect.rollout_actors import ActorFault, ActorPool
+from torchrl_grpo.engines.weight_check import WeightCheck
+from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.state import AsyncProgress, RunState
 from torchrl_grpo.run.stop_request import StopRequest
 from torchrl_grpo.telemetry.recorder import Telemetry
 from torchrl_grpo.training.trainer import Trainer
-from torchrl_grpo.engines.weight_check import WeightCheck
 
 
 @dataclass

@@ -19,9 +19,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from torchrl_grpo.config.placement import train_strategy
 from torchrl_grpo.core import checkpoint
 from torchrl_grpo.core.errors import ConfigError, RunError
-from torchrl_grpo.config.placement import train_strategy
 
 
 class RunState:

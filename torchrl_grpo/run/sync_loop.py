@@ -1,5 +1,5 @@
 """The sync GRPO loop (``grpo.py``): collect, prepare and optimize, push the weights to the engine, log;
-checkpoint when due. The pieces arrive built (``grpo_utils.build_sync``): a :class:`Collector`, a
+checkpoint when due. The pieces arrive built (``torchrl_grpo.run.build.build_sync``): a :class:`Collector`, a
 :class:`Trainer`, a :class:`RunState`."""
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import time
 from dataclasses import dataclass
 
 from torchrl_grpo.collect.collector import Collector
-from torchrl_grpo.core.errors import RunError
-from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.collect.prefetch import Prefetch
+from torchrl_grpo.core.errors import RunError
+from torchrl_grpo.engines.weight_check import WeightCheck
+from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.state import RunState
 from torchrl_grpo.run.stop_request import StopRequest
 from torchrl_grpo.telemetry.recorder import Telemetry
 from torchrl_grpo.training.trainer import Trainer
-from torchrl_grpo.engines.weight_check import WeightCheck
 
 
 @dataclass

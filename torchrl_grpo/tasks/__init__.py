@@ -7,12 +7,11 @@ from typing import Any
 from torchrl_grpo.core.errors import ConfigError, import_target
 from torchrl_grpo.tasks.arithmetic import build_arithmetic_task
 from torchrl_grpo.tasks.base import Reward, RewardFn, Task, per_task_means
-from torchrl_grpo.tasks.competition_math import HUB_DATASET as MATH_HUB, build_math_task
+from torchrl_grpo.tasks.competition_math import HUB_DATASET as MATH_HUB
+from torchrl_grpo.tasks.competition_math import build_math_task
 from torchrl_grpo.tasks.gsm8k import build_gsm8k_task
 from torchrl_grpo.tasks.ifeval import build_ifeval_task
 from torchrl_grpo.tasks.reasoning_gym_tasks import build_reasoning_gym_task
-from torchrl_grpo.episodes.task_env import build_transforms
-from torchrl_grpo.episodes.turn_envs import build_turn_env
 
 # env.dataset -> builder(env_cfg) -> Task. New tasks add themselves with register_task.
 TASK_BUILDERS: dict[str, Callable[[Any], Task]] = {
@@ -36,7 +35,8 @@ def register_task(dataset: str, builder: Callable[[Any], Task]) -> None:
 
 
 def build_task(env_cfg: Any) -> Task:
-    """The Task named by ``env_cfg.dataset`` (an omegaconf DictConfig or a plain dict; default openai/gsm8k)."""
+    """The Task named by ``env_cfg.dataset`` (an omegaconf DictConfig or a plain dict; default openai/gsm8k): its
+    data and rewards. Its episodes' turns are :func:`torchrl_grpo.episodes.setup.build_episode_task`'s."""
     dataset = env_cfg.get("dataset") if env_cfg is not None else None
     dataset = DEFAULT_DATASET if dataset is None else dataset
     builder = TASK_BUILDERS.get(dataset) if isinstance(dataset, str) else None
@@ -44,10 +44,6 @@ def build_task(env_cfg: Any) -> Task:
         raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(TASK_BUILDERS)}")
     task = add_custom_rewards(builder(env_cfg), env_cfg.get("rewards") or [])
     task.reward_errors = env_cfg.get("reward_errors") or "raise"
-    task.transforms = list(env_cfg.get("transforms") or [])
-    build_transforms(task.transforms)  # a bad one fails here, in one line, before anything heavy starts
-    task.turn_env = build_turn_env(env_cfg, bool(task.transforms))
-    task.max_turns = int(env_cfg.get("max_steps") or 1)
     return task
 
 

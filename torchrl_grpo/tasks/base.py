@@ -8,13 +8,12 @@ tasks (IFEval, reasoning-gym, ...) plug in by building a ``Task`` with other rew
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
-
-import logging
 
 from torchrl_grpo.core.errors import ConfigError, RunError, one_line
 

@@ -59,7 +59,7 @@ _PUNKT_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "or
 
 
 def _nltk_data_root() -> Path:
-    from torchrl_grpo.models.sources import cache_root
+    from torchrl_grpo.core.paths import cache_root
 
     return cache_root() / "nltk_data"
 

@@ -8,9 +8,9 @@ then :meth:`Trainer.push_weights` into the engine(s).
 
 With ``parallel`` (:mod:`torchrl_grpo.parallel.ranks`), the same loop runs on each of N ranks over a
 policy sharded with FSDP2: every rank holds the whole batch and takes its share of each micro-batch, the
-accumulation normaliser is summed over ranks, and the metrics are those of the whole micro-batches. Rank 0
-announces each call that holds a collective to the other ranks, which make the same call
-(:meth:`torchrl_grpo.parallel.ranks.DataParallel.follow`).
+accumulation normaliser is summed over ranks, and the metrics are those of the whole micro-batches. The
+methods that hold a collective are declared :func:`~torchrl_grpo.parallel.ranks.collective`: rank 0 announces
+each call to the other ranks, which make the same call (:meth:`torchrl_grpo.parallel.ranks.DataParallel.follow`).
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ import torch
 
 from torchrl_grpo.config.validate import TrainSettings
 from torchrl_grpo.core.checkpoint import OPTIMIZER_SHARDS
-from torchrl_grpo.parallel.ranks import DataParallel, full_tensor, gathered, load_optimizer, save_optimizer
+from torchrl_grpo.engines.weight_check import probe_log_probs
+from torchrl_grpo.engines.weight_stream import StreamedWeights
 from torchrl_grpo.models.loading import merged_state_dict, merged_weights
 from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, token_log_probs, total_loss
 from torchrl_grpo.objective.terms import group_advantages
-from torchrl_grpo.engines.weight_check import probe_log_probs
-from torchrl_grpo.engines.weight_stream import StreamedWeights
+from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, gathered, load_optimizer, save_optimizer
 
 
 class Trainer:
@@ -41,6 +41,7 @@ class Trainer:
         self.shuffle = torch.Generator().manual_seed(settings.seed)  # micro-batch order, saved for exact resume
         self.nonfinite_streak = 0  # optimizer steps in a row skipped for a non-finite gradient norm
 
+    @collective
     def prepare(self, batch) -> dict:
         """Make a collected batch trainable, in place: the policy's own log-probs before its update (when the
         ratio's denominator is the trainer's), the reference's, the KL penalty in the reward (k1 summed over
@@ -49,7 +50,6 @@ class Trainer:
         When the step makes a single update (one epoch, one optimizer step) every training forward runs on the
         weights the batch's old log-probs would be computed with: the batch then carries none, and the loss
         takes its forward's own, detached (a ratio of exactly 1), saving that forward."""
-        self._everywhere("prepare", batch)
         s, metrics, started = self.settings, {}, time.perf_counter()
         if s.recompute_old_log_probs and self.single_update(len(batch)):
             batch.pop("old_log_probs", None)
@@ -92,11 +92,11 @@ class Trainer:
             out[idx, : logp.shape[1]] = logp.float().cpu()
         return out if self.parallel is None else self.parallel.gather_shares(out)
 
+    @collective
     def optimize(self, batch) -> dict:
         """``epochs`` passes of shuffled micro-batches; one optimizer step per ``accumulation`` micro-batches.
         A non-finite gradient norm skips that update (counted in ``skipped_updates``). Data-parallel: this
         rank's share of each micro-batch, weights normalised over every rank's."""
-        self._everywhere("optimize", batch)
         s, parallel = self.settings, self.parallel
         params = [p for p in self.policy.parameters() if p.requires_grad]
         history: dict[str, list[float]] = {}
@@ -168,27 +168,23 @@ class Trainer:
             return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
         return contextlib.nullcontext()
 
-    def _everywhere(self, call: str, *args) -> None:
-        """Data-parallel rank 0: every other rank makes this call too (their collectives must match)."""
-        if self.parallel is not None and self.parallel.leads:
-            self.parallel.announce(call, *args)
-
+    @collective
     def weights(self) -> dict[str, torch.Tensor] | StreamedWeights:
         """The policy's HF-named weights (LoRA merged in): what an engine loads. Data-parallel: on rank 0 each
         is gathered from the shards when the consumer reaches it (:class:`StreamedWeights`: read them once, to
         the end), while the other ranks gather them all in step and keep none (an empty dict)."""
-        self._everywhere("weights")
         if self.parallel is None:
             return merged_state_dict(self.policy)
         if self.parallel.rank == 0:
             return StreamedWeights(list(merged_weights(self.policy, shapes_only=True)), merged_weights(self.policy))
         return gathered(merged_weights(self.policy), keep=False)
 
+    @collective
     def probe_log_probs(self, token_ids: list[int]) -> torch.Tensor:
         """The weight sync check's probe under the policy (:func:`probe_log_probs`)."""
-        self._everywhere("probe_log_probs", token_ids)
         return probe_log_probs(self.policy, token_ids)
 
+    @collective
     def save_pretrained(self, path, safe_serialization: bool = True) -> None:
         """What a checkpoint holds of the policy: HF format (the LoRA adapter with LoRA). Data-parallel: the
         weights gathered whole from the shards and written by rank 0, and the optimizer state as the ranks hold
@@ -196,7 +192,6 @@ class Trainer:
         if self.parallel is None:
             self.policy.save_pretrained(path, safe_serialization=safe_serialization)
             return
-        self._everywhere("save_pretrained", str(path))
         state = gathered(((name, t.detach()) for name, t in self.policy.state_dict().items()),
                          keep=self.parallel.rank == 0)
         if self.parallel.rank == 0:
@@ -230,13 +225,13 @@ class Trainer:
             return {"optimizer": self.optimizer.state_dict(), "shuffle_rng": self.shuffle.get_state()}
         return {"optimizer": None, "world_size": self.parallel.world_size, "shuffle_rng": self.shuffle.get_state()}
 
+    @collective
     def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
         """:meth:`state_dict` back; data-parallel: on every rank, with the optimizer's shards read from
         ``checkpoint_dir`` (the same world size: :class:`torchrl_grpo.run.state.RunState` checks it)."""
         if self.parallel is None:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
-            self._everywhere("load_state_dict", {"shuffle_rng": state["shuffle_rng"]}, str(checkpoint_dir))
             load_optimizer(self.policy, self.optimizer, Path(checkpoint_dir) / OPTIMIZER_SHARDS)
         self.shuffle.set_state(state["shuffle_rng"])
 

@@ -1,0 +1,121 @@
+"""Starting data-parallel ranks: this process becomes rank 0 and starts the followers (or joins the ranks
+``torchrun`` started), and each follower builds what rank 0 has and follows its calls
+(:meth:`torchrl_grpo.parallel.ranks.DataParallel.follow`). What a follower builds is the composition root's
+(``build_follower``: a module-level function, so that a spawned process can be handed it)."""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from torchrl_grpo.config.placement import Launch, torchrun_launch, train_strategy
+from torchrl_grpo.config.validate import validate
+from torchrl_grpo.core.errors import ConfigError, RunError
+from torchrl_grpo.parallel.ranks import DataParallel, process_group
+
+# (config, this rank's DataParallel) -> (trainer, engine) that follow rank 0's
+BuildFollower = Callable[[DictConfig, DataParallel], tuple]
+
+# collectives wait this long for a rank: the followers wait while rank 0 generates and evaluates
+RANK_TIMEOUT_S = 1800
+
+
+@contextlib.contextmanager
+def data_parallel_ranks(cfg: DictConfig, run_dir: Path, build_follower: BuildFollower):
+    """``train.strategy=fsdp`` (or ``auto`` resolved to it): this process becomes rank 0 of
+    ``train_model.num_devices`` ranks and starts the others (:func:`follow_rank` with ``build_follower``), or of
+    the ranks ``torchrun`` started (:func:`torchrun_follower` runs the others); yields rank 0's
+    :class:`DataParallel` (None for the other strategies). The followers stop when rank 0's run ends; those it started are killed if it fails. A
+    follower that dies stops the run in one line (its collective fails at once, or after ``RANK_TIMEOUT_S``),
+    saying how to resume from ``run_dir``'s last checkpoint."""
+    launch = torchrun_launch()
+    if launch is not None:
+        adopt_torchrun_ranks(cfg, launch)
+    if train_strategy(cfg) != "fsdp":
+        yield None
+        return
+    validate(cfg)  # a bad config fails in one line before any rank starts
+    # rank 0's vLLM engine in a fresh process of its own (build_sync asks for engine_process=own, spawned): in
+    # this one (or a fork of it) it would take the ranks' process group and wait for the followers
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+    world, store, init_method, followers = int(cfg.train_model.num_devices), None, "env://", []
+    if launch is None:
+        store = Path(tempfile.mkdtemp(prefix="grpo_ranks_"))
+        init_method = f"file://{store / 'store'}"
+        spawn = multiprocessing.get_context("spawn")
+        followers = [spawn.Process(target=follow_rank, args=(rank, world, init_method, build_follower), daemon=True)
+                     for rank in range(1, world)]
+    for follower in followers:
+        follower.start()
+    try:
+        with process_group(0, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
+            parallel.broadcast_config(OmegaConf.to_container(cfg, resolve=True))
+            started = ", started by torchrun" if launch is not None else ""
+            print(f"data-parallel training: {world} rank{'s' if world > 1 else ''} (FSDP2 over "
+                  f"{torch.distributed.get_backend()}{started}), this process is rank 0", flush=True)
+            try:
+                yield parallel
+            except BaseException as err:
+                if isinstance(err, RuntimeError):  # a collective failed: did a follower die?
+                    for follower in followers:
+                        follower.join(timeout=5)
+                dead = [f"rank {r} (exit code {f.exitcode})" for r, f in enumerate(followers, 1) if f.exitcode]
+                if launch is not None and isinstance(err, RuntimeError):
+                    dead = ["a rank"]  # torchrun's: it reports which, and stops the others
+                for follower in followers:  # they may wait in a collective this rank will not reach
+                    follower.kill()
+                if dead and isinstance(err, RuntimeError):
+                    raise RunError(f"data-parallel {', '.join(dead)} stopped (its output is above): "
+                                   f"{str(err).splitlines()[0][:300]}; the last checkpoint continues with "
+                                   f"train.resume=auto hydra.run.dir={run_dir}") from None
+                raise
+            parallel.announce(None)
+    finally:
+        for follower in followers:
+            follower.join(timeout=60)
+            if follower.is_alive():
+                follower.kill()
+                follower.join()
+        if store is not None:
+            shutil.rmtree(store, ignore_errors=True)
+
+
+def adopt_torchrun_ranks(cfg: DictConfig, launch: Launch) -> None:
+    """Under ``torchrun`` the ranks are its: ``train_model.num_devices`` becomes its world size (left at 1 or
+    set to it; anything else is a one-line error), and they train data-parallel (``train.strategy`` fsdp or
+    auto)."""
+    given, strategy = int(cfg.train_model.num_devices), cfg.train.strategy
+    if given not in (1, launch.world_size):
+        raise ConfigError(f"train_model.num_devices={given} but torchrun started {launch.world_size} ranks: leave "
+                          f"train_model.num_devices out (torchrun's ranks are the train devices) or set it to "
+                          f"{launch.world_size}")
+    if strategy == "layer_split":
+        raise ConfigError(f"train.strategy=layer_split under torchrun ({launch.world_size} ranks): the layer split is "
+                          "one process; use train.strategy=fsdp (or auto), or run python grpo.py without torchrun")
+    cfg.train_model.num_devices = launch.world_size
+
+
+def torchrun_follower(build_follower: BuildFollower) -> bool:
+    """Under ``torchrun``, a rank other than 0 follows rank 0 (:func:`follow_rank`) instead of running the
+    script, and this returns True once the run ended; False for rank 0 and plain processes."""
+    launch = torchrun_launch()
+    if launch is None or launch.rank == 0:
+        return False
+    follow_rank(launch.rank, launch.world_size, "env://", build_follower)
+    return True
+
+
+def follow_rank(rank: int, world: int, init_method: str, build_follower: BuildFollower) -> None:
+    """A follower rank (started by :func:`data_parallel_ranks` or torchrun): ``build_follower`` builds the trainer
+    and engine rank 0 has, from the config rank 0 sends, sharded alike; they then make the calls rank 0's trainer
+    announces until the run ends."""
+    with process_group(rank, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
+        cfg = OmegaConf.create(parallel.broadcast_config(None))
+        parallel.follow(*build_follower(cfg, parallel))

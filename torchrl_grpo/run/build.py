@@ -1,0 +1,284 @@
+"""The composition root of grpo.py, grpo-async.py and evaluate.py: config -> the objects a run needs.
+
+Each ``build_*`` turns one part of the config into one object; :func:`build_sync` and :func:`build_async`
+wire them into what a loop composes (:class:`SyncRun`, :class:`AsyncRun`). Heavy imports (transformers,
+vLLM) happen here, after the config was validated, so that a bad key fails in a second with one line.
+"""
+from __future__ import annotations
+
+import random
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import DictConfig
+
+from torchrl_grpo.collect.collector import Collector
+from torchrl_grpo.collect.rollout_actors import actor_devices, actor_dtype
+from torchrl_grpo.config.placement import Placement, place
+from torchrl_grpo.config.precision import autocast_bf16, describe, engine_dtype_on, native_bf16, resolve_dtype
+from torchrl_grpo.config.validate import BatchPlan, CollectSettings, TrainSettings, validate
+from torchrl_grpo.core.allocator import describe_allocator
+from torchrl_grpo.engines.weight_check import WeightCheck
+from torchrl_grpo.episodes.setup import build_episode_task
+from torchrl_grpo.episodes.trajectories import PromptSampler
+from torchrl_grpo.objective.loss import GRPOLoss
+from torchrl_grpo.parallel.ranks import DataParallel, shard_model
+from torchrl_grpo.run.async_loop import AsyncRun
+from torchrl_grpo.run.evaluation import Evaluator
+from torchrl_grpo.run.state import RunState
+from torchrl_grpo.run.sync_loop import SyncRun
+from torchrl_grpo.tasks import Task, eval_env_config
+from torchrl_grpo.training.trainer import Trainer
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_from: Path | None):
+    """The trained policy: base weights (or a full checkpoint's), LoRA if enabled, dropout off (so that the
+    ratio is exactly 1 on fresh data), in eval mode outside optimisation."""
+    from torchrl_grpo.models.loading import load_policy
+
+    lora = dict(cfg.train_model.lora) if cfg.train_model.lora.enabled else None
+    full_checkpoint = resume_from is not None and lora is None
+    policy = load_policy(
+        str(resume_from) if full_checkpoint else model_path,
+        dtype=resolve_dtype(cfg.train_model.torch_dtype, devices[0]),
+        device=devices,
+        gradient_checkpointing=bool(cfg.train_model.gradient_checkpointing),
+        lora=lora,
+        attn_implementation=cfg.train_model.attn_implementation,
+        trust_remote_code=bool(cfg.model.trust_remote_code),
+    )
+    if resume_from is not None and lora is not None:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(policy, load_file(str(resume_from / "adapter_model.safetensors")))
+    for module in policy.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    if cfg.model.compile:
+        policy.forward = torch.compile(policy.forward)
+    return policy.eval()
+
+
+def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy, tokenizer, seed: int,
+                 engine_process: str | None = None, parallel: DataParallel | None = None):
+    """The rollout engine: vLLM on its device(s) (in the process ``engine_process`` says, default
+    ``inference_model.engine_process``), or the transformers fallback sharing the trained policy (with
+    ``parallel``, sharded over the ranks, which sample together)."""
+    from torchrl_grpo.engines.factory import engine_options, make_engine
+    from torchrl_grpo.engines.hf import TransformersEngine
+
+    backend = cfg.inference_model.backend
+    if backend == "transformers":
+        return TransformersEngine(policy, tokenizer, seed=seed, parallel=parallel)
+    options = engine_options(cfg)
+    if engine_process:
+        options["engine_process"] = engine_process
+    return make_engine(backend, model_path, dtype=str(engine_dtype(cfg, placement)).removeprefix("torch."),
+                       device=placement.inference, seed=seed, **options)
+
+
+def engine_dtype(cfg: DictConfig, placement: Placement) -> torch.dtype:
+    """The inference engine's dtype: ``inference_model.torch_dtype`` on its first device."""
+    return engine_dtype_on(cfg, placement.inference[0], placement.train[0])
+
+
+def build_weight_check(cfg: DictConfig, trainer: Trainer, tokenizer, dtype: torch.dtype) -> WeightCheck | None:
+    """The weight sync check (``train.weight_sync_check``) between the trainer and engines of ``dtype``."""
+    if not cfg.train.weight_sync_check:
+        return None
+    return WeightCheck(trainer.policy, tokenizer, dtype, cfg.train.weight_sync_tolerance,
+                       log_probs=trainer.probe_log_probs)
+
+
+def build_optimizer(cfg: DictConfig, policy) -> torch.optim.Optimizer:
+    """``optimizer.name`` over the trainable parameters. Adam(W) runs torch's fused kernel on plain CPU or CUDA
+    tensors, where on CPU torch would pick its per-tensor loop (SmolLM2: 0.24 -> 0.09 s a step,
+    ``bench/step_breakdown.py``); sharded (DTensor) parameters keep torch's default."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in policy.parameters() if p.requires_grad]
+    opt = cfg.optimizer
+    if opt.name == "SGD":
+        return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
+    cls = torch.optim.AdamW if opt.name == "AdamW" else torch.optim.Adam
+    fused = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in params) or None
+    return cls(params, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, fused=fused)
+
+
+def build_loss(cfg: DictConfig, policy) -> GRPOLoss:
+    return GRPOLoss.from_config(
+        policy,
+        cfg.loss,
+        max_tokens=cfg.inference_model.max_tokens,
+        temperature=cfg.inference_model.temperature,
+        kl_to_ref_coeff=cfg.train.kl_to_ref_coeff if cfg.train.kl_coef_in_loss else 0.0,
+        kl_to_inference_coeff=cfg.train.kl_to_inference_coeff,
+        entropy_coeff=cfg.train.entropy_coeff,
+    )
+
+
+def build_eval_task(cfg: DictConfig) -> Task:
+    """The task's evaluation split: ``env`` with ``env.eval`` merged over it (GSM8K's test split, another
+    seed for generated tasks, reasoning-gym's held-out tasks)."""
+    return build_episode_task(eval_env_config(cfg.env))
+
+
+def build_eval_engine(cfg: DictConfig):
+    """(engine, tokenizer) for ``evaluate.py``: the configured backend on ``model.name``, no trainer."""
+    from torchrl_grpo.models.loading import load_policy, load_tokenizer
+    from torchrl_grpo.models.sources import resolve_model
+
+    placement = place(cfg, needs_ref=False)
+    trust = bool(cfg.model.trust_remote_code)
+    model_path = resolve_model(str(cfg.model.name), trust)
+    tokenizer = load_tokenizer(model_path, trust)
+    policy = None
+    if cfg.inference_model.backend == "transformers":
+        policy = load_policy(model_path, dtype=engine_dtype(cfg, placement), device=placement.inference,
+                             trainable=False, trust_remote_code=trust)
+    return build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed)), tokenizer
+
+
+def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume_from: Path | None,
+                  parallel: DataParallel | None = None) -> Trainer:
+    """Policy (from the checkpoint when resuming), reference when a KL to it is on, loss and optimizer; with
+    ``parallel`` both models on the rank's own device (its GPU, or the CPU) and sharded over the ranks (FSDP2,
+    with its bf16 policy under mixed precision) before the optimizer is built."""
+    from torchrl_grpo.models.loading import load_policy, sparse_tied_embedding_gradient
+
+    train_on, ref_on = placement.train, placement.ref
+    if parallel is not None:
+        train_on = ref_on = [str(parallel.device)]
+    policy = build_policy(cfg, model_path, train_on, resume_from)
+    ref_policy = None
+    if float(cfg.train.kl_to_ref_coeff) > 0:
+        ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, ref_on[0]),
+                                 device=ref_on, trainable=False, trust_remote_code=bool(cfg.model.trust_remote_code))
+    mixed = autocast_bf16(cfg, train_on[0])
+    if parallel is not None:
+        policy = shard_model(policy, mixed)
+        ref_policy = None if ref_policy is None else shard_model(ref_policy, mixed)
+    elif not cfg.model.compile:  # FSDP2 reduces dense gradients; torch.compile was not tried with sparse ones
+        sparse_tied_embedding_gradient(policy)
+    if mixed and not native_bf16(train_on[0]):
+        print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
+              "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)
+    return Trainer(policy, ref_policy, build_loss(cfg, policy), build_optimizer(cfg, policy),
+                   TrainSettings.from_config(cfg, train_on[0]), torch.device(train_on[0]),
+                   torch.device(ref_on[0]) if ref_policy is not None else None, parallel)
+
+
+def build_follower(cfg: DictConfig, parallel: DataParallel) -> tuple[Trainer, object]:
+    """What a data-parallel follower rank holds (:func:`torchrl_grpo.parallel.launcher.follow_rank`): the trainer
+    rank 0 builds, sharded alike, and the transformers engine over its policy, for its share of what rank 0
+    samples with the sharded policy (the transformers engine, async evaluation)."""
+    from torchrl_grpo.engines.hf import TransformersEngine
+    from torchrl_grpo.models.loading import load_tokenizer
+    from torchrl_grpo.models.sources import resolve_model
+
+    seed_everything(int(cfg.train.seed))
+    placement = place(cfg, needs_ref=float(cfg.train.kl_to_ref_coeff) > 0)
+    trust = bool(cfg.model.trust_remote_code)
+    model_path = resolve_model(str(cfg.model.name), trust)
+    trainer = build_trainer(cfg, placement, model_path, None, parallel)
+    return trainer, TransformersEngine(trainer.policy, load_tokenizer(model_path, trust), parallel=parallel)
+
+
+@dataclass
+class Inputs:
+    """Everything a run reads from the user, checked: the config, the checkpoint to resume from, the task's
+    data and reward functions, the model folder and its tokenizer."""
+
+    plan: BatchPlan
+    placement: Placement
+    state: RunState
+    task: Task
+    eval_task: Task | None
+    model_path: str
+    tokenizer: object
+
+
+def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
+    """Validate, place, seed the global RNG (before any model is built), find the checkpoint to resume from,
+    then build the task and the evaluation task (``logging.eval_frequency > 0``) and resolve the model and
+    its tokenizer: every input is read here, so that a bad one fails in one line before the batch plan is
+    printed and before any model or engine is built."""
+    plan = validate(cfg)
+    placement = place(cfg, needs_ref=float(cfg.train.kl_to_ref_coeff) > 0)
+    seed_everything(int(cfg.train.seed))
+    state = RunState(cfg, run_dir)
+    task = build_episode_task(cfg.env)
+    eval_task = build_eval_task(cfg) if int(cfg.logging.eval_frequency) > 0 else None
+    from torchrl_grpo.models.loading import load_tokenizer
+    from torchrl_grpo.models.sources import resolve_model
+
+    model_path = resolve_model(str(cfg.model.name), bool(cfg.model.trust_remote_code))
+    tokenizer = load_tokenizer(model_path, bool(cfg.model.trust_remote_code))
+    return Inputs(plan, placement, state, task, eval_task, model_path, tokenizer)
+
+
+@dataclass
+class Common:
+    """What both loops start from (the sync one adds an engine and a collector, the async one Ray actors)."""
+
+    plan: BatchPlan
+    state: RunState
+    task: Task
+    tokenizer: object
+    model_path: str
+    placement: Placement
+    trainer: Trainer
+    evaluator: Evaluator | None
+
+
+def build_common(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> Common:
+    """The checked inputs (:func:`read_inputs`), the batch plan printed, the evaluator and the trainer."""
+    i = read_inputs(cfg, run_dir)
+    print(f"batch plan:\n{i.plan.table()}\nplacement: {i.placement.describe()}\nallocator: {describe_allocator()}",
+          flush=True)
+    evaluator = None if i.eval_task is None else Evaluator(
+        i.eval_task, i.tokenizer, cfg.eval, i.plan.max_tokens, int(cfg.logging.eval_frequency), i.plan.total_steps,
+        int(cfg.inference_model.max_model_len))
+    trainer = build_trainer(cfg, i.placement, i.model_path, i.state.resume_from, parallel)
+    return Common(i.plan, i.state, i.task, i.tokenizer, i.model_path, i.placement, trainer, evaluator)
+
+
+def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> SyncRun:
+    """The sync run: the common pieces and a collector over an engine holding the policy's weights (seeded
+    with the step a resume starts after); ``parallel``: this is rank 0 of data-parallel ranks."""
+    c = build_common(cfg, run_dir, parallel)
+    print(f"precision: {describe(cfg, c.placement.train[0], c.placement.inference[0])}", flush=True)
+    engine = build_engine(cfg, c.model_path, c.placement, c.trainer.policy, c.tokenizer,
+                          seed=int(cfg.train.seed) + c.state.step, engine_process="own" if parallel is not None else None,
+                          parallel=parallel)
+    if c.state.resume_from is not None:
+        c.trainer.push_weights(engine)
+    weight_check = None if c.trainer.samples_with_policy(engine) else (
+        build_weight_check(cfg, c.trainer, c.tokenizer, engine_dtype(cfg, c.placement)))
+    if weight_check is not None:
+        print(weight_check.startup(engine), flush=True)
+    collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), int(cfg.env.seed)),
+                          CollectSettings.from_config(cfg))
+    return SyncRun(collector, c.trainer, c.state, c.plan.total_steps, c.evaluator, overlap=not cfg.train.sync_iter,
+                   weight_check=weight_check)
+
+
+def build_async(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> AsyncRun:
+    """The async run: the common pieces; the Ray actors (with their engines and collectors) start in the loop.
+    ``parallel``: this is rank 0 of data-parallel ranks."""
+    c = build_common(cfg, run_dir, parallel)
+    print(f"precision: {describe(cfg, c.placement.train[0], actor_devices(cfg)[0])}", flush=True)
+    weight_check = build_weight_check(cfg, c.trainer, c.tokenizer, actor_dtype(cfg))
+    return AsyncRun(c.trainer, c.state, c.tokenizer, c.task.reward_names, c.plan.total_steps, int(cfg.ray.num_actors),
+                    int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), c.evaluator, weight_check,
+                    actor_dtype(cfg))

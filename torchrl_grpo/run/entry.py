@@ -1,0 +1,96 @@
+"""What every entry script (grpo.py, grpo-async.py, evaluate.py) shares: Hydra over the repository's config
+tree with the command line checked first, one-line errors, quiet libraries, and what each script runs.
+
+A script imports :mod:`torchrl_grpo.core.allocator` and calls ``apply_memory_settings()`` before anything
+imports torch (it may re-run the process); this module imports neither torch nor transformers.
+"""
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from torchrl_grpo.config.command_line import checked_command_line
+from torchrl_grpo.core.console import quiet_libraries
+from torchrl_grpo.core.errors import exit_with_one_line
+
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "config")
+DEFAULT_CONFIG = "grpo_gsm8k"
+
+
+def entry_point(main: Callable[[DictConfig, Path], None]) -> Callable[[], None]:
+    """``main(cfg, run_dir)`` as a Hydra entry point. ``main`` is defined in the script, so that Hydra names the
+    job (and its log file) after the script."""
+
+    @functools.wraps(main)
+    def task(cfg: DictConfig) -> None:
+        quiet_libraries(cfg.logging.verbose is True)
+        main(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+    hydra_main = hydra.main(config_path=CONFIG_DIR, config_name=DEFAULT_CONFIG, version_base="1.3")
+    return checked_command_line(CONFIG_DIR, DEFAULT_CONFIG)(hydra_main(exit_with_one_line(task)))
+
+
+def torchrun_follower() -> bool:
+    """Under ``torchrun``, ranks above 0 follow rank 0 and return True here once the run ended."""
+    from torchrl_grpo.parallel.launcher import torchrun_follower as follow
+    from torchrl_grpo.run.build import build_follower
+
+    return follow(build_follower)
+
+
+def train_sync(cfg: DictConfig, run_dir: Path) -> None:
+    """grpo.py: collect, optimize, push; data-parallel ranks when ``train.strategy`` resolves to fsdp."""
+    from torchrl_grpo.parallel.launcher import data_parallel_ranks
+    from torchrl_grpo.run.build import build_follower, build_sync
+    from torchrl_grpo.run.sync_loop import run_sync
+
+    with data_parallel_ranks(cfg, run_dir, build_follower) as parallel:  # rank 0; the others follow
+        run = build_sync(cfg, run_dir, parallel)
+        try:
+            run_sync(run)
+        finally:
+            run.collector.engine.close()
+
+
+def train_async(cfg: DictConfig, run_dir: Path) -> None:
+    """grpo-async.py: Ray rollout actors collect while the trainer optimizes."""
+    from torchrl_grpo.parallel.launcher import data_parallel_ranks
+    from torchrl_grpo.run.async_loop import run_async
+    from torchrl_grpo.run.build import build_async, build_follower
+
+    with data_parallel_ranks(cfg, run_dir, build_follower) as parallel:
+        run_async(build_async(cfg, run_dir, parallel))
+
+
+def evaluate(cfg: DictConfig, run_dir: Path) -> None:
+    """evaluate.py: generate on (or score given responses of) the task's evaluation split; write
+    ``eval_responses.jsonl`` and ``eval_metrics.json``, print a table and the metrics as one JSON line."""
+    from torchrl_grpo.config.validate import validate
+    from torchrl_grpo.run.build import build_eval_engine, build_eval_task
+    from torchrl_grpo.run.evaluation import evaluate_with_engine, format_table, read_responses, score_responses
+
+    validate(cfg)
+    task = build_eval_task(cfg)
+    if cfg.eval.responses:
+        metrics, records = score_responses(task, *read_responses(cfg.eval.responses, task))
+        source = str(cfg.eval.responses)
+    else:
+        engine, tokenizer = build_eval_engine(cfg)
+        try:
+            metrics, records = evaluate_with_engine(engine, task, tokenizer, cfg.eval, int(cfg.inference_model.max_tokens),
+                                                   int(cfg.inference_model.max_model_len))
+        finally:
+            engine.close()
+        source = str(cfg.model.name)
+    with open(run_dir / "eval_responses.jsonl", "w") as f:
+        for record in records:
+            f.write(json.dumps(record, default=str) + "\n")
+    (run_dir / "eval_metrics.json").write_text(json.dumps(metrics, indent=1))
+    print(f"evaluation of {source} on {task.name}:\n{format_table(metrics)}")
+    print(json.dumps(metrics), flush=True)
