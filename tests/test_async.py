@@ -122,7 +122,7 @@ def test_ray_init_arguments():
     cfg = OmegaConf.load(CONFIG_DIR / "mode" / "async.yaml")
     local = ray_init_kwargs(cfg)
     assert local["address"] == "local" and local["num_cpus"] == 2  # 1 actor x 1 CPU + the trainer
-    assert str(ROOT) in local["runtime_env"]["env_vars"]["PYTHONPATH"]
+    assert str(ROOT) in local["runtime_env"]["env_vars"]["PYTHONPATH"].split(os.pathsep)  # torchrl_grpo's parent
     assert local["logging_level"] == logging.ERROR  # Ray's start-up lines off the console (logging.verbose)
     cfg.ray.address = "auto"
     cfg.ray.init.num_cpus = 8

@@ -154,7 +154,7 @@ def ray_init_kwargs(cfg: DictConfig) -> dict:
     else:
         kwargs.pop("num_cpus", None)  # a running cluster has its resources already
     # workers import torchrl_grpo: make the repository importable from any working directory
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env_vars = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     runtime_env = kwargs.setdefault("runtime_env", {})
     runtime_env.setdefault("env_vars", {}).update({**env_vars, **runtime_env.get("env_vars", {})})
