@@ -1,6 +1,9 @@
-"""Tasks as TorchRL environments (torchrl_grpo/episodes/task_env.py): single-turn rewards are the task's own for the same
-completions, on every kind of task; a TorchRL transform plugged by import path answers between turns and its
-message enters the ids token by token; the upstream defect that makes us own the token insertion is pinned."""
+"""Tasks as TorchRL environments (torchrl_grpo/episodes/task_env.py): single-turn rewards are the task's own for
+the same completions, on every kind of task, and single-turn episodes, which skip the environment, are what it
+gives; a TorchRL transform plugged by import path answers between turns and its message enters the ids token by
+token; the upstream defect that makes us own the token insertion is pinned."""
+import dataclasses
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -55,6 +58,19 @@ def test_single_turn_rewards_are_the_tasks_own_for_the_same_completions(name, to
         assert p.components == expected and list(p.components) == task.reward_names
         assert p.episode.turns == 1 and p.ended == "max_steps"
     assert any(task.total(p.components) > 0 for p in played) or name == "ifeval"
+    # single-turn episodes skip the environment: through it (a transform that changes nothing sends them
+    # there) they are the same, id for id and field for field
+    through_env = dataclasses.replace(task, transforms=[{"_target_": "test_task_env.unchanged"}])
+    in_env, _ = play(FixedTexts(tokenizer, texts), tokenizer, through_env, rows, n=len(texts), max_tokens=32,
+                     temperature=1.0, top_p=1.0, max_model_len=None)
+    assert in_env == played
+
+
+def unchanged():
+    """A TorchRL transform that changes nothing."""
+    from torchrl.envs import Transform
+
+    return Transform()
 
 
 def calculator():

@@ -9,7 +9,8 @@ import torch
 from tensordict import NonTensorData, TensorDict
 
 from torchrl_grpo.episodes.episode import Episode
-from torchrl_grpo.episodes.task_env import make_env, messages_of
+from torchrl_grpo.episodes.task_env import episode_state, make_env, messages_of
+from torchrl_grpo.episodes.trajectories import prompt_token_ids
 
 ENDINGS = ("answer", "max_steps", "length", "context")  # why an episode ended: see Played
 
@@ -37,11 +38,17 @@ class Played:
 
 def play(engine, tokenizer, task, rows: list[dict], *, n: int, max_tokens: int, temperature: float, top_p: float,
          max_model_len: int | None, envs: list | None = None) -> tuple[list[Played], float]:
-    """``n`` episodes of each row (prompt-major, as ``Engine.generate``), each in its own TorchRL environment
-    (:func:`torchrl_grpo.episodes.task_env.make_env`; ``envs``: ones to reuse, at least ``len(rows) * n``), and the seconds
-    spent in the engine. The engine's turns go into the environments as sampled ids and text; what the
-    environments insert between turns comes back as ids. The first turn of the ``n`` episodes of a row is one
-    request (they share the prompt's cache); later turns are one request per episode still going."""
+    """``n`` episodes of each row (prompt-major, as ``Engine.generate``) and the seconds spent in the engine.
+
+    A single-turn episode (``task.max_turns == 1``, no ``env.transforms``) is one engine request per row, scored
+    by the task's rewards. Otherwise each episode runs in its own TorchRL environment
+    (:func:`torchrl_grpo.episodes.task_env.make_env`; ``envs``: ones to reuse, at least ``len(rows) * n``): the
+    engine's turns go in as sampled ids and text, what the environment inserts between turns comes back as ids.
+    The first turn of the ``n`` episodes of a row is one request (they share the prompt's cache); later turns are
+    one request per episode still going."""
+    if task.max_turns == 1 and not task.transforms:
+        return _play_single_turn(engine, tokenizer, task, rows, n=n, max_tokens=max_tokens, temperature=temperature,
+                                 top_p=top_p)
     count, envs = len(rows) * n, [] if envs is None else envs
     envs.extend(make_env(task, tokenizer, max_tokens=max_tokens, max_model_len=max_model_len)
                 for _ in range(count - len(envs)))
@@ -72,11 +79,30 @@ def play(engine, tokenizer, task, rows: list[dict], *, n: int, max_tokens: int, 
             p.episode.add_inserted(after["tokens", "prompt"][0, len(p.episode.tokens):].tolist())
             p.conversation, p.finish_reason = messages_of(after), c.finish_reason
             if bool(after["done"].any()):
-                env = envs[i].base_env
-                p.ended, p.counts = env.ended, dict(env.counts)
+                p.ended, p.counts = episode_state(after)
                 p.components = {k: float(v) for k, v in after["rewards"].items()}
             else:
                 states[i] = after
                 still.append(i)
         going = still
+    return played, generating
+
+
+def _play_single_turn(engine, tokenizer, task, rows: list[dict], *, n: int, max_tokens: int, temperature: float,
+                      top_p: float) -> tuple[list[Played], float]:
+    """One engine turn per episode, no environment: what :class:`~torchrl_grpo.episodes.task_env.TaskEnv` gives
+    for such an episode (the same prompt ids, conversation, ending and reward components), without it."""
+    prompts = prompt_token_ids(task, tokenizer, rows)
+    started = time.perf_counter()
+    completions = engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+    generating = time.perf_counter() - started
+    played = []
+    for c in completions:
+        prompt, row = prompts[c.prompt_index], rows[c.prompt_index]
+        episode = Episode.start(prompt)
+        episode.add_sampled(list(c.token_ids), list(c.log_probs))
+        ended = "max_steps" if c.finish_reason == "stop" else "length"
+        components = {k: float(v) for k, v in task.score(c.text, row).items()}
+        played.append(Played(episode, len(prompt), [*task.messages(row), {"role": "assistant", "content": c.text}],
+                             c.finish_reason, ended, {}, components))
     return played, generating

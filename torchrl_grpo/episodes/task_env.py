@@ -30,6 +30,7 @@ from torchrl.envs import Compose, EnvBase, Transform, TransformedEnv
 
 from torchrl_grpo.core.errors import ConfigError, import_target, one_line
 from torchrl_grpo.episodes.episode import inserted_ids
+from torchrl_grpo.episodes.trajectories import prompt_token_ids
 
 
 def _chat_history(messages: list[dict]):
@@ -60,8 +61,10 @@ def _flags(done: bool) -> dict:
 
 
 class TaskEnv(EnvBase):
-    """One episode of ``task`` (see the module's docstring). What the collector also reads, per episode: the
-    turns taken, the environment's counts and why the episode ended (``episodes.ENDINGS``)."""
+    """One episode of ``task`` (see the module's docstring). Its state travels in the TensorDict, as TorchRL's
+    state entries: the dataset ``row``, the engine ``turns`` so far, the environment's ``counts`` (e.g. tool calls)
+    and, once done, why the episode ``ended`` (``episodes.play.ENDINGS``; :func:`episode_state` reads the last
+    two)."""
 
     input_mode = "history"  # TorchRL's tool transforms check it: they read and extend ("history", "prompt")
 
@@ -75,41 +78,49 @@ class TaskEnv(EnvBase):
             tokens=Composite(response=ids.clone(), shape=(1,)),
             text=Composite(response=NonTensor(example_data="", shape=(1,)), shape=(1,)),
             finish_reason=NonTensor(example_data="stop", shape=(1,)), shape=(1,))
-        self.full_state_spec = Composite(row=NonTensor(example_data={}, shape=(1,)), shape=(1,))
+        self.full_state_spec = Composite(
+            row=NonTensor(example_data={}, shape=(1,)), turns=NonTensor(example_data=0, shape=(1,)),
+            counts=NonTensor(example_data={}, shape=(1,)), ended=NonTensor(example_data="", shape=(1,)), shape=(1,))
         self.full_reward_spec = Composite(reward=Unbounded(shape=(1, 1)), shape=(1,))
-        self.row, self.turns, self.counts, self.ended, self.finish_reason = None, 0, {}, "", "stop"
 
     def _reset(self, td: TensorDictBase | None) -> TensorDictBase:
-        from torchrl_grpo.episodes.trajectories import prompt_token_ids
-
-        self.row = _single(td["row"])
-        self.turns, self.counts, self.ended, self.finish_reason = 0, {}, "", "stop"
-        out = TensorDict({"history": _chat_history(self.task.messages(self.row)), **_flags(False)}, batch_size=(1,))
-        out["tokens", "prompt"] = torch.tensor([prompt_token_ids(self.task, self.tokenizer, [self.row])[0]])
-        out["row"] = NonTensorData(self.row, batch_size=(1,))
+        row = _single(td["row"])
+        out = TensorDict({"history": _chat_history(self.task.messages(row)), **_flags(False)}, batch_size=(1,))
+        out["tokens", "prompt"] = torch.tensor([prompt_token_ids(self.task, self.tokenizer, [row])[0]])
+        _set_state(out, row, turns=0, counts={}, ended="")
         return out
 
     def _step(self, td: TensorDictBase) -> TensorDictBase:
-        text, self.finish_reason = _single(td["text", "response"]), _single(td["finish_reason"])
-        self.turns += 1
+        row, text, finish_reason = _single(td["row"]), _single(td["text", "response"]), _single(td["finish_reason"])
+        turns, counts, ended = _single(td["turns"]) + 1, dict(_single(td["counts"])), ""
         conversation = [*messages_of(td), {"role": "assistant", "content": text}]
-        done = self.turns >= self.task.max_turns
+        done = turns >= self.task.max_turns
         if done:
-            self.ended = "max_steps" if self.finish_reason == "stop" else "length"
+            ended = "max_steps" if finish_reason == "stop" else "length"
         elif self.task.turn_env is not None:
-            reply = self.task.turn_env.step(self.task, self.row, conversation)
+            reply = self.task.turn_env.step(self.task, row, conversation)
             for name, count in reply.counts.items():
-                self.counts[name] = self.counts.get(name, 0) + int(count)
+                counts[name] = counts.get(name, 0) + int(count)
             if not reply.done:
                 conversation += reply.messages
         out = TensorDict({"history": _chat_history(conversation), **_flags(done), "reward": torch.zeros(1, 1)},
                          batch_size=(1,))
         out["tokens", "prompt"] = torch.cat([td["tokens", "prompt"], td["tokens", "response"]], -1)
-        out["row"] = NonTensorData(self.row, batch_size=(1,))
+        _set_state(out, row, turns=turns, counts=counts, ended=ended)
         return out
 
     def _set_seed(self, seed: int | None) -> None:  # deterministic: nothing to seed
         pass
+
+
+def _set_state(td: TensorDictBase, row: dict, *, turns: int, counts: dict, ended: str) -> None:
+    for key, value in (("row", row), ("turns", turns), ("counts", counts), ("ended", ended)):
+        td[key] = NonTensorData(value, batch_size=(1,))
+
+
+def episode_state(td: TensorDictBase) -> tuple[str, dict[str, int]]:
+    """A finished episode's last TensorDict -> (why it ended, the environment's counts)."""
+    return _single(td["ended"]), dict(_single(td["counts"]))
 
 
 class InsertedTokens(Transform):
@@ -122,22 +133,18 @@ class InsertedTokens(Transform):
         self.tokenizer, self.max_tokens, self.max_model_len = tokenizer, max_tokens, max_model_len
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
-        env = self.parent.base_env
         if bool(next_tensordict["done"].any()):
             return next_tensordict
         conversation = messages_of(next_tensordict)
         last = _last_turn(conversation)
         added = conversation[last + 1:]
         if not added:
-            env.ended = "length" if env.finish_reason == "length" else "answer"
-            next_tensordict.update(_flags(True))
-            return next_tensordict
+            cut = _single(tensordict["finish_reason"]) == "length"
+            return _end(next_tensordict, "length" if cut else "answer")
         tokens = next_tensordict["tokens", "prompt"]
         ids = inserted_ids(self.tokenizer, conversation[: last + 1], added, tokens[0, -1:].tolist())
         if self.max_model_len is not None and tokens.shape[-1] + len(ids) + self.max_tokens > self.max_model_len:
-            env.ended = "context"
-            next_tensordict.update(_flags(True))
-            return next_tensordict
+            return _end(next_tensordict, "context")
         next_tensordict["tokens", "prompt"] = torch.cat([tokens, torch.tensor([ids], dtype=tokens.dtype)], -1)
         return next_tensordict
 
@@ -145,20 +152,29 @@ class InsertedTokens(Transform):
         return tensordict_reset
 
 
+def _end(td: TensorDictBase, why: str) -> TensorDictBase:
+    td["ended"] = NonTensorData(why, batch_size=(1,))
+    td.update(_flags(True))
+    return td
+
+
 class EpisodeReward(Transform):
     """At the end of an episode: its reward components under ``("rewards", name)`` (unweighted) and ``reward``,
     their weighted total (the task's weights)."""
 
+    def __init__(self, task):
+        super().__init__()
+        self.task = task
+
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         if not bool(next_tensordict["done"].any()):
             return next_tensordict
-        env = self.parent.base_env
-        task, conversation = env.task, messages_of(next_tensordict)
+        task, row, conversation = self.task, _single(next_tensordict["row"]), messages_of(next_tensordict)
         conversation = conversation[: _last_turn(conversation) + 1]
         if task.turn_env is None:
-            components = task.score(conversation[-1]["content"], env.row)
+            components = task.score(conversation[-1]["content"], row)
         else:
-            components = task.turn_env.score(task, env.row, conversation, env.turns)
+            components = task.turn_env.score(task, row, conversation, _single(next_tensordict["turns"]))
         next_tensordict["reward"] = torch.tensor([[task.total(components)]])
         next_tensordict["rewards"] = TensorDict({k: torch.tensor([[float(v)]], dtype=torch.float64)  # exact
                                                  for k, v in components.items()},
@@ -191,4 +207,4 @@ def build_transforms(specs) -> list:
 def make_env(task, tokenizer, *, max_tokens: int, max_model_len: int | None) -> TransformedEnv:
     """One episode's environment: :class:`TaskEnv` with the task's ``env.transforms``, then ours."""
     return TransformedEnv(TaskEnv(task, tokenizer), Compose(
-        *build_transforms(task.transforms), InsertedTokens(tokenizer, max_tokens, max_model_len), EpisodeReward()))
+        *build_transforms(task.transforms), InsertedTokens(tokenizer, max_tokens, max_model_len), EpisodeReward(task)))
