@@ -102,7 +102,8 @@ def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[f
     from torchrl_grpo.collect.collector import Collector, CollectSettings
     from torchrl_grpo.episodes.trajectories import PromptSampler
     from torchrl_grpo.run.build import build_common
-    from torchrl_grpo.run.sync_loop import SyncRun, run_sync
+    from torchrl_grpo.run.loop import Run, run_loop
+    from torchrl_grpo.run.sources import LocalSource
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -117,7 +118,7 @@ def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[f
         return original(*args, **kwargs)
 
     collector.collect = collect
-    run_sync(SyncRun(collector, c.trainer, c.state, c.plan.total_steps, overlap=overlap))
+    run_loop(Run(LocalSource(collector, c.trainer, overlap=overlap), c.trainer, c.state, c.plan.total_steps))
     finished = time.perf_counter()
     with open(run_dir / "metrics.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("train_time")]

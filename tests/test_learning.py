@@ -13,7 +13,8 @@ from torchrl_grpo.episodes.turn_envs import Reply, TurnEnv
 from torchrl_grpo.models.loading import load_tokenizer, merged_state_dict
 from torchrl_grpo.run.build import build_loss, build_optimizer, build_policy
 from torchrl_grpo.run.state import RunState
-from torchrl_grpo.run.sync_loop import SyncRun, run_sync
+from torchrl_grpo.run.loop import Run, run_loop
+from torchrl_grpo.run.sources import LocalSource
 from torchrl_grpo.tasks import Reward, Task
 from torchrl_grpo.training.trainer import Trainer
 
@@ -39,9 +40,9 @@ def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path
     collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
     check = WeightCheck(policy, tokenizer, torch.float32, None)  # every real push must pass it
     check.startup(vllm_engine)
-    run = SyncRun(collector, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps, weight_check=check)
+    run = Run(LocalSource(collector, trainer, check), trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
     try:
-        summary = run_sync(run)
+        summary = run_loop(run)
     finally:
         vllm_engine.push_weights(original)  # the session engine goes back to the tiny model's weights
     assert all(float(r["weight_sync_gap"]) < 1e-4 for r in metric_rows(tmp_path))
@@ -79,9 +80,9 @@ def test_a_reward_for_well_formed_tool_calls_rises_over_two_turn_episodes(tiny_m
     trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy),
                       TrainSettings.from_config(cfg, "cpu"), torch.device("cpu"), None)
     collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
-    run = SyncRun(collector, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
+    run = Run(LocalSource(collector, trainer), trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
     try:
-        summary = run_sync(run)
+        summary = run_loop(run)
     finally:
         vllm_engine.push_weights(original)  # the session engine goes back to the tiny model's weights
     logged = metric_rows(tmp_path)

@@ -18,7 +18,8 @@ from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.models.loading import load_policy, merged_state_dict
 from torchrl_grpo.run.build import build_loss, build_optimizer, build_policy
 from torchrl_grpo.run.state import RunState
-from torchrl_grpo.run.sync_loop import SyncRun, run_sync
+from torchrl_grpo.run.loop import Run, run_loop
+from torchrl_grpo.run.sources import LocalSource
 from torchrl_grpo.tasks import Reward, Task
 from torchrl_grpo.training.trainer import Trainer
 
@@ -140,9 +141,9 @@ def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(
     check = WeightCheck(policy, tokenizer, engine_dtype, None)
     assert "warning" not in check.startup(engine)
     collector = Collector(task, tokenizer, engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
-    run = SyncRun(collector, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps, weight_check=check)
+    run = Run(LocalSource(collector, trainer, check), trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
     with pytest.raises(RunError) as stopped:
-        run_sync(run)
+        run_loop(run)
     message = str(stopped.value)
     assert message.startswith(f"weight sync check failed: after the push the engine's log-probs of the probe text {why}")
     assert "\n" not in message

@@ -1,7 +1,7 @@
 """The composition root of grpo.py, grpo-async.py and evaluate.py: config -> the objects a run needs.
 
 Each ``build_*`` turns one part of the config into one object; :func:`build_sync` and :func:`build_async`
-wire them into what a loop composes (:class:`SyncRun`, :class:`AsyncRun`). Heavy imports (transformers,
+wire them into a :class:`~torchrl_grpo.run.loop.Run` over its batch source. Heavy imports (transformers,
 vLLM) happen here, after the config was validated, so that a bad key fails in a second with one line.
 """
 from __future__ import annotations
@@ -26,10 +26,10 @@ from torchrl_grpo.episodes.setup import build_episode_task
 from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.parallel.ranks import DataParallel, shard_model
-from torchrl_grpo.run.async_loop import AsyncRun
 from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.state import RunState
-from torchrl_grpo.run.sync_loop import SyncRun
+from torchrl_grpo.run.loop import Run
+from torchrl_grpo.run.sources import ActorSource, LocalSource
 from torchrl_grpo.tasks import Task, eval_env_config
 from torchrl_grpo.training.trainer import Trainer
 
@@ -253,7 +253,7 @@ def build_common(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None =
     return Common(i.plan, i.state, i.task, i.tokenizer, i.model_path, i.placement, trainer, evaluator)
 
 
-def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> SyncRun:
+def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> Run:
     """The sync run: the common pieces and a collector over an engine holding the policy's weights (seeded
     with the step a resume starts after); ``parallel``: this is rank 0 of data-parallel ranks."""
     c = build_common(cfg, run_dir, parallel)
@@ -269,16 +269,17 @@ def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = N
         print(weight_check.startup(engine), flush=True)
     collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), int(cfg.env.seed)),
                           CollectSettings.from_config(cfg))
-    return SyncRun(collector, c.trainer, c.state, c.plan.total_steps, c.evaluator, overlap=not cfg.train.sync_iter,
-                   weight_check=weight_check)
+    source = LocalSource(collector, c.trainer, weight_check, overlap=not cfg.train.sync_iter)
+    return Run(source, c.trainer, c.state, c.plan.total_steps, c.evaluator)
 
 
-def build_async(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> AsyncRun:
+def build_async(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> Run:
     """The async run: the common pieces; the Ray actors (with their engines and collectors) start in the loop.
     ``parallel``: this is rank 0 of data-parallel ranks."""
     c = build_common(cfg, run_dir, parallel)
     print(f"precision: {describe(cfg, c.placement.train[0], actor_devices(cfg)[0])}", flush=True)
     weight_check = build_weight_check(cfg, c.trainer, c.tokenizer, actor_dtype(cfg))
-    return AsyncRun(c.trainer, c.state, c.tokenizer, c.task.reward_names, c.plan.total_steps, int(cfg.ray.num_actors),
-                    int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), c.evaluator, weight_check,
-                    actor_dtype(cfg))
+    source = ActorSource(c.trainer, c.tokenizer, c.task.reward_names, int(cfg.ray.num_actors),
+                         int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), weight_check,
+                         actor_dtype(cfg))
+    return Run(source, c.trainer, c.state, c.plan.total_steps, c.evaluator)

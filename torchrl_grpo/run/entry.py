@@ -48,24 +48,24 @@ def train_sync(cfg: DictConfig, run_dir: Path) -> None:
     """grpo.py: collect, optimize, push; data-parallel ranks when ``train.strategy`` resolves to fsdp."""
     from torchrl_grpo.parallel.launcher import data_parallel_ranks
     from torchrl_grpo.run.build import build_follower, build_sync
-    from torchrl_grpo.run.sync_loop import run_sync
+    from torchrl_grpo.run.loop import run_loop
 
     with data_parallel_ranks(cfg, run_dir, build_follower) as parallel:  # rank 0; the others follow
         run = build_sync(cfg, run_dir, parallel)
         try:
-            run_sync(run)
+            run_loop(run)
         finally:
-            run.collector.engine.close()
+            run.source.collector.engine.close()
 
 
 def train_async(cfg: DictConfig, run_dir: Path) -> None:
     """grpo-async.py: Ray rollout actors collect while the trainer optimizes."""
     from torchrl_grpo.parallel.launcher import data_parallel_ranks
-    from torchrl_grpo.run.async_loop import run_async
     from torchrl_grpo.run.build import build_async, build_follower
+    from torchrl_grpo.run.loop import run_loop
 
     with data_parallel_ranks(cfg, run_dir, build_follower) as parallel:
-        run_async(build_async(cfg, run_dir, parallel))
+        run_loop(build_async(cfg, run_dir, parallel))
 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> None:

@@ -1,0 +1,125 @@
+"""The one GRPO loop, for ``grpo.py`` (sync, and ``train.sync_iter=false``) and ``grpo-async.py``: take a batch
+from a source, prepare and optimize it, let the source sync the new weights, log, checkpoint when due.
+
+What differs between the modes is the :class:`BatchSource` (:mod:`torchrl_grpo.run.sources`): the collector in
+this process, that collector generating the next batch while this one trains, or Ray rollout actors. Everything
+else is written once here: resume, telemetry, stop requests, evaluation, checkpoints, faults.
+
+Faults: a source names the errors after which the run cannot go on but its last finished step can be kept
+(:attr:`BatchSource.faults`: a reward function that raised in this process; a Ray actor that died or hung).
+Such an error stops the run with one line after a checkpoint of the last step whose update the trainer holds.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from torchrl_grpo.run.evaluation import Evaluator
+from torchrl_grpo.run.state import RunState
+from torchrl_grpo.run.stop_request import StopRequest
+from torchrl_grpo.telemetry.recorder import Telemetry
+from torchrl_grpo.training.trainer import Trainer
+
+
+@dataclass
+class Delivery:
+    """A batch from a source: the scored batch, its collection metrics, the completions' texts, the policy
+    version that sampled it, when the step's clock started, and what the source keeps for :meth:`finish`."""
+
+    batch: object
+    metrics: dict
+    texts: list[str]
+    version: int
+    started: float
+    extra: dict = field(default_factory=dict)
+
+
+class BatchSource(Protocol):
+    faults: tuple[type[BaseException], ...]  # errors that stop the run keeping the last finished step
+    reward_names: list[str]
+    tokenizer: object
+    exact_engine: object  # an engine whose sampling state a checkpoint keeps (None: nothing samples exactly)
+
+    @property
+    def position(self):
+        """The data position a checkpoint keeps (``state_dict``/``load_state_dict``)."""
+
+    def saved_position(self):
+        """The data position to checkpoint if the next :meth:`take` fails."""
+
+    def running(self, state: RunState, trainer: Trainer, total_steps: int) -> contextlib.AbstractContextManager:
+        """Start (after the resume) and stop the source's machinery, for a run of ``total_steps``."""
+
+    def eval_engine(self, trainer: Trainer):
+        """The engine evaluations sample with."""
+
+    def ready(self) -> None:
+        """After the evaluation before the first step: the source's own start-up checks."""
+
+    def take(self, step: int) -> Delivery:
+        """The batch of ``step``."""
+
+    def finish(self, step: int, delivery: Delivery) -> dict:
+        """After the update of ``step``: sync the weights; the step's remaining metrics."""
+
+    @property
+    def fault(self) -> str | None:
+        """Why the last weight check found an engine without the trainer's weights (None: fine)."""
+
+
+@dataclass
+class Run:
+    source: BatchSource
+    trainer: Trainer
+    state: RunState
+    total_steps: int
+    evaluator: Evaluator | None = None  # logging.eval_frequency > 0
+
+
+def run_loop(run: Run) -> dict:
+    """Train until ``total_steps``; returns the end-of-run summary (first vs last steps)."""
+    source, trainer, state, evaluator = run.source, run.trainer, run.state, run.evaluator
+    state.restore(trainer, source.position, source.exact_engine)
+    start = state.step
+
+    def stopped_by(cause, last_step: int, position):
+        return state.stopped_by(cause, last_step, start, trainer, source.tokenizer, position)
+
+    with contextlib.ExitStack() as stack:
+        try:
+            stack.enter_context(source.running(state, trainer, run.total_steps))
+        except source.faults as cause:  # the source could not start
+            raise stopped_by(cause, start, source.position) from None
+        telemetry = stack.enter_context(Telemetry(state.config, state.run_dir, run.total_steps, start,
+                                                  resumed=start > 0))
+        stop = stack.enter_context(StopRequest())
+        eval_engine = source.eval_engine(trainer) if evaluator is not None else None
+        if start == 0 and evaluator is not None and evaluator.due(0):
+            telemetry.record(0, evaluator(eval_engine))
+        try:
+            source.ready()
+        except source.faults as cause:
+            raise stopped_by(cause, start, source.position) from None
+        for step in range(start + 1, run.total_steps + 1):
+            position = source.saved_position()
+            try:
+                delivery = source.take(step)
+            except source.faults as cause:  # the trainer holds the update of the step before
+                raise stopped_by(cause, step - 1, position) from None
+            metrics = delivery.metrics
+            metrics.update(trainer.prepare(delivery.batch))
+            metrics.update(trainer.optimize(delivery.batch))
+            try:
+                metrics.update(source.finish(step, delivery))
+                if evaluator is not None and evaluator.due(step):
+                    metrics.update(evaluator(eval_engine))
+            except source.faults as cause:  # the trainer holds this step's update
+                raise stopped_by(cause, step, source.position) from None
+            telemetry.log(step, metrics, list(zip(delivery.texts, delivery.batch["reward"].tolist())))
+            stopped = state.after_step(step, run.total_steps, trainer, source.tokenizer, source.position,
+                                       stop.requested, source.exact_engine, source.fault)
+            if stopped:
+                telemetry.print(stopped)
+                break
+    return telemetry.summary(source.reward_names, run.total_steps)

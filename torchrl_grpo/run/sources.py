@@ -1,0 +1,182 @@
+"""Where the loop's batches come from (:class:`torchrl_grpo.run.loop.BatchSource`), and where its weights go.
+
+:class:`LocalSource` (``grpo.py``): the collector in this process over an engine that takes the trainer's
+weights after each update, checked by the weight sync check. With ``overlap`` (``train.sync_iter=false``) the
+next batch is generated while this one trains (:class:`~torchrl_grpo.collect.prefetch.Prefetch`): sampled by
+the weights before this update (staleness <= 1); the push waits for it.
+
+:class:`ActorSource` (``grpo-async.py``): Ray rollout actors collect while the trainer optimizes. Batches more
+than ``train.max_staleness`` versions old are dropped (``stale_dropped``); every ``train.weight_update_frequency``
+steps the trainer's weights go to every actor as the next policy version. With one actor and the defaults
+(frequency 1, max staleness 1) that is one-step off-policy: batch k+1 is sampled while step k trains. The
+trainer computes everything policy-dependent after a batch is taken: ``loss.old_log_probs=trainer`` scores with
+its current weights (the policy right before this update, which may be newer than the sampling one: the ratio is
+then against that proximal policy and ``loss.tis_cap`` corrects the gap to the sampler), the reference's
+log-probs, the KL penalty in the reward and the advantages. Its data position is an
+:class:`~torchrl_grpo.run.state.AsyncProgress`; resume pushes the checkpoint's weights to the actors first.
+Engine seeds are ``train.seed + 1000 x actor + start step``, so samples after a resume are fresh draws. An actor
+that dies is replaced by the pool (``ray.max_actor_restarts``, logged as ``actor_restarts``); an
+:class:`~torchrl_grpo.collect.rollout_actors.ActorFault` stops the run. Actors are killed and Ray is shut down on
+every way out.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import time
+
+import torch
+
+from torchrl_grpo.collect.collector import Collector
+from torchrl_grpo.collect.prefetch import Prefetch
+from torchrl_grpo.collect.rollout_actors import ActorFault, ActorPool
+from torchrl_grpo.core.errors import RunError
+from torchrl_grpo.engines.weight_check import WeightCheck
+from torchrl_grpo.run.loop import Delivery
+from torchrl_grpo.run.state import AsyncProgress, RunState
+
+
+class LocalSource:
+    """Batches from ``collector``; after each update the trainer's weights into its engine."""
+
+    faults = (RunError,)  # a reward function raised while collecting
+
+    def __init__(self, collector: Collector, trainer, weight_check: WeightCheck | None = None, overlap: bool = False):
+        self.collector, self.trainer, self.weight_check, self.overlap = collector, trainer, weight_check, overlap
+        self.reward_names, self.tokenizer = collector.task.reward_names, collector.tokenizer
+        self.exact_engine = None if overlap else collector.engine  # a prefetching engine samples while we save
+        self.prefetch: Prefetch | None = None
+        self.total_steps = 0
+
+    @property
+    def position(self):
+        return self.prefetch.position if self.prefetch is not None else self.collector.sampler
+
+    def saved_position(self):
+        return copy.deepcopy(self.position)
+
+    @contextlib.contextmanager
+    def running(self, state: RunState, trainer, total_steps: int):
+        self.total_steps = total_steps
+        if self.overlap:
+            self.prefetch = Prefetch(self.collector, version=state.step)
+        try:
+            yield self
+        finally:
+            if self.prefetch is not None:
+                self.prefetch.close()
+
+    def eval_engine(self, trainer):
+        return self.collector.engine
+
+    def ready(self) -> None:
+        pass
+
+    def take(self, step: int) -> Delivery:
+        started = time.perf_counter()
+        version, sampled = self.prefetch.next(more=step < self.total_steps) if self.prefetch else (step - 1, None)
+        batch, metrics, texts = self.collector.collect(version, sampled)
+        return Delivery(batch, metrics, texts, version, started)
+
+    def finish(self, step: int, delivery: Delivery) -> dict:
+        metrics = {}
+        if self.prefetch:
+            metrics["batch_wait_time"] = self.prefetch.finish()
+        push_started = time.perf_counter()
+        self.trainer.push_weights(self.collector.engine)
+        metrics["weight_push_time"] = time.perf_counter() - push_started
+        if self.weight_check is not None:  # before the next generation (a prefetch starts it in the next step)
+            check_started = time.perf_counter()
+            metrics["weight_sync_gap"] = self.weight_check.after_push(self.collector.engine)
+            metrics["weight_check_time"] = time.perf_counter() - check_started
+        if self.prefetch:
+            self.prefetch.version = step
+        metrics.update({"policy_version": delivery.version, "staleness": step - 1 - delivery.version,
+                        "step_time": time.perf_counter() - delivery.started})
+        return metrics
+
+    @property
+    def fault(self) -> str | None:
+        return self.weight_check.fault if self.weight_check is not None else None
+
+
+class ActorSource:
+    """Batches from Ray rollout actors (:class:`~torchrl_grpo.collect.rollout_actors.ActorPool`); every
+    ``weight_update_frequency`` steps (not after the last) the trainer's weights to every actor."""
+
+    faults = (ActorFault,)
+    exact_engine = None  # the actors sample while the trainer saves
+
+    def __init__(self, trainer, tokenizer, reward_names: list[str], num_actors: int, weight_update_frequency: int,
+                 max_staleness: int, weight_check: WeightCheck | None = None, engine_dtype: torch.dtype | None = None):
+        self.trainer, self.tokenizer, self.reward_names = trainer, tokenizer, reward_names
+        self.num_actors, self.weight_update_frequency = num_actors, weight_update_frequency
+        self.max_staleness, self.weight_check = max_staleness, weight_check
+        self.engine_dtype = engine_dtype  # the actors' engines': pushes are sent cast to it
+        self.progress = AsyncProgress(num_actors)
+        self.pool: ActorPool | None = None
+        self.total_steps = 0
+
+    @property
+    def position(self) -> AsyncProgress:
+        return self.progress
+
+    def saved_position(self) -> AsyncProgress:
+        return self.progress  # as of the last batch the trainer received: the prompts in flight are drawn again
+
+    @contextlib.contextmanager
+    def running(self, state: RunState, trainer, total_steps: int):
+        self.total_steps = total_steps
+        weights = trainer.cpu_weights(self.engine_dtype) if state.resume_from is not None else None
+        probe = self.weight_check.probe() if self.weight_check is not None and weights is not None else None
+        with ActorPool(state.config, self.progress.actor_samplers, state.step, self.progress.policy_version, weights,
+                       probe, log_dir=state.run_dir) as pool:
+            self.pool = pool
+            print(f"async: {self.num_actors} rollout actor(s) started in Ray ({pool.startup_time:.1f} s); weights "
+                  f"pushed every {self.weight_update_frequency} step(s), batches older than {self.max_staleness} "
+                  "version(s) dropped", flush=True)
+            yield self
+
+    def eval_engine(self, trainer):
+        """The transformers engine over the trained policy itself (the actors may hold older weights;
+        data-parallel ranks sample it together)."""
+        from torchrl_grpo.engines.hf import TransformersEngine
+
+        return TransformersEngine(trainer.policy, self.tokenizer, seed=int(trainer.settings.seed),
+                                  parallel=trainer.parallel)
+
+    def ready(self) -> None:
+        if self.weight_check is not None:  # waits for actor 0's engine (its first collect comes first)
+            print(self.weight_check.startup(self.pool), flush=True)
+
+    def take(self, step: int) -> Delivery:
+        progress = self.progress
+        while True:
+            actor, (batch, metrics, texts, sampler_state), wait_time = self.pool.next_batch()
+            progress.actor_samplers[actor] = sampler_state
+            version = int(batch["policy_version"][0])
+            staleness = progress.policy_version - version
+            if staleness <= self.max_staleness:
+                return Delivery(batch, metrics, texts, version, time.perf_counter(),
+                                {"actor": actor, "staleness": staleness, "wait_time": wait_time})
+            progress.stale_dropped += 1
+
+    def finish(self, step: int, delivery: Delivery) -> dict:
+        progress, extra = self.progress, delivery.extra
+        metrics = {"trainer_version": progress.policy_version, "weight_push_time": 0.0}
+        if step % self.weight_update_frequency == 0 and step < self.total_steps:
+            started, progress.policy_version = time.perf_counter(), progress.policy_version + 1
+            self.pool.push(self.trainer.cpu_weights(self.engine_dtype), progress.policy_version,
+                           self.weight_check.probe() if self.weight_check is not None else None)
+            metrics["weight_push_time"] = time.perf_counter() - started
+        if (gap := self.pool.pop_weight_sync_gap()) is not None:
+            metrics["weight_sync_gap"] = gap
+        progress.staleness_max = max(progress.staleness_max, extra["staleness"])
+        metrics.update({"policy_version": delivery.version, "staleness": extra["staleness"],
+                        "staleness_max": progress.staleness_max, "stale_dropped": progress.stale_dropped,
+                        "actor": extra["actor"], "actor_restarts": self.pool.total_restarts,
+                        "batch_wait_time": extra["wait_time"],
+                        "step_time": time.perf_counter() - delivery.started + extra["wait_time"]})
+        return metrics
+
+    fault = None  # each actor checks itself after a push: a failed check is a RunError there
