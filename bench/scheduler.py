@@ -104,6 +104,7 @@ def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[f
     from torchrl_grpo.run.build import build_common
     from torchrl_grpo.run.loop import Run, run_loop
     from torchrl_grpo.run.sources import LocalSource
+    from torchrl_grpo.training.weight_sync import EngineSync
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
@@ -118,7 +119,8 @@ def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[f
         return original(*args, **kwargs)
 
     collector.collect = collect
-    run_loop(Run(LocalSource(collector, c.trainer, overlap=overlap), c.trainer, c.state, c.plan.total_steps))
+    source = LocalSource(collector, EngineSync(c.trainer, collector.engine), overlap=overlap)
+    run_loop(Run(source, c.trainer, c.state, c.plan.total_steps))
     finished = time.perf_counter()
     with open(run_dir / "metrics.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r.get("train_time")]

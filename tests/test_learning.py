@@ -15,6 +15,7 @@ from torchrl_grpo.run.build import build_loss, build_optimizer, build_policy
 from torchrl_grpo.run.state import RunState
 from torchrl_grpo.run.loop import Run, run_loop
 from torchrl_grpo.run.sources import LocalSource
+from torchrl_grpo.training.weight_sync import EngineSync
 from torchrl_grpo.tasks import Reward, Task
 from torchrl_grpo.training.trainer import Trainer
 
@@ -40,7 +41,8 @@ def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path
     collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
     check = WeightCheck(policy, tokenizer, torch.float32, None)  # every real push must pass it
     check.startup(vllm_engine)
-    run = Run(LocalSource(collector, trainer, check), trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
+    source = LocalSource(collector, EngineSync(trainer, collector.engine, check))
+    run = Run(source, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
     try:
         summary = run_loop(run)
     finally:
@@ -80,7 +82,8 @@ def test_a_reward_for_well_formed_tool_calls_rises_over_two_turn_episodes(tiny_m
     trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy),
                       TrainSettings.from_config(cfg, "cpu"), torch.device("cpu"), None)
     collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
-    run = Run(LocalSource(collector, trainer), trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
+    source = LocalSource(collector, EngineSync(trainer, collector.engine))
+    run = Run(source, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
     try:
         summary = run_loop(run)
     finally:

@@ -20,6 +20,7 @@ from torchrl_grpo.run.build import build_loss, build_optimizer, build_policy
 from torchrl_grpo.run.state import RunState
 from torchrl_grpo.run.loop import Run, run_loop
 from torchrl_grpo.run.sources import LocalSource
+from torchrl_grpo.training.weight_sync import EngineSync
 from torchrl_grpo.tasks import Reward, Task
 from torchrl_grpo.training.trainer import Trainer
 
@@ -141,7 +142,8 @@ def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(
     check = WeightCheck(policy, tokenizer, engine_dtype, None)
     assert "warning" not in check.startup(engine)
     collector = Collector(task, tokenizer, engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
-    run = Run(LocalSource(collector, trainer, check), trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
+    source = LocalSource(collector, EngineSync(trainer, collector.engine, check))
+    run = Run(source, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
     with pytest.raises(RunError) as stopped:
         run_loop(run)
     message = str(stopped.value)

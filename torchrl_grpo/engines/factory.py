@@ -1,5 +1,6 @@
-"""Where engines are built: :func:`make_engine` for ``inference_model.backend`` and the engine arguments a
-config sets (:func:`engine_options`)."""
+"""Where engines are built, and only here: :func:`make_engine` for ``inference_model.backend`` (with the engine
+arguments a config sets, :func:`engine_options`) and :func:`policy_engine`, the transformers engine over a model
+the caller holds (the trained policy)."""
 from __future__ import annotations
 
 from torchrl_grpo.core.errors import ConfigError
@@ -45,7 +46,6 @@ def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
         import_vllm()
         return VLLMEngine(model_path, **kwargs)
     if backend == "transformers":
-        from torchrl_grpo.engines.hf import TransformersEngine
         from torchrl_grpo.models.loading import load_policy, load_tokenizer
 
         for key in _VLLM_ONLY_KWARGS:
@@ -63,5 +63,13 @@ def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
                                 trust_remote_code=trust_remote_code)
         if tokenizer is None:
             tokenizer = load_tokenizer(model_path, trust_remote_code)
-        return TransformersEngine(model, tokenizer, seed=seed)
+        return policy_engine(model, tokenizer, seed=seed)
     raise ConfigError(f"inference_model.backend={backend!r}: unknown; use vllm or transformers")
+
+
+def policy_engine(model, tokenizer, *, seed: int = 0, parallel=None) -> Engine:
+    """The transformers engine sampling with ``model`` itself (the trained policy: no weights to push); with
+    ``parallel``, ``model`` is sharded over those data-parallel ranks, which sample together."""
+    from torchrl_grpo.engines.hf import TransformersEngine
+
+    return TransformersEngine(model, tokenizer, seed=seed, parallel=parallel)

@@ -32,6 +32,7 @@ from torchrl_grpo.run.loop import Run
 from torchrl_grpo.run.sources import ActorSource, LocalSource
 from torchrl_grpo.tasks import Task, eval_env_config
 from torchrl_grpo.training.trainer import Trainer
+from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
 
 
 def seed_everything(seed: int) -> None:
@@ -74,12 +75,11 @@ def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy,
     """The rollout engine: vLLM on its device(s) (in the process ``engine_process`` says, default
     ``inference_model.engine_process``), or the transformers fallback sharing the trained policy (with
     ``parallel``, sharded over the ranks, which sample together)."""
-    from torchrl_grpo.engines.factory import engine_options, make_engine
-    from torchrl_grpo.engines.hf import TransformersEngine
+    from torchrl_grpo.engines.factory import engine_options, make_engine, policy_engine
 
     backend = cfg.inference_model.backend
     if backend == "transformers":
-        return TransformersEngine(policy, tokenizer, seed=seed, parallel=parallel)
+        return policy_engine(policy, tokenizer, seed=seed, parallel=parallel)
     options = engine_options(cfg)
     if engine_process:
         options["engine_process"] = engine_process
@@ -182,7 +182,7 @@ def build_follower(cfg: DictConfig, parallel: DataParallel) -> tuple[Trainer, ob
     """What a data-parallel follower rank holds (:func:`torchrl_grpo.parallel.launcher.follow_rank`): the trainer
     rank 0 builds, sharded alike, and the transformers engine over its policy, for its share of what rank 0
     samples with the sharded policy (the transformers engine, async evaluation)."""
-    from torchrl_grpo.engines.hf import TransformersEngine
+    from torchrl_grpo.engines.factory import policy_engine
     from torchrl_grpo.models.loading import load_tokenizer
     from torchrl_grpo.models.sources import resolve_model
 
@@ -191,7 +191,7 @@ def build_follower(cfg: DictConfig, parallel: DataParallel) -> tuple[Trainer, ob
     trust = bool(cfg.model.trust_remote_code)
     model_path = resolve_model(str(cfg.model.name), trust)
     trainer = build_trainer(cfg, placement, model_path, None, parallel)
-    return trainer, TransformersEngine(trainer.policy, load_tokenizer(model_path, trust), parallel=parallel)
+    return trainer, policy_engine(trainer.policy, load_tokenizer(model_path, trust), parallel=parallel)
 
 
 @dataclass
@@ -261,15 +261,15 @@ def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = N
     engine = build_engine(cfg, c.model_path, c.placement, c.trainer.policy, c.tokenizer,
                           seed=int(cfg.train.seed) + c.state.step, engine_process="own" if parallel is not None else None,
                           parallel=parallel)
+    weights = EngineSync(c.trainer, engine, None if c.trainer.samples_with_policy(engine) else (
+        build_weight_check(cfg, c.trainer, c.tokenizer, engine_dtype(cfg, c.placement))))
     if c.state.resume_from is not None:
-        c.trainer.push_weights(engine)
-    weight_check = None if c.trainer.samples_with_policy(engine) else (
-        build_weight_check(cfg, c.trainer, c.tokenizer, engine_dtype(cfg, c.placement)))
-    if weight_check is not None:
-        print(weight_check.startup(engine), flush=True)
+        weights.resume()
+    if (line := weights.startup()) is not None:
+        print(line, flush=True)
     collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), int(cfg.env.seed)),
                           CollectSettings.from_config(cfg))
-    source = LocalSource(collector, c.trainer, weight_check, overlap=not cfg.train.sync_iter)
+    source = LocalSource(collector, weights, overlap=not cfg.train.sync_iter)
     return Run(source, c.trainer, c.state, c.plan.total_steps, c.evaluator)
 
 
@@ -278,8 +278,7 @@ def build_async(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = 
     ``parallel``: this is rank 0 of data-parallel ranks."""
     c = build_common(cfg, run_dir, parallel)
     print(f"precision: {describe(cfg, c.placement.train[0], actor_devices(cfg)[0])}", flush=True)
-    weight_check = build_weight_check(cfg, c.trainer, c.tokenizer, actor_dtype(cfg))
-    source = ActorSource(c.trainer, c.tokenizer, c.task.reward_names, int(cfg.ray.num_actors),
-                         int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness), weight_check,
-                         actor_dtype(cfg))
+    weights = ActorSync(c.trainer, build_weight_check(cfg, c.trainer, c.tokenizer, actor_dtype(cfg)), actor_dtype(cfg))
+    source = ActorSource(weights, c.tokenizer, c.task.reward_names, int(cfg.ray.num_actors),
+                         int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness))
     return Run(source, c.trainer, c.state, c.plan.total_steps, c.evaluator)

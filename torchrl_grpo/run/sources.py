@@ -25,15 +25,14 @@ import contextlib
 import copy
 import time
 
-import torch
 
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.collect.prefetch import Prefetch
 from torchrl_grpo.collect.rollout_actors import ActorFault, ActorPool
 from torchrl_grpo.core.errors import RunError
-from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.run.loop import Delivery
 from torchrl_grpo.run.state import AsyncProgress, RunState
+from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
 
 
 class LocalSource:
@@ -41,8 +40,8 @@ class LocalSource:
 
     faults = (RunError,)  # a reward function raised while collecting
 
-    def __init__(self, collector: Collector, trainer, weight_check: WeightCheck | None = None, overlap: bool = False):
-        self.collector, self.trainer, self.weight_check, self.overlap = collector, trainer, weight_check, overlap
+    def __init__(self, collector: Collector, weights: EngineSync, overlap: bool = False):
+        self.collector, self.weights, self.overlap = collector, weights, overlap
         self.reward_names, self.tokenizer = collector.task.reward_names, collector.tokenizer
         self.exact_engine = None if overlap else collector.engine  # a prefetching engine samples while we save
         self.prefetch: Prefetch | None = None
@@ -82,13 +81,7 @@ class LocalSource:
         metrics = {}
         if self.prefetch:
             metrics["batch_wait_time"] = self.prefetch.finish()
-        push_started = time.perf_counter()
-        self.trainer.push_weights(self.collector.engine)
-        metrics["weight_push_time"] = time.perf_counter() - push_started
-        if self.weight_check is not None:  # before the next generation (a prefetch starts it in the next step)
-            check_started = time.perf_counter()
-            metrics["weight_sync_gap"] = self.weight_check.after_push(self.collector.engine)
-            metrics["weight_check_time"] = time.perf_counter() - check_started
+        metrics.update(self.weights.push())  # checked before the next generation (a prefetch's, in the next step)
         if self.prefetch:
             self.prefetch.version = step
         metrics.update({"policy_version": delivery.version, "staleness": step - 1 - delivery.version,
@@ -97,7 +90,7 @@ class LocalSource:
 
     @property
     def fault(self) -> str | None:
-        return self.weight_check.fault if self.weight_check is not None else None
+        return self.weights.fault
 
 
 class ActorSource:
@@ -107,12 +100,11 @@ class ActorSource:
     faults = (ActorFault,)
     exact_engine = None  # the actors sample while the trainer saves
 
-    def __init__(self, trainer, tokenizer, reward_names: list[str], num_actors: int, weight_update_frequency: int,
-                 max_staleness: int, weight_check: WeightCheck | None = None, engine_dtype: torch.dtype | None = None):
-        self.trainer, self.tokenizer, self.reward_names = trainer, tokenizer, reward_names
+    def __init__(self, weights: ActorSync, tokenizer, reward_names: list[str], num_actors: int,
+                 weight_update_frequency: int, max_staleness: int):
+        self.weights, self.tokenizer, self.reward_names = weights, tokenizer, reward_names
         self.num_actors, self.weight_update_frequency = num_actors, weight_update_frequency
-        self.max_staleness, self.weight_check = max_staleness, weight_check
-        self.engine_dtype = engine_dtype  # the actors' engines': pushes are sent cast to it
+        self.max_staleness = max_staleness
         self.progress = AsyncProgress(num_actors)
         self.pool: ActorPool | None = None
         self.total_steps = 0
@@ -127,8 +119,7 @@ class ActorSource:
     @contextlib.contextmanager
     def running(self, state: RunState, trainer, total_steps: int):
         self.total_steps = total_steps
-        weights = trainer.cpu_weights(self.engine_dtype) if state.resume_from is not None else None
-        probe = self.weight_check.probe() if self.weight_check is not None and weights is not None else None
+        weights, probe = self.weights.resume() if state.resume_from is not None else (None, None)
         with ActorPool(state.config, self.progress.actor_samplers, state.step, self.progress.policy_version, weights,
                        probe, log_dir=state.run_dir) as pool:
             self.pool = pool
@@ -140,14 +131,14 @@ class ActorSource:
     def eval_engine(self, trainer):
         """The transformers engine over the trained policy itself (the actors may hold older weights;
         data-parallel ranks sample it together)."""
-        from torchrl_grpo.engines.hf import TransformersEngine
+        from torchrl_grpo.engines.factory import policy_engine
 
-        return TransformersEngine(trainer.policy, self.tokenizer, seed=int(trainer.settings.seed),
-                                  parallel=trainer.parallel)
+        return policy_engine(trainer.policy, self.tokenizer, seed=int(trainer.settings.seed), parallel=trainer.parallel)
 
     def ready(self) -> None:
-        if self.weight_check is not None:  # waits for actor 0's engine (its first collect comes first)
-            print(self.weight_check.startup(self.pool), flush=True)
+        line = self.weights.startup(self.pool)  # waits for actor 0's engine (its first collect comes first)
+        if line is not None:
+            print(line, flush=True)
 
     def take(self, step: int) -> Delivery:
         progress = self.progress
@@ -165,12 +156,9 @@ class ActorSource:
         progress, extra = self.progress, delivery.extra
         metrics = {"trainer_version": progress.policy_version, "weight_push_time": 0.0}
         if step % self.weight_update_frequency == 0 and step < self.total_steps:
-            started, progress.policy_version = time.perf_counter(), progress.policy_version + 1
-            self.pool.push(self.trainer.cpu_weights(self.engine_dtype), progress.policy_version,
-                           self.weight_check.probe() if self.weight_check is not None else None)
-            metrics["weight_push_time"] = time.perf_counter() - started
-        if (gap := self.pool.pop_weight_sync_gap()) is not None:
-            metrics["weight_sync_gap"] = gap
+            progress.policy_version += 1
+            metrics.update(self.weights.push(self.pool, progress.policy_version))
+        metrics.update(self.weights.landed(self.pool))
         progress.staleness_max = max(progress.staleness_max, extra["staleness"])
         metrics.update({"policy_version": delivery.version, "staleness": extra["staleness"],
                         "staleness_max": progress.staleness_max, "stale_dropped": progress.stale_dropped,
@@ -179,4 +167,6 @@ class ActorSource:
                         "step_time": time.perf_counter() - delivery.started + extra["wait_time"]})
         return metrics
 
-    fault = None  # each actor checks itself after a push: a failed check is a RunError there
+    @property
+    def fault(self) -> str | None:
+        return self.weights.fault

@@ -1,3 +1,4 @@
 """The trainer: advantages, the reference's and trainer's log-probs, micro-batches and accumulation, the
-optimizer step, the weights it hands to engines, its state for checkpoints. Imports everything below it
-but collection and runs."""
+optimizer step, its state for checkpoints; and the weight sync, which pushes its weights into the engines
+(in this process, their own, or Ray actors), checks and times each push. Imports core, config, objective,
+parallel, models and engines."""

@@ -4,7 +4,7 @@ the weights to push; the piece that data-parallel training shards.
 A step is :meth:`Trainer.prepare` (the log-probs only the policy's holder can compute, the KL penalty in
 the reward, group advantages) then :meth:`Trainer.optimize` (``epochs`` passes of shuffled micro-batches,
 gradient accumulation weighted so that an optimizer step sees exactly its whole batch's loss, clipping)
-then :meth:`Trainer.push_weights` into the engine(s).
+then the weights to the engine(s) (:mod:`torchrl_grpo.training.weight_sync` pushes them).
 
 With ``parallel`` (:mod:`torchrl_grpo.parallel.ranks`), the same loop runs on each of N ranks over a
 policy sharded with FSDP2: every rank holds the whole batch and takes its share of each micro-batch, the
