@@ -36,6 +36,8 @@ class Delivery:
 
 
 class BatchSource(Protocol):
+    """What the loop takes batches from and hands new weights to (:mod:`torchrl_grpo.run.sources`)."""
+
     faults: tuple[type[BaseException], ...]  # errors that stop the run keeping the last finished step
     reward_names: list[str]
     tokenizer: object
