@@ -1,11 +1,13 @@
 """Shared pytest fixtures and hooks. Each block below is owned by the module named in its header."""
 import os
+import uuid
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here; set before transformers/huggingface_hub are imported
 
 import pytest
 
-from helpers import importable
+from helpers import FLOAT32, SMALL, importable, run
 
 # ===================================================================================================
 # skip marks for optional stacks (tests/helpers.py: needs_vllm, needs_ray_and_vllm)
@@ -64,4 +66,29 @@ def vllm_engine(tiny_model_path):
 
 # ===================================================================================================
 # end of rollout fixtures
+# ===================================================================================================
+
+
+# ===================================================================================================
+# grpo.py with its engine in its own process (tests/test_engine_process.py, and the one-process reference of
+# tests/test_data_parallel.py's torchrun step): the same run, made once per session
+# ===================================================================================================
+
+OWN_ENGINE_RUN = ["train.total_dialog_turns=16", "inference_model.engine_process=own", "loss.old_log_probs=trainer",
+                  "train.entropy_coeff=0.01", "logging.checkpoint_frequency=1"]
+
+
+@pytest.fixture(scope="session")
+def own_engine_run(tmp_path_factory):
+    """Two steps of grpo.py (float32) with engine_process=own, its engine's sampling seeded per request; ``tag``
+    is in the environment of the run and of every process it starts, ``shm_before`` what /dev/shm held before."""
+    cwd = tmp_path_factory.mktemp("own_engine_run")
+    tag, args = uuid.uuid4().hex, [*SMALL, *FLOAT32, *OWN_ENGINE_RUN]
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    done = run([*args, f"hydra.run.dir={cwd / 'run'}"], cwd=cwd, env_extra={"TORCHRL_GRPO_TEST_RUN": tag})
+    return SimpleNamespace(args=args, cwd=cwd, run_dir=cwd / "run", done=done, tag=tag, shm_before=shm_before)
+
+
+# ===================================================================================================
+# end of the engine process run
 # ===================================================================================================

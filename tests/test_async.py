@@ -16,11 +16,14 @@ from helpers import (CONFIG_DIR, FLOAT32, ROOT, SMALL, finite, metric_rows, need
 
 @needs_ray_and_vllm
 def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
+    """The first run also evaluates, in the trainer (the transformers engine over the trained policy): eval/ rows
+    at steps 0 (before training), 3 and 4 (the last). The resumed run is stopped with Ctrl-C once it has trained
+    two steps: it finishes the step, checkpoints it and leaves no Ray."""
     run_dir = tmp_path / "run"
-    args = [*SMALL, *FLOAT32, "logging.checkpoint_frequency=2", "train.kl_to_ref_coeff=0.05",
-            "loss.old_log_probs=trainer", f"hydra.run.dir={run_dir}"]
+    args = [*SMALL, *FLOAT32, "train.kl_to_ref_coeff=0.05", "loss.old_log_probs=trainer", f"hydra.run.dir={run_dir}"]
     started = time.time()
-    first = run_async([*args, "train.total_dialog_turns=32"], cwd=tmp_path)
+    first = run_async([*args, "train.total_dialog_turns=32", "logging.checkpoint_frequency=2",
+                       "logging.eval_frequency=3", "eval.num_prompts=3"], cwd=tmp_path)
     print(f"async e2e run: {time.time() - started:.1f} s")
     assert first.returncode == 0, first.stderr[-3000:]
     assert "rollout actor(s) started" in first.stdout and "summary:" in first.stdout
@@ -30,8 +33,11 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
     assert "Started a local Ray instance" not in first.stderr
     assert "][vllm.v1.worker.cpu_worker][WARNING] - " in (run_dir / "rollout_actor_0.log").read_text()
     assert not ray_processes()
-    logged = metric_rows(run_dir)
-    assert [int(float(r["step"])) for r in logged] == [1, 2, 3, 4]
+    table = metric_rows(run_dir)
+    assert [r["step"] for r in table] == ["0", "1", "2", "3", "4"]  # step 0: the evaluation before training
+    assert [r["step"] for r in table if r.get("eval/accuracy") not in (None, "")] == ["0", "3", "4"]
+    assert [float(r["eval/prompts"]) for r in table if r.get("eval/prompts")] == [3, 3, 3]
+    logged = table[1:]
     for key in ("staleness", "staleness_max", "policy_version", "trainer_version", "stale_dropped", "batch_wait_time",
                 "reward", "loss_objective", "kl_to_ref", "engine_trainer_logp_gap_max", "grad_norm"):
         assert all(finite(r[key]) for r in logged), key
@@ -47,13 +53,19 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
 
     # resume with a staleness bound of 0: the batch sampled while a step trained is one version behind and is
     # dropped (counted), so every trained batch is on-policy; and with the KL penalty in the reward, which the
-    # trainer adds to the actors' batches as in sync mode
-    resumed = run_async([*args, "train.total_dialog_turns=48", "train.resume=auto", "train.max_staleness=0",
-                         "train.kl_coef_in_loss=false"], cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and "step_000004" in resumed.stdout
-    logged = metric_rows(run_dir)
-    assert [int(float(r["step"])) for r in logged] == [1, 2, 3, 4, 5, 6]
+    # trainer adds to the actors' batches as in sync mode. A long run, no checkpoints but the one Ctrl-C makes
+    proc = start([*args, "train.total_dialog_turns=4000", "logging.checkpoint_frequency=0", "train.resume=auto",
+                  "train.max_staleness=0", "train.kl_coef_in_loss=false"], cwd=tmp_path, script="grpo-async.py")
+    wait_until(lambda: len(metric_rows(run_dir)) >= 7, proc, seconds=180)  # the step-0 row and steps 1 to 6
+    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert "resumed from" in out and "step_000004" in out
+    logged = metric_rows(run_dir)[1:]
+    stopped_at = len(logged)
+    assert 6 <= stopped_at < 500 and f"stopped after step {stopped_at}" in out
+    assert [int(float(r["step"])) for r in logged] == list(range(1, stopped_at + 1))
+    assert (run_dir / "checkpoints" / f"step_{stopped_at:06d}" / "trainer_state.pt").is_file()
     assert all(float(r["staleness"]) == 0 for r in logged[4:])
     assert float(logged[-1]["stale_dropped"]) >= 1
     assert all(finite(r["kl_penalty_in_reward"]) for r in logged[4:]) and not logged[0]["kl_penalty_in_reward"]
@@ -83,21 +95,6 @@ def test_a_dying_actor_is_replaced_with_the_current_weights_until_restarts_run_o
     assert [int(float(r["actor_restarts"])) for r in logged] == [0, 0, 1, 1]
     assert float(logged[2]["policy_version"]) == float(logged[2]["trainer_version"]) == 2
     assert all(float(r["stale_dropped"]) == 0 for r in logged)
-    assert not ray_processes()
-
-
-@needs_ray_and_vllm
-def test_ctrl_c_finishes_the_step_checkpoints_and_leaves_no_ray(tmp_path):
-    run_dir = tmp_path / "run"
-    args = [*SMALL, "train.total_dialog_turns=4000", "logging.checkpoint_frequency=0", f"hydra.run.dir={run_dir}"]
-    proc = start(args, cwd=tmp_path, script="grpo-async.py")
-    wait_until(lambda: metric_rows(run_dir), proc, seconds=180)
-    os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-3000:]
-    stopped_at = len(metric_rows(run_dir))
-    assert 1 <= stopped_at < 500 and f"stopped after step {stopped_at}" in out
-    assert (run_dir / "checkpoints" / f"step_{stopped_at:06d}" / "trainer_state.pt").is_file()
     assert not ray_processes()
 
 

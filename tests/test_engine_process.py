@@ -11,14 +11,12 @@ import json
 import os
 import shutil
 import time
-import uuid
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import (FLOAT32, LOGPROB_TOL, SMALL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm,
-                     perturb, run)
+from helpers import LOGPROB_TOL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb, run
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines import vllm as vllm_engine
 from torchrl_grpo.engines import weight_stream
@@ -240,16 +238,13 @@ def _processes_with_env(marker: str) -> list[int]:
 
 
 @needs_vllm
-def test_grpo_py_with_its_engine_in_its_own_process(tmp_path):
+def test_grpo_py_with_its_engine_in_its_own_process(own_engine_run, tmp_path):
     """Two steps of grpo.py with engine_process=own: the step-2 batch was sampled after a push through /dev/shm,
     and its engine log-probs agree with the trainer's updated weights; no engine process outlives the run.
     Resumed from its step-1 checkpoint, step 2 samples and trains again what it did (the engine's sampling state
-    is in the checkpoint)."""
-    tag = uuid.uuid4().hex  # in the environment of the run and of every process it starts
-    run_dir, push_dirs_before = tmp_path / "run", _push_dirs()
-    args = [*SMALL, *FLOAT32, "train.total_dialog_turns=16", "inference_model.engine_process=own",
-            "loss.old_log_probs=trainer", "train.entropy_coeff=0.01", "logging.checkpoint_frequency=1"]
-    done = run([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, env_extra={"TORCHRL_GRPO_TEST_RUN": tag})
+    is in the checkpoint). The run is conftest.py's own_engine_run (tests/test_data_parallel.py compares
+    torchrun's step 1 with it)."""
+    done, run_dir, tag = own_engine_run.done, own_engine_run.run_dir, own_engine_run.tag
     assert done.returncode == 0, done.stderr[-3000:]
     rows = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in rows] == [1, 2]
@@ -258,8 +253,9 @@ def test_grpo_py_with_its_engine_in_its_own_process(tmp_path):
     assert float(rows[0]["grad_norm"]) > 0  # the entropy bonus moves the weights even where rewards tie
     gaps = [float(r["engine_trainer_logp_gap_max"]) for r in rows]
     assert max(gaps) < LOGPROB_TOL, gaps  # a push that did nothing fails here (step 2)
-    again = run([*args, f"hydra.run.dir={tmp_path / 'again'}", f"train.resume={run_dir}/checkpoints/step_000001"],
-                cwd=tmp_path, env_extra={"TORCHRL_GRPO_TEST_RUN": tag})
+    again = run([*own_engine_run.args, f"hydra.run.dir={tmp_path / 'again'}",
+                 f"train.resume={run_dir}/checkpoints/step_000001"], cwd=tmp_path,
+                env_extra={"TORCHRL_GRPO_TEST_RUN": tag})
     assert again.returncode == 0, again.stderr[-3000:]
     [resumed] = metric_rows(tmp_path / "again")
     assert int(float(resumed["step"])) == 2
@@ -269,7 +265,8 @@ def test_grpo_py_with_its_engine_in_its_own_process(tmp_path):
     while _processes_with_env(f"TORCHRL_GRPO_TEST_RUN={tag}") and time.time() < deadline:
         time.sleep(0.2)
     assert not _processes_with_env(f"TORCHRL_GRPO_TEST_RUN={tag}")
-    assert _push_dirs() == push_dirs_before  # the run's push folder went with its engine
+    # the runs' push folders went with their engines
+    assert _push_dirs() == {name for name in own_engine_run.shm_before if name.startswith(PUSH_PREFIX)}
 
 
 def test_engine_process_choice(monkeypatch):

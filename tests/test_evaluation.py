@@ -7,8 +7,7 @@ import json
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import (GSM8K, SMALL, metric_rows, needs_files, needs_ray_and_vllm, needs_vllm, ray_processes, run,
-                     run_async)
+from helpers import GSM8K, needs_files, needs_vllm, run
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.run.evaluation import ks_for, match_rows, pass_at_k, read_responses, score_responses
 from torchrl_grpo.tasks import build_task, eval_env_config
@@ -185,18 +184,3 @@ def test_evaluate_py_generates_with_vllm_then_rescores_its_own_file(tmp_path):
     again = evaluate(["env=reasoning_gym", "env.eval.size=2", f"eval.responses={written}"], tmp_path / "again")
     assert again.returncode == 0, again.stderr[-3000:]
     assert json.loads(again.stdout.strip().splitlines()[-1]) == metrics
-
-
-@needs_ray_and_vllm
-def test_grpo_async_py_evaluates_with_the_trainers_policy(tmp_path):
-    """Async mode evaluates in the trainer (the transformers engine over the trained policy): eval/ rows at
-    steps 0 (before training), 2 and 3 (the last)."""
-    run_dir = tmp_path / "run"
-    out = run_async([*SMALL, "train.total_dialog_turns=24", "logging.eval_frequency=2", "eval.num_prompts=3",
-                     f"hydra.run.dir={run_dir}"], cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    table = metric_rows(run_dir)
-    assert [r["step"] for r in table] == ["0", "1", "2", "3"]
-    assert [r["step"] for r in table if r.get("eval/accuracy") not in (None, "")] == ["0", "2", "3"]
-    assert [float(r["eval/prompts"]) for r in table if r.get("eval/prompts")] == [3, 3, 3]
-    assert not ray_processes()

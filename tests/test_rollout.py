@@ -117,7 +117,17 @@ def test_vllm_prefix_cache_is_reset_by_a_push(vllm_engine, tiny_model_path, toke
         vllm_engine.push_weights(merged_state_dict(original))
 
 
-def test_vllm_cpu_kv_cache_holds_the_tokens_asked_for(tiny_model_path):
+@pytest.fixture(scope="module")
+def bf16_engine(tiny_model_path):
+    """A bfloat16 CPU VLLMEngine on the tiny model with a KV cache of 3000 tokens, for the module's tests that need
+    an engine other than the session's float32 one; closed at the module's end."""
+    engine = VLLMEngine(tiny_model_path, dtype="bfloat16", device="cpu", max_model_len=128, seed=0,
+                        kv_cache_tokens=3000)
+    yield engine
+    engine.close()
+
+
+def test_vllm_cpu_kv_cache_holds_the_tokens_asked_for(tiny_model_path, bf16_engine):
     """``kv_cache_tokens``: a key and a value per layer and KV head per token, in whole blocks."""
     from transformers import AutoConfig
 
@@ -128,12 +138,8 @@ def test_vllm_cpu_kv_cache_holds_the_tokens_asked_for(tiny_model_path):
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4  # float32
     assert kv_cache_bytes(tiny_model_path, "float32", 1000) == 1000 * per_token
     assert kv_cache_bytes(tiny_model_path, "bfloat16", 1000) == 500 * per_token
-    engine = VLLMEngine(tiny_model_path, dtype="float32", device="cpu", max_model_len=512, seed=0, kv_cache_tokens=3000)
-    try:
-        cache = engine.llm.llm_engine.vllm_config.cache_config
-        assert cache.num_gpu_blocks == 3000 // cache.block_size
-    finally:
-        engine.close()
+    cache = bf16_engine.llm.llm_engine.vllm_config.cache_config
+    assert cache.num_gpu_blocks == 3000 // cache.block_size
 
 
 def gemm_handles(worker) -> dict[str, bool]:
@@ -174,7 +180,7 @@ def test_vllm_push_weights_tied_embeddings_smollm2():
 
 
 @needs_vllm
-def test_weights_sent_cast_to_a_bf16_engine_load_as_the_float32_ones(tiny_model_path):
+def test_weights_sent_cast_to_a_bf16_engine_load_as_the_float32_ones(tiny_model_path, bf16_engine):
     """grpo-async.py sends its pushes cast to the engines' dtype (``Trainer.cpu_weights(dtype)``): a bf16 engine
     casts float32 weights on load to the very values it is sent cast, so its scores are equal bit for bit."""
     from torchrl_grpo.config.validate import TrainSettings
@@ -191,16 +197,12 @@ def test_weights_sent_cast_to_a_bf16_engine_load_as_the_float32_ones(tiny_model_
     sent = trainer.cpu_weights(torch.bfloat16)
     assert {t.dtype for t in sent.values()} == {torch.bfloat16}
     tokens = list(range(5, 60))
-    engine = VLLMEngine(tiny_model_path, dtype="bfloat16", device="cpu", max_model_len=128, seed=0)
-    try:
-        engine.push_weights(merged_state_dict(policy))
-        from_float32 = engine.score(tokens)
-        engine.push_weights(sent)
-        assert engine.score(tokens) == from_float32
-        engine.push_weights({name: t * 1.01 for name, t in sent.items()})
-        assert engine.score(tokens) != from_float32  # the scores see a 1% change of the weights
-    finally:
-        engine.close()
+    bf16_engine.push_weights(merged_state_dict(policy))
+    from_float32 = bf16_engine.score(tokens)
+    bf16_engine.push_weights(sent)
+    assert bf16_engine.score(tokens) == from_float32
+    bf16_engine.push_weights({name: t * 1.01 for name, t in sent.items()})
+    assert bf16_engine.score(tokens) != from_float32  # the scores see a 1% change of the weights
 
 
 # ---------------------------------------------------------------------------------------------------

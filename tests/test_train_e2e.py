@@ -12,53 +12,15 @@ from torchrl_grpo.core.allocator import find_tcmalloc
 
 
 @needs_vllm
-def test_train_then_resume(tmp_path):
-    """The default precision keys (auto) as this machine resolves them: on a CPU with native bf16, bf16 autocast,
-    a bf16 engine and the trainer's log-probs as the ratio's denominator."""
-    run_dir = tmp_path / "run"
-    first = run([*SMALL, "train.total_dialog_turns=16", "logging.checkpoint_frequency=1", "train.kl_to_ref_coeff=0.05",
-                 f"hydra.run.dir={run_dir}"], cwd=tmp_path)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert "completions per step" in first.stdout and "summary:" in first.stdout
-    assert "allocator: " + ("tcmalloc" if find_tcmalloc() else "glibc malloc: tcmalloc not found") in first.stdout
-    # start-up noise (vLLM's warnings, loading bars, Python warnings) goes to grpo.log, not the console
-    assert "vLLM engine on cpu started" in first.stdout and "cpu_worker.py" not in first.stdout + first.stderr
-    assert "Loading" not in first.stderr and "FutureWarning" not in first.stdout + first.stderr
-    assert "][vllm.v1.worker.cpu_worker][WARNING] - " in (run_dir / "grpo.log").read_text()
-    assert f"plots: {run_dir / 'plots'} (2 figures)" in first.stdout  # no evaluation: reward and policy
-    assert sorted(p.name for p in (run_dir / "plots").iterdir()) == ["policy.png", "reward.png"]
-    logged = metric_rows(run_dir)
-    assert [int(float(r["step"])) for r in logged] == [1, 2]
-    for key in ("reward", "reward/accuracy", "reward/answer_format", "loss_objective", "kl_to_ref", "entropy",
-                "grad_norm", "clip_fraction", "ess", "generation_tokens_per_s", "step_time"):
-        assert all(finite(r[key]) for r in logged), key
-    if native_bf16("cpu"):
-        assert ("precision: trainer bf16 autocast over float32 weights (train.mixed_precision=auto), engine bfloat16 "
-                "(inference_model.torch_dtype=auto), old log-probs the trainer's (loss.old_log_probs=auto)") in first.stdout
-        assert "weight sync check: engine and trainer log-probs" in first.stdout and "(engine bfloat16," in first.stdout
-        # the trainer's bf16 log-probs differ from the bf16 engine's, a little (float32 runs: 1e-4, tests with FLOAT32)
-        assert all(0 < float(r["engine_trainer_logp_gap_max"]) < 0.05 for r in logged)
-    else:
-        assert "precision: trainer float32 (train.mixed_precision=auto), engine float32" in first.stdout
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
-    assert (run_dir / "checkpoints" / "step_000002" / "model.safetensors").is_file()
-
-    # the progress bar asked for, but stderr is a pipe here: plain step lines, no carriage-return redraws
-    resumed = run([*SMALL, "train.total_dialog_turns=32", "train.resume=auto", "train.kl_to_ref_coeff=0.05",
-                   "logging.progress_bar=true", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout and "step_000002" in resumed.stdout
-    assert "step 3 | reward" in resumed.stdout and "GRPO:" not in resumed.stderr
-    assert [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2, 3, 4]
-
-
-@needs_vllm
 def test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint(tmp_path):
     """Killed at a random moment, its newest checkpoint then damaged, a run resumes from the newest one that
     loads and gives, step for step, the metrics of the same run left alone (the engine's sampling state is in
-    the checkpoint)."""
+    the checkpoint). The runs take the default precision keys (auto) as this machine resolves them: on a CPU with
+    native bf16, bf16 autocast, a bf16 engine and the trainer's log-probs as the ratio's denominator; the run left
+    alone is checked for what a user sees (console, grpo.log, plots, metrics, checkpoints), the resumed one asked
+    for the progress bar with stderr a pipe."""
     run_dir, whole_dir = tmp_path / "run", tmp_path / "whole"
-    args = [*SMALL, "train.total_dialog_turns=48", "logging.checkpoint_frequency=1"]
+    args = [*SMALL, "train.total_dialog_turns=48", "logging.checkpoint_frequency=1", "train.kl_to_ref_coeff=0.05"]
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     proc = start([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
                  stderr=subprocess.DEVNULL)
@@ -80,10 +42,13 @@ def test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint(tmp_path):
     with open(weights, "r+b") as f:  # a disk that filled up: the newest checkpoint's weights cut short
         f.truncate(weights.stat().st_size // 2)
 
-    again = run([*args, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
+    # the progress bar asked for, but stderr is a pipe here: plain step lines, no carriage-return redraws
+    again = run([*args, f"hydra.run.dir={run_dir}", "train.resume=auto", "logging.progress_bar=true"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"warning: skipping checkpoint {checkpoints / complete[-1]}: it does not load" in again.stderr
     assert f"resumed from {checkpoints / complete[-2]}" in again.stdout
+    assert f"step {int(complete[-2].removeprefix('step_')) + 1} | reward" in again.stdout
+    assert "GRPO:" not in again.stderr
     whole = run([*args, f"hydra.run.dir={whole_dir}"], cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
     resumed, alone = metric_rows(run_dir), metric_rows(whole_dir)
@@ -92,6 +57,30 @@ def test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint(tmp_path):
     assert timing and "reward" in alone[0] and "grad_norm" in alone[0]
     for mine, theirs in zip(resumed, alone, strict=True):
         assert {k: v for k, v in mine.items() if k not in timing} == {k: v for k, v in theirs.items() if k not in timing}
+
+    out = whole.stdout
+    assert "completions per step" in out and "summary:" in out
+    assert "allocator: " + ("tcmalloc" if find_tcmalloc() else "glibc malloc: tcmalloc not found") in out
+    # start-up noise (vLLM's warnings, loading bars, Python warnings) goes to grpo.log, not the console
+    assert "vLLM engine on cpu started" in out and "cpu_worker.py" not in out + whole.stderr
+    assert "Loading" not in whole.stderr and "FutureWarning" not in out + whole.stderr
+    assert "][vllm.v1.worker.cpu_worker][WARNING] - " in (whole_dir / "grpo.log").read_text()
+    assert f"plots: {whole_dir / 'plots'} (2 figures)" in out  # no evaluation: reward and policy
+    assert sorted(p.name for p in (whole_dir / "plots").iterdir()) == ["policy.png", "reward.png"]
+    for key in ("reward", "reward/accuracy", "reward/answer_format", "loss_objective", "kl_to_ref", "entropy",
+                "grad_norm", "clip_fraction", "ess", "generation_tokens_per_s", "step_time"):
+        assert all(finite(r[key]) for r in alone), key
+    if native_bf16("cpu"):
+        assert ("precision: trainer bf16 autocast over float32 weights (train.mixed_precision=auto), engine bfloat16 "
+                "(inference_model.torch_dtype=auto), old log-probs the trainer's (loss.old_log_probs=auto)") in out
+        assert "weight sync check: engine and trainer log-probs" in out and "(engine bfloat16," in out
+        # the trainer's bf16 log-probs differ from the bf16 engine's, a little (float32 runs: 1e-4, tests with FLOAT32)
+        assert all(0 < float(r["engine_trainer_logp_gap_max"]) < 0.05 for r in alone)
+    else:
+        assert "precision: trainer float32 (train.mixed_precision=auto), engine float32" in out
+    # a checkpoint after every step, the newest logging.keep_checkpoints=2 kept
+    assert sorted(p.name for p in (whole_dir / "checkpoints").iterdir()) == ["step_000005", "step_000006"]
+    assert (whole_dir / "checkpoints" / "step_000006" / "model.safetensors").is_file()
 
 
 def test_recipe_paths_run_the_root_scripts(tmp_path):
@@ -113,11 +102,24 @@ def test_multirun_sweep_gives_each_job_its_directory(tmp_path):
 
 
 def test_lora_with_the_transformers_engine_and_wandb_offline(tmp_path):
+    """A LoRA run with the transformers engine saves the adapter alone and resumes from it; wandb runs offline,
+    asked for (the first run) or by default without a key (the resumed one). Keys live in the environment only
+    (no config key carries one: wandb reads WANDB_API_KEY itself): the first run, with wandb on, a checkpoint and
+    keys in its environment, writes none of them to its configs, checkpoint, logs or console."""
+    keys = {"WANDB_API_KEY": "fake-key-1234567890", "OPENAI_API_KEY": "sk-fake-0987654321",
+            "HF_TOKEN": "hf_fake1234567890abcdef"}
     run_dir = tmp_path / "run"
     args = [*SMALL, "inference_model.backend=transformers", "train_model.lora.enabled=true", "optimizer.lr=1e-2",
             "logging.wandb.enabled=true", f"hydra.run.dir={run_dir}"]
-    first = run([*args, "train.total_dialog_turns=8"], cwd=tmp_path, env_extra={"WANDB_API_KEY": ""})
+    first = run([*args, "train.total_dialog_turns=8", "logging.wandb.mode=offline"], cwd=tmp_path, env_extra=keys)
     assert first.returncode == 0, first.stderr[-3000:]
+    files = [p for p in run_dir.rglob("*") if p.is_file()]
+    assert {".hydra/config.yaml", ".hydra/overrides.yaml", "metrics.csv", "grpo.log",
+            "checkpoints/step_000001/trainer_state.pt"} <= {str(p.relative_to(run_dir)) for p in files}
+    assert list((run_dir / "wandb").rglob("*.wandb"))
+    for secret in keys.values():
+        assert secret not in first.stdout + first.stderr
+        assert not [p for p in files if secret.encode() in p.read_bytes()]
     saved = run_dir / "checkpoints" / "step_000001"
     assert (saved / "adapter_model.safetensors").is_file() and not (saved / "model.safetensors").exists()
     assert list((run_dir / "wandb").glob("offline-run-*"))
@@ -125,6 +127,7 @@ def test_lora_with_the_transformers_engine_and_wandb_offline(tmp_path):
     resumed = run([*args, "train.total_dialog_turns=16", "train.resume=auto"], cwd=tmp_path,
                   env_extra={"WANDB_API_KEY": ""})
     assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2  # logging.wandb.mode=auto without a key
     assert [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2]
 
 
@@ -177,22 +180,3 @@ def test_every_loss_preset_trains_with_finite_metrics(tmp_path):
         for row in logged:
             for key in checked:
                 assert finite(row[key]), (preset, key, row[key])
-
-
-def test_api_keys_stay_out_of_the_run_directory_and_the_output(tmp_path):
-    """Keys live in the environment only (no config key carries one: wandb reads WANDB_API_KEY itself): a run
-    with wandb on and a checkpoint writes none of them to its configs, checkpoint, logs or console."""
-    keys = {"WANDB_API_KEY": "fake-key-1234567890", "OPENAI_API_KEY": "sk-fake-0987654321",
-            "HF_TOKEN": "hf_fake1234567890abcdef"}
-    run_dir = tmp_path / "run"
-    done = run([*SMALL, "inference_model.backend=transformers", "train.total_dialog_turns=8",
-                "logging.wandb.enabled=true", "logging.wandb.mode=offline", f"hydra.run.dir={run_dir}"],
-               cwd=tmp_path, env_extra=keys)
-    assert done.returncode == 0, done.stderr[-3000:]
-    files = [p for p in run_dir.rglob("*") if p.is_file()]
-    assert {".hydra/config.yaml", ".hydra/overrides.yaml", "metrics.csv", "grpo.log",
-            "checkpoints/step_000001/trainer_state.pt"} <= {str(p.relative_to(run_dir)) for p in files}
-    assert list((run_dir / "wandb").rglob("*.wandb"))
-    for secret in keys.values():
-        assert secret not in done.stdout + done.stderr
-        assert not [p for p in files if secret.encode() in p.read_bytes()]
