@@ -80,12 +80,12 @@ def main() -> None:
 
     from torchrl_grpo.collect.collector import Collector, CollectSettings
     from torchrl_grpo.episodes.trajectories import PromptSampler
-    from torchrl_grpo.run.build import build_common, build_engine, build_weight_check, engine_dtype
+    from torchrl_grpo.run.build import build_common, build_engine, build_weight_check, engine_dtype, read_inputs
 
     cfg = workload_config(opts.data, *opts.overrides)
     run_dir = ROOT / "outputs" / "bench-memory"
     shutil.rmtree(run_dir, ignore_errors=True)
-    common = build_common(cfg, run_dir)
+    common = build_common(cfg, read_inputs(cfg, run_dir))
     trainer = common.trainer
     ledger.mark("policy (and reference)")
     engine = build_engine(cfg, common.model_path, common.placement, trainer.policy, common.tokenizer, seed=0)

@@ -30,12 +30,12 @@ def main() -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import psutil
 
-    from torchrl_grpo.run.build import build_common, build_engine
+    from torchrl_grpo.run.build import build_common, build_engine, read_inputs
 
     cfg = workload_config(GSM8K_DATA)
     run_dir = ROOT / "outputs" / "bench-push"
     shutil.rmtree(run_dir, ignore_errors=True)
-    common = build_common(cfg, run_dir)
+    common = build_common(cfg, read_inputs(cfg, run_dir))
     trainer = common.trainer
     engine = build_engine(cfg, common.model_path, common.placement, trainer.policy, common.tokenizer, seed=0,
                           engine_process=opts.engine_process)

@@ -101,14 +101,14 @@ def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[f
     of a sync run on the stand-in."""
     from torchrl_grpo.collect.collector import Collector, CollectSettings
     from torchrl_grpo.episodes.trajectories import PromptSampler
-    from torchrl_grpo.run.build import build_common
+    from torchrl_grpo.run.build import build_common, read_inputs
     from torchrl_grpo.run.loop import Run, run_loop
     from torchrl_grpo.run.sources import LocalSource
     from torchrl_grpo.training.weight_sync import EngineSync
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    c = build_common(cfg, run_dir)
+    c = build_common(cfg, read_inputs(cfg, run_dir))
     collector = Collector(c.task, c.tokenizer, stand_in(c.tokenizer, wait), PromptSampler(len(c.task.rows), 0),
                           CollectSettings.from_config(cfg))
     started = []

@@ -7,6 +7,7 @@ import csv
 import functools
 import math
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -145,12 +146,28 @@ def run_async(args, cwd, timeout=240, env_extra=None) -> subprocess.CompletedPro
     return run(args, cwd, script="grpo-async.py", timeout=timeout, env_extra=env_extra)
 
 
-def start(args, cwd, script="grpo.py", launcher=(), **popen_kwargs) -> subprocess.Popen:
+def start(args, cwd, script="grpo.py", launcher=(), env_extra=None, **popen_kwargs) -> subprocess.Popen:
     """The script running in the background, in a process group of its own (for ``os.killpg``), output piped;
     ``launcher``: Python arguments before the script (e.g. ``-m torch.distributed.run --nproc-per-node 2``)."""
     popen_kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True, **popen_kwargs}
     return subprocess.Popen([sys.executable, *launcher, str(ROOT / script), *args], cwd=cwd,
-                            env={**os.environ, **SCRIPT_ENV}, start_new_session=True, **popen_kwargs)
+                            env={**os.environ, **SCRIPT_ENV, **(env_extra or {})}, start_new_session=True,
+                            **popen_kwargs)
+
+
+def failure_excerpt(out: subprocess.CompletedProcess) -> str:
+    """What a failed run printed that says why, for an assertion message: the lines naming an error (with the
+    line after each, where a traceback's exception often stands) from stdout and stderr, then their tails. Runs
+    of several processes interleave their output, and a tail alone is often another process's noise."""
+    keys = re.compile(r"Traceback|Error|error:|exitcode|Root Cause|[Ss]ignal|Killed")
+    found = []
+    for text in (out.stdout or "", out.stderr or ""):
+        lines = text.splitlines()
+        for i, line in enumerate(lines):
+            if keys.search(line) and "frame #" not in line:
+                found.extend(lines[i:i + 2])
+    said = "\n".join(dict.fromkeys(found))[-6000:]
+    return f"{said}\n--- stdout tail:\n{(out.stdout or '')[-1500:]}\n--- stderr tail:\n{(out.stderr or '')[-1500:]}"
 
 
 def wait_until(done, proc: subprocess.Popen, seconds: float, poll: float = 0.2) -> None:

@@ -245,20 +245,25 @@ def run_case_initial(model_path: str, name: str) -> dict:
 
 @needs_vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs num_devices=2 is the layer split (fsdp: CPU only)")
-def test_grpo_py_starts_two_gloo_ranks_itself(tiny_model_path, tmp_path):
-    """The recipe's ``train_model.num_devices=2`` on a machine without GPUs (train.strategy=auto). Rank 0
+def test_grpo_py_starts_two_gloo_ranks_itself(tmp_path):
+    """The recipe's ``train_model.num_devices=2`` on a machine without GPUs (train.strategy=auto), first run on
+    an empty model cache: rank 0 builds the model once before the other rank starts. Rank 0
     drives the vLLM engine, the other rank follows; the weights gathered from the shards reach the engine
     whole (the weight sync check after each push), the trainer's log-probs gathered over the ranks match the
     engine's, metrics and checkpoint are written once, the checkpoint loads, and no process is left."""
     from transformers import AutoModelForCausalLM
 
-    run_dir = tmp_path / "run"
+    from torchrl_grpo.models import tiny
+
+    run_dir, cache = tmp_path / "run", tmp_path / "cache"
+    env = {"TORCHRL_GRPO_CACHE": str(cache)}
     args = [*SMALL, *FLOAT32, "train_model.num_devices=2", "train.kl_to_ref_coeff=0.05", "loss.old_log_probs=trainer",
             # the tiny model scores 0 here (no advantage): the entropy bonus is the update's signal
             "train.entropy_coeff=0.01", f"hydra.run.dir={run_dir}"]
-    proc, out, err = finished(start([*args, "train.total_dialog_turns=16"], cwd=tmp_path))
+    proc, out, err = finished(start([*args, "train.total_dialog_turns=16"], cwd=tmp_path, env_extra=env))
     assert proc.returncode == 0, err[-3000:]
     assert "data-parallel training: 2 ranks (FSDP2 over gloo)" in out
+    assert (out + err).count("(once; cached afterwards)") == 1
     rows = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in rows] == [1, 2] and out.count("step 2 | reward") == 1
     assert all(finite(r["loss_objective"]) and finite(r["kl_to_ref"]) for r in rows)
@@ -266,13 +271,14 @@ def test_grpo_py_starts_two_gloo_ranks_itself(tiny_model_path, tmp_path):
     assert all(float(r["engine_trainer_logp_gap_max"]) < 1e-4 for r in rows)
     checkpoint = run_dir / "checkpoints" / "step_000002"
     trained = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
-    initial = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32)
+    initial = AutoModelForCausalLM.from_pretrained(cache / "models" / tiny.CACHE_DIR, dtype=torch.float32)
     ids = list(range(1, 40))
     assert (probe_log_probs(trained, ids) - probe_log_probs(initial, ids)).abs().max() > 1e-4  # trained, whole
     assert (checkpoint / "optimizer_shards" / ".metadata").is_file()  # each rank's optimizer shards
     assert live_in_group(proc.pid) == []  # the follower rank and the engine's process are gone
     # resumed with the same ranks: one more step from the checkpoint (tests above check the state it loads)
-    proc, out, err = finished(start([*args, "train.total_dialog_turns=24", "train.resume=auto"], cwd=tmp_path))
+    proc, out, err = finished(start([*args, "train.total_dialog_turns=24", "train.resume=auto"], cwd=tmp_path,
+                                    env_extra=env))
     assert proc.returncode == 0, err[-3000:]
     assert f"resumed from {checkpoint} (step 2)" in out
     assert [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2, 3]
@@ -280,7 +286,7 @@ def test_grpo_py_starts_two_gloo_ranks_itself(tiny_model_path, tmp_path):
     assert live_in_group(proc.pid) == []
     # with another number of ranks: one line, before anything starts
     proc, out, err = finished(start([*args, "train.total_dialog_turns=32", "train.resume=auto",
-                                     "train_model.num_devices=1"], cwd=tmp_path))
+                                     "train_model.num_devices=1"], cwd=tmp_path, env_extra=env))
     assert proc.returncode == 2 and err.strip().splitlines() == [
         f"error: train.resume=auto: {run_dir / 'checkpoints' / 'step_000003'} was trained by 2 data-parallel ranks "
         "(train.strategy=fsdp) and this run has one process; resume with train_model.num_devices=2 "
@@ -366,7 +372,7 @@ def test_fsdp_ranks_sample_with_their_sharded_policy(tmp_path):
 
 @needs_vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fsdp on GPUs is refused (CPU only)")
-def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(tmp_path):
+def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(own_engine_run, tmp_path):
     """``torchrun --nnodes 2 --nproc-per-node 1 ... grpo.py`` as on two machines (two torchrun agents meeting at
     a rendezvous on this one): rank 0 runs the loop and sends its config, the rank on the other node follows.
     Step 1 is the one-process run's step (same seed, same samples): loss and gradient norm within 1e-5 relative; the
@@ -374,18 +380,22 @@ def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(tmp_pa
     ``train_model.num_devices`` that is not torchrun's world size is one line from rank 0. Same samples: both
     engines run in a process of their own and seed each request (they sampled differently before: the loss, mostly
     the entropy bonus, then differed by 1.4e-5 relative in CI). The ratio's denominator is the trainer's, so the
-    step does not hang on the engines' log-probs, computed in batches formed as the requests arrive."""
+    step does not hang on the engines' log-probs, computed in batches formed as the requests arrive. The one-process
+    run is conftest.py's own_engine_run, with the same keys (tests/test_engine_process.py checks it). The model
+    cache starts empty: rank 0 builds the model while the other rank waits to join."""
     run_dir = tmp_path / "run"
     args = [*SMALL, *FLOAT32, "loss.old_log_probs=trainer", "train.entropy_coeff=0.01", "logging.checkpoint_frequency=1",
             f"hydra.run.dir={run_dir}"]
     port = free_port()
     nodes = [torchrun(["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr",
-                       "127.0.0.1", "--master-port", str(port)], [*args, "train.total_dialog_turns=16"], tmp_path)
+                       "127.0.0.1", "--master-port", str(port)], [*args, "train.total_dialog_turns=16"], tmp_path,
+                      env_extra={"TORCHRL_GRPO_CACHE": str(tmp_path / "cache")})  # empty: rank 0 builds, once
              for node in (1, 0)]
     logs = [finished(node) for node in nodes]
     for proc, out, err in logs:
         assert proc.returncode == 0, err[-3000:]
         assert live_in_group(proc.pid) == []
+    assert sum((out + err).count("(once; cached afterwards)") for _, out, err in logs) == 1
     out = logs[1][1]  # node 0 holds rank 0
     assert "data-parallel training: 2 ranks (FSDP2 over gloo, started by torchrun), this process is rank 0" in out
     assert "step 1 | reward" not in logs[0][1]  # the follower prints no step
@@ -393,11 +403,11 @@ def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(tmp_pa
     assert [int(float(r["step"])) for r in rows] == [1, 2]
     assert all(float(r["weight_sync_gap"]) < 1e-5 for r in rows)
     assert (run_dir / "checkpoints" / "step_000002" / "optimizer_shards" / ".metadata").is_file()
-    one = tmp_path / "one"  # its engine in a process of its own, as rank 0's (the same seed samples the same)
-    proc, _, err = finished(start([*args[:-1], f"hydra.run.dir={one}", "train.total_dialog_turns=8",
-                                   "inference_model.engine_process=own"], cwd=tmp_path))
-    assert proc.returncode == 0, err[-3000:]
-    [single] = metric_rows(one)
+    # the same keys, its engine in a process of its own as rank 0's (the same seed samples the same)
+    assert sorted(own_engine_run.args) == sorted([*args[:-1], "train.total_dialog_turns=16",
+                                                  "inference_model.engine_process=own"])
+    assert own_engine_run.done.returncode == 0, own_engine_run.done.stderr[-3000:]
+    [single, _] = metric_rows(own_engine_run.run_dir)
     for key in ("loss", "loss_objective", "loss_entropy", "grad_norm", "entropy"):
         assert abs(float(rows[0][key]) - float(single[key])) <= 1e-5 * abs(float(single[key])), (key, rows[0][key],
                                                                                                   single[key])
@@ -416,9 +426,9 @@ def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(tmp_pa
     assert live_in_group(proc.pid) == []
 
 
-def torchrun(launcher_args: list[str], args: list[str], cwd: Path) -> subprocess.Popen:
+def torchrun(launcher_args: list[str], args: list[str], cwd: Path, env_extra=None) -> subprocess.Popen:
     """grpo.py started by torchrun (``python -m torch.distributed.run``) in a process group of its own."""
-    return start(args, cwd, launcher=["-m", "torch.distributed.run", *launcher_args])
+    return start(args, cwd, launcher=["-m", "torch.distributed.run", *launcher_args], env_extra=env_extra)
 
 
 

@@ -5,7 +5,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from helpers import ROOT, SMALL, free_port, metric_rows, needs_ray_and_vllm, ray_processes
+from helpers import ROOT, SMALL, failure_excerpt, free_port, metric_rows, needs_ray_and_vllm, ray_processes
 
 SCRIPT = ROOT / "scripts" / "slurm_grpo_async.sh"
 FAKE_SRUN = """#!/bin/bash
@@ -43,7 +43,7 @@ def test_the_slurm_script_trains_on_the_cluster_it_starts(tmp_path):
     out = subprocess.run(["bash", str(SCRIPT), *SMALL, "train.total_dialog_turns=24", "logging.verbose=true",
                           f"hydra.run.dir={run_dir}"],
                          env=fake_slurm(tmp_path, ["nodeA", "nodeB"]), capture_output=True, text=True, timeout=420)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, failure_excerpt(out)
     assert "2 nodes; 1 rollout actor(s), 0 GPU each; 1 trainer rank(s) on 1 node(s)" in out.stdout
     assert "summary:" in out.stdout
     assert "Connecting to existing Ray cluster" in out.stdout + out.stderr  # ray.address=auto joined it
@@ -59,7 +59,7 @@ def test_the_slurm_script_starts_trainer_ranks_on_two_nodes(tmp_path):
     env = {**fake_slurm(tmp_path, ["nodeA", "nodeB", "nodeC"]), "TRAINER_NODES": "2", "TRAINER_PORT": str(free_port())}
     out = subprocess.run(["bash", str(SCRIPT), *SMALL, "train.total_dialog_turns=16", f"hydra.run.dir={run_dir}"],
                          env=env, capture_output=True, text=True, timeout=420)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, failure_excerpt(out)
     assert "2 nodes; 1 rollout actor(s), 0 GPU each; 2 trainer rank(s) on 2 node(s)" in out.stdout
     assert "data-parallel training: 2 ranks (FSDP2 over gloo, started by torchrun), this process is rank 0" in out.stdout
     rows = metric_rows(run_dir)

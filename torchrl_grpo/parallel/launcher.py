@@ -16,7 +16,6 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo.config.placement import Launch, torchrun_launch, train_strategy
-from torchrl_grpo.config.validate import validate
 from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.parallel.ranks import DataParallel, process_group
 
@@ -32,16 +31,15 @@ def data_parallel_ranks(cfg: DictConfig, run_dir: Path, build_follower: BuildFol
     """``train.strategy=fsdp`` (or ``auto`` resolved to it): this process becomes rank 0 of
     ``train_model.num_devices`` ranks and starts the others (:func:`follow_rank` with ``build_follower``), or of
     the ranks ``torchrun`` started (:func:`torchrun_follower` runs the others); yields rank 0's
-    :class:`DataParallel` (None for the other strategies). The followers stop when rank 0's run ends; those it started are killed if it fails. A
-    follower that dies stops the run in one line (its collective fails at once, or after ``RANK_TIMEOUT_S``),
-    saying how to resume from ``run_dir``'s last checkpoint."""
+    :class:`DataParallel` (None for the other strategies). ``cfg`` was checked first (and torchrun's world taken
+    as ``train_model.num_devices``: :func:`adopt_torchrun_ranks`), so a bad one fails in one line before any rank
+    starts. The followers stop when rank 0's run ends; those it started are killed if it fails. A follower that
+    dies stops the run in one line (its collective fails at once, or after ``RANK_TIMEOUT_S``), saying how to
+    resume from ``run_dir``'s last checkpoint."""
     launch = torchrun_launch()
-    if launch is not None:
-        adopt_torchrun_ranks(cfg, launch)
     if train_strategy(cfg) != "fsdp":
         yield None
         return
-    validate(cfg)  # a bad config fails in one line before any rank starts
     # rank 0's vLLM engine in a fresh process of its own (build_sync asks for engine_process=own, spawned): in
     # this one (or a fork of it) it would take the ranks' process group and wait for the followers
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"

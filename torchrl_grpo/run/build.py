@@ -17,7 +17,7 @@ from omegaconf import DictConfig
 
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.collect.rollout_actors import actor_devices, actor_dtype
-from torchrl_grpo.config.placement import Placement, place
+from torchrl_grpo.config.placement import Placement, place, torchrun_launch
 from torchrl_grpo.config.precision import autocast_bf16, describe, engine_dtype_on, native_bf16, resolve_dtype
 from torchrl_grpo.config.validate import BatchPlan, CollectSettings, TrainSettings, validate
 from torchrl_grpo.core.allocator import describe_allocator
@@ -25,6 +25,7 @@ from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.episodes.setup import build_episode_task
 from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.objective.loss import GRPOLoss
+from torchrl_grpo.parallel.launcher import adopt_torchrun_ranks
 from torchrl_grpo.parallel.ranks import DataParallel, shard_model
 from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.state import RunState
@@ -209,10 +210,14 @@ class Inputs:
 
 
 def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
-    """Validate, place, seed the global RNG (before any model is built), find the checkpoint to resume from,
-    then build the task and the evaluation task (``logging.eval_frequency > 0``) and resolve the model and
-    its tokenizer: every input is read here, so that a bad one fails in one line before the batch plan is
-    printed and before any model or engine is built."""
+    """Take torchrun's ranks as the train devices, validate, place, seed the global RNG (before any model is
+    built), find the checkpoint to resume from, then build the task and the evaluation task
+    (``logging.eval_frequency > 0``) and resolve the model and its tokenizer: every input is read here, so that
+    a bad one fails in one line before the batch plan is printed and before any model or engine is built. Rank 0
+    reads them before any other rank starts (or, under torchrun, before it lets them join): a model built into the
+    cache is built once, and the other ranks find it there."""
+    if (launch := torchrun_launch()) is not None:
+        adopt_torchrun_ranks(cfg, launch)
     plan = validate(cfg)
     placement = place(cfg, needs_ref=float(cfg.train.kl_to_ref_coeff) > 0)
     seed_everything(int(cfg.train.seed))
@@ -241,9 +246,8 @@ class Common:
     evaluator: Evaluator | None
 
 
-def build_common(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> Common:
-    """The checked inputs (:func:`read_inputs`), the batch plan printed, the evaluator and the trainer."""
-    i = read_inputs(cfg, run_dir)
+def build_common(cfg: DictConfig, i: Inputs, parallel: DataParallel | None = None) -> Common:
+    """From the checked inputs (:func:`read_inputs`): the batch plan printed, the evaluator and the trainer."""
     print(f"batch plan:\n{i.plan.table()}\nplacement: {i.placement.describe()}\nallocator: {describe_allocator()}",
           flush=True)
     evaluator = None if i.eval_task is None else Evaluator(
@@ -253,10 +257,10 @@ def build_common(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None =
     return Common(i.plan, i.state, i.task, i.tokenizer, i.model_path, i.placement, trainer, evaluator)
 
 
-def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> Run:
+def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = None) -> Run:
     """The sync run: the common pieces and a collector over an engine holding the policy's weights (seeded
     with the step a resume starts after); ``parallel``: this is rank 0 of data-parallel ranks."""
-    c = build_common(cfg, run_dir, parallel)
+    c = build_common(cfg, inputs, parallel)
     print(f"precision: {describe(cfg, c.placement.train[0], c.placement.inference[0])}", flush=True)
     engine = build_engine(cfg, c.model_path, c.placement, c.trainer.policy, c.tokenizer,
                           seed=int(cfg.train.seed) + c.state.step, engine_process="own" if parallel is not None else None,
@@ -273,10 +277,10 @@ def build_sync(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = N
     return Run(source, c.trainer, c.state, c.plan.total_steps, c.evaluator)
 
 
-def build_async(cfg: DictConfig, run_dir: Path, parallel: DataParallel | None = None) -> Run:
+def build_async(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = None) -> Run:
     """The async run: the common pieces; the Ray actors (with their engines and collectors) start in the loop.
     ``parallel``: this is rank 0 of data-parallel ranks."""
-    c = build_common(cfg, run_dir, parallel)
+    c = build_common(cfg, inputs, parallel)
     print(f"precision: {describe(cfg, c.placement.train[0], actor_devices(cfg)[0])}", flush=True)
     weights = ActorSync(c.trainer, build_weight_check(cfg, c.trainer, c.tokenizer, actor_dtype(cfg)), actor_dtype(cfg))
     source = ActorSource(weights, c.tokenizer, c.task.reward_names, int(cfg.ray.num_actors),

@@ -47,11 +47,12 @@ def torchrun_follower() -> bool:
 def train_sync(cfg: DictConfig, run_dir: Path) -> None:
     """grpo.py: collect, optimize, push; data-parallel ranks when ``train.strategy`` resolves to fsdp."""
     from torchrl_grpo.parallel.launcher import data_parallel_ranks
-    from torchrl_grpo.run.build import build_follower, build_sync
+    from torchrl_grpo.run.build import build_follower, build_sync, read_inputs
     from torchrl_grpo.run.loop import run_loop
 
+    inputs = read_inputs(cfg, run_dir)  # before any other rank starts
     with data_parallel_ranks(cfg, run_dir, build_follower) as parallel:  # rank 0; the others follow
-        run = build_sync(cfg, run_dir, parallel)
+        run = build_sync(cfg, inputs, parallel)
         try:
             run_loop(run)
         finally:
@@ -61,11 +62,12 @@ def train_sync(cfg: DictConfig, run_dir: Path) -> None:
 def train_async(cfg: DictConfig, run_dir: Path) -> None:
     """grpo-async.py: Ray rollout actors collect while the trainer optimizes."""
     from torchrl_grpo.parallel.launcher import data_parallel_ranks
-    from torchrl_grpo.run.build import build_async, build_follower
+    from torchrl_grpo.run.build import build_async, build_follower, read_inputs
     from torchrl_grpo.run.loop import run_loop
 
+    inputs = read_inputs(cfg, run_dir)  # before any other rank starts
     with data_parallel_ranks(cfg, run_dir, build_follower) as parallel:
-        run_loop(build_async(cfg, run_dir, parallel))
+        run_loop(build_async(cfg, inputs, parallel))
 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> None:
