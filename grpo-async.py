@@ -1,4 +1,4 @@
-"""Async GRPO: Ray rollout actors collect while the trainer optimizes (see torchrl_grpo/run/async_loop.py).
+"""Async GRPO: Ray rollout actors collect while the trainer optimizes (see torchrl_grpo/run/sources.py, ActorSource).
 
     python grpo-async.py env=gsm_symbolic                    # one vLLM actor, one-step off-policy
     python grpo-async.py ray.num_actors=2 train.max_staleness=2

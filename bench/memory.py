@@ -78,9 +78,9 @@ def main() -> None:
     import vllm  # noqa: F401
     ledger.mark("imports (torch, transformers, vllm)")
 
-    from torchrl_grpo.collect.collector import Collector, CollectSettings
+    from torchrl_grpo.collect.collector import Collector
     from torchrl_grpo.episodes.trajectories import PromptSampler
-    from torchrl_grpo.run.build import build_common, build_engine, build_weight_check, engine_dtype, read_inputs
+    from torchrl_grpo.run.build import build_common, build_engine, build_weight_check, read_inputs
 
     cfg = workload_config(opts.data, *opts.overrides)
     run_dir = ROOT / "outputs" / "bench-memory"
@@ -88,11 +88,11 @@ def main() -> None:
     common = build_common(cfg, read_inputs(cfg, run_dir))
     trainer = common.trainer
     ledger.mark("policy (and reference)")
-    engine = build_engine(cfg, common.model_path, common.placement, trainer.policy, common.tokenizer, seed=0)
+    engine = build_engine(cfg, common.spec, common.model_path, trainer.policy, common.tokenizer, seed=0)
     ledger.mark("engine (weights, KV cache)")
-    check = build_weight_check(cfg, trainer, common.tokenizer, engine_dtype(cfg, common.placement))
+    check = build_weight_check(cfg, trainer, common.tokenizer, common.spec.precision.engine)
     collector = Collector(common.task, common.tokenizer, engine, PromptSampler(len(common.task.rows), 0),
-                          CollectSettings.from_config(cfg))
+                          common.spec.collect)
     try:
         for step in range(1, opts.steps + 1):
             batch, _, _ = collector.collect(step - 1, None)

@@ -37,7 +37,7 @@ def main() -> None:
     shutil.rmtree(run_dir, ignore_errors=True)
     common = build_common(cfg, read_inputs(cfg, run_dir))
     trainer = common.trainer
-    engine = build_engine(cfg, common.model_path, common.placement, trainer.policy, common.tokenizer, seed=0,
+    engine = build_engine(cfg, common.spec, common.model_path, trainer.policy, common.tokenizer, seed=0,
                           engine_process=opts.engine_process)
     workers = [p.pid for p in psutil.Process().children(recursive=True) if "Worker" in p.name()]
     watched = {"trainer process": "self", **{f"engine worker {pid}": pid for pid in workers}}

@@ -99,7 +99,7 @@ def efficiency(rows: list[dict], wait: float, overlap: bool) -> float:
 def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[float, float, float]:
     """(completions/s over the steps after the first, median train time, :func:`efficiency` over those steps)
     of a sync run on the stand-in."""
-    from torchrl_grpo.collect.collector import Collector, CollectSettings
+    from torchrl_grpo.collect.collector import Collector
     from torchrl_grpo.episodes.trajectories import PromptSampler
     from torchrl_grpo.run.build import build_common, read_inputs
     from torchrl_grpo.run.loop import Run, run_loop
@@ -110,7 +110,7 @@ def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[f
     run_dir.mkdir(parents=True)
     c = build_common(cfg, read_inputs(cfg, run_dir))
     collector = Collector(c.task, c.tokenizer, stand_in(c.tokenizer, wait), PromptSampler(len(c.task.rows), 0),
-                          CollectSettings.from_config(cfg))
+                          c.spec.collect)
     started = []
     original = collector.collect
 

@@ -128,7 +128,7 @@ def main() -> None:
 
     from omegaconf import OmegaConf
 
-    from torchrl_grpo.config.precision import autocast_bf16, engine_dtype_on
+    from torchrl_grpo.config.spec import resolve_run
     from torchrl_grpo.engines.vllm import VLLMEngine
     from torchrl_grpo.episodes.trajectories import prompt_token_ids
     from torchrl_grpo.models.loading import load_tokenizer
@@ -136,7 +136,8 @@ def main() -> None:
     from torchrl_grpo.tasks import build_task
 
     cfg = workload_config(opts.data, *opts.overrides)  # the ceilings take the run's dtypes
-    engine_dtype = str(engine_dtype_on(cfg, "cpu", "cpu")).removeprefix("torch.")
+    precision = resolve_run(cfg).precision
+    engine_dtype = str(precision.engine).removeprefix("torch.")
     model_path = resolve_model("smollm2-135m-instruct")
     task = build_task(OmegaConf.create({"dataset": "gsm8k", "data_path": opts.data, "split": "train",
                                         "system_prompt": SYSTEM_PROMPT}))
@@ -149,7 +150,7 @@ def main() -> None:
         engine.close()
     ours = statistics.median(r["generation_tokens_per_s"] for r in rows)
     print(f"rollout efficiency: {ours:.0f} tokens/s in the run, bare vllm generate {bare:.0f} -> {100 * ours / bare:.0f}%")
-    bare_step = bare_train_step_s(model_path, prompts, opts.steps - 1, autocast_bf16(cfg, "cpu"))
+    bare_step = bare_train_step_s(model_path, prompts, opts.steps - 1, precision.autocast_bf16)
     trained = statistics.median(r["prepare_time"] + r["train_time"] for r in rows)
     outside = step - parts["generate"] - parts["log-probs (prepare)"] - parts["forward+backward"] - parts["optimizer"]
     print(f"trainer: log-probs + train {trained:.2f} s per step, bare forward+backward+step {bare_step:.2f} s "

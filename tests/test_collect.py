@@ -6,7 +6,7 @@ import torch
 
 from helpers import cfg_with
 from torchrl_grpo.collect.collector import Collector
-from torchrl_grpo.config.validate import CollectSettings
+from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.tasks import Reward, Task
@@ -37,7 +37,7 @@ def make_collector(tokenizer, questions, *overrides):
     rows = datasets.Dataset.from_dict({"question": questions, "answer": ["0"] * len(questions)})
     task = Task("yes", rows, None, [Reward("yes", lambda c, r: float(c == "yes"))])
     return Collector(task, tokenizer, ScriptedEngine(tokenizer), PromptSampler(len(questions), seed=0),
-                     CollectSettings.from_config(cfg))
+                     resolve_run(cfg).collect)
 
 
 def test_dynamic_sampling_replaces_tied_groups(tokenizer):

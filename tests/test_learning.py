@@ -6,7 +6,7 @@ import torch
 
 from helpers import cfg_with, metric_rows
 from torchrl_grpo.collect.collector import Collector
-from torchrl_grpo.config.validate import CollectSettings, TrainSettings, validate
+from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.episodes.turn_envs import Reply, TurnEnv
@@ -34,15 +34,15 @@ def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path
                                        "answer": ["0"] * 32})
     task = Task("digits", rows, system_prompt=None, rewards=[Reward("digits", digit_share)])
     tokenizer = load_tokenizer(tiny_model_path)
-    policy = build_policy(cfg, tiny_model_path, ["cpu"], None)
+    policy = build_policy(cfg, tiny_model_path, ["cpu"], None, torch.float32)
     original = {k: v.clone() for k, v in merged_state_dict(policy).items()}
-    trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), TrainSettings.from_config(cfg, "cpu"),
+    trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), resolve_run(cfg).train,
                       torch.device("cpu"), None)
-    collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
+    collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), resolve_run(cfg).collect)
     check = WeightCheck(policy, tokenizer, torch.float32, None)  # every real push must pass it
     check.startup(vllm_engine)
     source = LocalSource(collector, EngineSync(trainer, collector.engine, check))
-    run = Run(source, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
+    run = Run(source, trainer, RunState(cfg, tmp_path), resolve_run(cfg).plan.total_steps)
     try:
         summary = run_loop(run)
     finally:
@@ -77,13 +77,13 @@ def test_a_reward_for_well_formed_tool_calls_rises_over_two_turn_episodes(tiny_m
     task = Task("calls", rows, system_prompt=None, rewards=[Reward("well_formed", digit_share)], max_turns=2,
                 turn_env=DigitTool())
     tokenizer = load_tokenizer(tiny_model_path)
-    policy = build_policy(cfg, tiny_model_path, ["cpu"], None)
+    policy = build_policy(cfg, tiny_model_path, ["cpu"], None, torch.float32)
     original = {k: v.clone() for k, v in merged_state_dict(policy).items()}
     trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy),
-                      TrainSettings.from_config(cfg, "cpu"), torch.device("cpu"), None)
-    collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
+                      resolve_run(cfg).train, torch.device("cpu"), None)
+    collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), resolve_run(cfg).collect)
     source = LocalSource(collector, EngineSync(trainer, collector.engine))
-    run = Run(source, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
+    run = Run(source, trainer, RunState(cfg, tmp_path), resolve_run(cfg).plan.total_steps)
     try:
         summary = run_loop(run)
     finally:

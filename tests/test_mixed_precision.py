@@ -72,18 +72,18 @@ def test_bf16_autocast_on_cpu_stays_close_to_float32(tiny_model_path):
 
 def test_a_cpu_without_native_bf16_is_warned_once(tiny_model_path, monkeypatch, capsys):
     from helpers import cfg_with
-    from torchrl_grpo.config.placement import place
+    from torchrl_grpo.config.spec import resolve_run
     from torchrl_grpo.run.build import build_trainer
 
     cfg = cfg_with("model=tiny", "train.mixed_precision=true")
-    placement = place(cfg, needs_ref=False, gpu_count=0)
-    build_trainer(cfg, placement, tiny_model_path, None)
+    build_trainer(cfg, resolve_run(cfg), tiny_model_path, None)
     assert "without native bf16" not in capsys.readouterr().err
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    trainer = build_trainer(cfg, placement, tiny_model_path, None)
+    trainer = build_trainer(cfg, resolve_run(cfg), tiny_model_path, None)
     err = capsys.readouterr().err
     assert err.count("warning: train.mixed_precision=true on a CPU without native bf16") == 1
     assert "set train.mixed_precision=false" in err and trainer.settings.mixed_precision is True
     for default_or_off in ("train.mixed_precision=auto", "train.mixed_precision=false"):
-        build_trainer(cfg_with("model=tiny", default_or_off), placement, tiny_model_path, None)
+        other = cfg_with("model=tiny", default_or_off)
+        build_trainer(other, resolve_run(other), tiny_model_path, None)
         assert "without native bf16" not in capsys.readouterr().err

@@ -10,7 +10,7 @@ import torch
 from helpers import (LOGPROB_TOL, SMALL, cfg_with, finite, metric_rows, needs_ray_and_vllm, needs_vllm, ray_processes,
                      run, run_async)
 from torchrl_grpo.collect.collector import Collector
-from torchrl_grpo.config.validate import CollectSettings
+from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.factory import make_engine
@@ -55,7 +55,7 @@ def collector(tokenizer, engine, turn_env, max_steps=3, max_model_len=2048):
                    "inference_model.max_tokens=16", f"inference_model.max_model_len={max_model_len}")
     rows = datasets.Dataset.from_dict({"question": ["What is 6 x 7?", "Six times seven?"], "answer": ["42", "42"]})
     task = Task("x", rows, "Use the tool.", [Reward("accuracy", answer_42)], max_turns=max_steps, turn_env=turn_env)
-    return Collector(task, tokenizer, engine, PromptSampler(2, seed=0), CollectSettings.from_config(cfg))
+    return Collector(task, tokenizer, engine, PromptSampler(2, seed=0), resolve_run(cfg).collect)
 
 
 def rendered(tokenizer, messages):

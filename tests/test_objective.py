@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 
 from helpers import CONFIG_DIR, cfg_with
-from torchrl_grpo.config.validate import validate
+from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.objective.loss import GRPOLoss, token_log_probs, total_loss
 from torchrl_grpo.objective.terms import (accumulation_weight, aggregate, clipped_surrogate, completion_mean,
@@ -704,12 +704,12 @@ def test_every_preset_sets_every_loss_key():
 @pytest.mark.parametrize("name", PRESETS)
 def test_presets_compose_validate_and_build(name):
     cfg = cfg_with(f"loss={name}")
-    validate(cfg)
+    resolve_run(cfg)
     loss = build_loss(cfg, TableLM())
     assert loss.aggregation == cfg.loss.aggregation and loss.importance_level == cfg.loss.importance_level
     assert loss.clip_epsilon_high == pytest.approx(cfg.loss.clip_epsilon_high)
     assert loss.aggregation_constant == cfg.inference_model.max_tokens
-    validate(cfg_with(f"loss={name}", "model=qwen2.5-1.5b-instruct"))
+    resolve_run(cfg_with(f"loss={name}", "model=qwen2.5-1.5b-instruct"))
 
 
 def test_preset_values():
@@ -738,13 +738,13 @@ def test_preset_values():
 ])
 def test_bad_loss_variant_keys_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
-        validate(cfg_with(*overrides))
+        resolve_run(cfg_with(*overrides))
     assert str(err.value).startswith(key) and "\n" not in str(err.value)
 
 
 def test_good_loss_variant_combinations_validate():
-    validate(cfg_with("loss.tis_cap=2", "loss.old_log_probs=trainer"))
-    validate(cfg_with("loss=gspo", "loss.tis_cap=1.5", "loss.old_log_probs=trainer",
-                      "loss.off_policy_mask_threshold=0.5"))
-    validate(cfg_with("loss=dapo", "loss.overlong_buffer=8"))
-    validate(cfg_with("loss.overlong=mask", "loss.overlong_buffer=100"))  # the buffer only matters with soft
+    resolve_run(cfg_with("loss.tis_cap=2", "loss.old_log_probs=trainer"))
+    resolve_run(cfg_with("loss=gspo", "loss.tis_cap=1.5", "loss.old_log_probs=trainer",
+                         "loss.off_policy_mask_threshold=0.5"))
+    resolve_run(cfg_with("loss=dapo", "loss.overlong_buffer=8"))
+    resolve_run(cfg_with("loss.overlong=mask", "loss.overlong_buffer=100"))  # the buffer only matters with soft

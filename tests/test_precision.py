@@ -1,12 +1,12 @@
 """What ``auto`` resolves to for the precision keys (torchrl_grpo/config/precision.py), on a CPU with native bf16, one
-without (torch's check made to answer no) and a GPU; explicit values always win; validate() refuses what the
-resolved values cannot do."""
+without (torch's check made to answer no) and a GPU; explicit values always win; resolve_run() refuses what the
+resolved values cannot do; the run spec resolves them once for the roles' devices."""
 import pytest
 import torch
 
 from helpers import cfg_with
-from torchrl_grpo.config.precision import autocast_bf16, engine_dtype_on, recompute_old_log_probs
-from torchrl_grpo.config.validate import TrainSettings, validate
+from torchrl_grpo.config.precision import resolve_precision
+from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import ConfigError
 
 
@@ -18,7 +18,8 @@ def native(request, monkeypatch):
 
 
 def resolved(cfg, device="cpu"):
-    return autocast_bf16(cfg, device), engine_dtype_on(cfg, device, device), recompute_old_log_probs(cfg, device)
+    precision = resolve_precision(cfg, device, device, device)
+    return precision.autocast_bf16, precision.engine, precision.trainer_old_log_probs
 
 
 def test_auto_follows_the_hardware(native):
@@ -27,8 +28,10 @@ def test_auto_follows_the_hardware(native):
     low = torch.bfloat16 if native else torch.float32
     assert resolved(cfg) == (native, low, native)
     assert resolved(cfg, "cuda:0") == (True, torch.bfloat16, True)  # a GPU, whatever the CPU
-    settings = TrainSettings.from_config(cfg, "cpu")
-    assert (settings.mixed_precision, settings.recompute_old_log_probs) == (native, native)
+    spec = resolve_run(cfg)  # the trainer's settings take the resolved values
+    assert (spec.train.mixed_precision, spec.train.recompute_old_log_probs) == (native, native)
+    assert spec.precision == resolve_precision(cfg, "cpu", "cpu", "cpu")
+    assert (spec.precision.train_weights, spec.precision.reference) == (torch.float32, torch.float32)
 
 
 @pytest.mark.parametrize("overrides, expected", [
@@ -46,15 +49,23 @@ def test_explicit_values_win(native, overrides, expected):
 
 def test_engine_on_a_gpu_is_bf16_even_beside_a_float32_trainer(native):
     cfg = cfg_with("train.mixed_precision=false")
-    assert engine_dtype_on(cfg, "cuda:0", "cpu") == torch.bfloat16
+    assert resolve_precision(cfg, "cpu", "cuda:0", "cpu").engine == torch.bfloat16
 
 
-def test_validate_checks_the_resolved_denominator(native):
+def test_the_resolved_denominator_is_checked(native):
     cfg = cfg_with("inference_model.top_p=0.9")
     if native:
-        validate(cfg)  # the trainer recomputes the old log-probs: nucleus sampling is fine
+        resolve_run(cfg)  # the trainer recomputes the old log-probs: nucleus sampling is fine
         return
     with pytest.raises(ConfigError) as err:
-        validate(cfg)
+        resolve_run(cfg)
     assert str(err.value).startswith("inference_model.top_p=0.9 with loss.old_log_probs=auto (the engine's, as "
                                      "training runs in float32 here): ")
+
+
+def test_the_actors_engines_resolve_for_the_gpus_they_ask_for(native):
+    """Async mode: the actors' engines are on a GPU when each asks for one (``ray.actor_num_gpus``), whatever the
+    trainer's machine has; their dtype is resolved once, with the trainer's, and sent to them."""
+    on_cpu = resolve_run(cfg_with("mode=async", "train.mixed_precision=false"))
+    on_gpu = resolve_run(cfg_with("mode=async", "train.mixed_precision=false", "ray.actor_num_gpus=1"))
+    assert (on_cpu.precision.engine, on_gpu.precision.engine) == (torch.float32, torch.bfloat16)

@@ -9,7 +9,7 @@ import torch
 
 from helpers import cfg_with, metric_rows
 from torchrl_grpo.collect.collector import Collector
-from torchrl_grpo.config.validate import CollectSettings, TrainSettings, validate
+from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import RunError
 from torchrl_grpo.engines.hf import TransformersEngine
 from torchrl_grpo.engines.weight_check import (MOVED, Probe, WeightCheck, probe_ids, probe_log_probs, sync_problem,
@@ -135,15 +135,15 @@ def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(
     torch.manual_seed(0)
     rows = datasets.Dataset.from_dict({"question": [f"Say some numbers, {i}." for i in range(16)], "answer": ["0"] * 16})
     task = Task("digits", rows, system_prompt=None, rewards=[Reward("digits", digit_share)])
-    policy = build_policy(cfg, tiny_model_path, ["cpu"], None)
-    trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), TrainSettings.from_config(cfg, "cpu"),
+    policy = build_policy(cfg, tiny_model_path, ["cpu"], None, torch.float32)
+    trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), resolve_run(cfg).train,
                       torch.device("cpu"), None)
     engine = IgnoresPushes(copy.deepcopy(policy), tokenizer, seed=0)
     check = WeightCheck(policy, tokenizer, engine_dtype, None)
     assert "warning" not in check.startup(engine)
-    collector = Collector(task, tokenizer, engine, PromptSampler(len(rows), 0), CollectSettings.from_config(cfg))
+    collector = Collector(task, tokenizer, engine, PromptSampler(len(rows), 0), resolve_run(cfg).collect)
     source = LocalSource(collector, EngineSync(trainer, collector.engine, check))
-    run = Run(source, trainer, RunState(cfg, tmp_path), validate(cfg).total_steps)
+    run = Run(source, trainer, RunState(cfg, tmp_path), resolve_run(cfg).plan.total_steps)
     with pytest.raises(RunError) as stopped:
         run_loop(run)
     message = str(stopped.value)

@@ -28,8 +28,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from torchrl_grpo.config.precision import engine_dtype_on, train_device
-from torchrl_grpo.config.validate import CollectSettings
+from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.console import quiet_libraries
 from torchrl_grpo.core.errors import ConfigError, one_line
 from torchrl_grpo.engines.weight_check import Probe
@@ -65,7 +64,7 @@ class RolloutActor:
     ``env.seed + index``.
     """
 
-    def __init__(self, cfg: dict, index: int, engine_seed: int, sampler_state: dict | None = None,
+    def __init__(self, cfg: dict, spec: RunSpec, index: int, engine_seed: int, sampler_state: dict | None = None,
                  log_file: str | None = None):
         from torchrl_grpo.collect.collector import Collector
         from torchrl_grpo.engines.factory import engine_options, make_engine
@@ -81,14 +80,14 @@ class RolloutActor:
         task = build_episode_task(cfg.env)
         trust = bool(cfg.model.trust_remote_code)
         model_path = resolve_model(str(cfg.model.name), trust)
-        dtype = str(actor_dtype(cfg)).removeprefix("torch.")
+        dtype = str(spec.precision.engine).removeprefix("torch.")
         # the vLLM-only options: make_engine drops them for the transformers backend
         kwargs = {"dtype": dtype, "device": actor_devices(cfg), "seed": engine_seed, **engine_options(cfg)}
         sampler = PromptSampler(len(task.rows), int(cfg.env.seed) + index)
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
         engine = make_engine(cfg.inference_model.backend, model_path, **kwargs)
-        self.collector = Collector(task, load_tokenizer(model_path, trust), engine, sampler, CollectSettings.from_config(cfg))
+        self.collector = Collector(task, load_tokenizer(model_path, trust), engine, sampler, spec.collect)
 
     def collect(self):
         """One scored batch at the current weights: (batch, metrics, first texts, sampler state)."""
@@ -121,11 +120,6 @@ def actor_devices(cfg: DictConfig) -> list[str]:
     if gpus <= 0 or not torch.cuda.is_available():
         return ["cpu"]
     return [f"cuda:{i}" for i in range(max(1, int(gpus)))]
-
-
-def actor_dtype(cfg: DictConfig) -> torch.dtype:
-    """The actors' engine dtype (``inference_model.torch_dtype`` on :func:`actor_devices`)."""
-    return engine_dtype_on(cfg, actor_devices(cfg)[0], train_device())
 
 
 def actor_error(err: Exception) -> str:
@@ -168,11 +162,11 @@ class ActorPool:
     (resume), else None; ``probe``: their weight sync probe, if the check is on; ``log_dir``: where each
     actor writes its log (``rollout_actor_<i>.log``; None: its console only)."""
 
-    def __init__(self, cfg: DictConfig, actor_samplers: list[dict | None], start_step: int, version: int,
-                 weights: dict | None = None, probe: Probe | None = None, log_dir: Path | None = None):
+    def __init__(self, cfg: DictConfig, spec: RunSpec, actor_samplers: list[dict | None], start_step: int,
+                 version: int, weights: dict | None = None, probe: Probe | None = None, log_dir: Path | None = None):
         import ray
 
-        self.ray, self.timeout, self.log_dir = ray, float(cfg.ray.collect_timeout_s), log_dir
+        self.ray, self.spec, self.timeout, self.log_dir = ray, spec, float(cfg.ray.collect_timeout_s), log_dir
         self.max_restarts = int(cfg.ray.max_actor_restarts)
         started, self.actors, self.pushes = time.perf_counter(), [], {}
         try:
@@ -206,7 +200,7 @@ class ActorPool:
         seed = self.seed + 1000 * i + self.start_step + 1_000_000 * self.restarts[i]
         log_file = str(self.log_dir / f"rollout_actor_{i}.log") if self.log_dir is not None else None
         return self.remote_cls.options(**self.actor_options).remote(
-            self.plain_cfg, i, seed, self.samplers[i], log_file)
+            self.plain_cfg, self.spec, i, seed, self.samplers[i], log_file)
 
     @property
     def total_restarts(self) -> int:

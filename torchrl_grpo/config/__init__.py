@@ -1,3 +1,3 @@
 """The composed config checked and resolved: the schema (every key, kind, range), the batch plan, the
-placement of models on devices, the precision choices, the command line. Imports core and objective (the
-names of its registered terms)."""
+placement of models on devices, the precision choices, the run spec that holds them resolved once, the command
+line. Imports core and objective (the names of its registered terms)."""

@@ -14,6 +14,8 @@ trainer computes in bf16:
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from omegaconf import DictConfig
 
@@ -22,14 +24,51 @@ from torchrl_grpo.core.errors import ConfigError
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+@dataclass(frozen=True)
+class Precision:
+    """The precision keys resolved once, for the devices the run's roles take (:func:`resolve_precision`)."""
+
+    train_weights: torch.dtype    # train_model.torch_dtype: the trained model's weights (its master copy)
+    autocast_bf16: bool           # train.mixed_precision: the trainer computes under bf16 autocast
+    reference: torch.dtype        # ref_model.torch_dtype
+    engine: torch.dtype           # inference_model.torch_dtype: the rollout engines' weights and compute
+    trainer_old_log_probs: bool   # loss.old_log_probs: the ratio's denominator is the trainer's own log-probs
+
+    def describe(self, cfg: DictConfig) -> str:
+        """The resolved choices, for the console, each with the key it comes from."""
+        weights = _name(self.train_weights)
+        compute = f"bf16 autocast over {weights} weights" if self.autocast_bf16 else weights
+        old = "the trainer's" if self.trainer_old_log_probs else "the engine's"
+        return (f"trainer {compute} (train.mixed_precision={cfg.train.mixed_precision}), engine {_name(self.engine)} "
+                f"(inference_model.torch_dtype={cfg.inference_model.torch_dtype}), old log-probs {old} "
+                f"(loss.old_log_probs={cfg.loss.old_log_probs})")
+
+
+def resolve_precision(cfg: DictConfig, train_on: str, engine_on: str, ref_on: str) -> Precision:
+    """``auto`` (module docstring) and the explicit values of the precision keys, for a trainer on ``train_on``,
+    engines on ``engine_on`` and a reference on ``ref_on``; a one-line ConfigError for a dtype name torch lacks
+    and for the loss options that need the trainer's old log-probs when they are the engine's."""
+    train_weights = resolve_dtype(cfg.train_model.torch_dtype, train_on)
+    mode = cfg.train.mixed_precision
+    autocast = native_bf16(train_on) if mode == "auto" else bool(mode)
+    low = autocast or train_weights in LOW_PRECISION  # the trainer computes in bf16 or fp16
+    engine_name = cfg.inference_model.torch_dtype
+    if engine_name in (None, "auto") and not engine_on.startswith("cuda"):
+        # a float32 engine beside a low-precision trainer would be the slow half of a CPU step, and would not
+        # sample the policy the trainer scores
+        engine = torch.bfloat16 if low else torch.float32
+    else:
+        engine = resolve_dtype(engine_name, engine_on)
+    old = cfg.loss.old_log_probs
+    precision = Precision(train_weights, autocast, resolve_dtype(cfg.ref_model.torch_dtype, ref_on), engine,
+                          low if old == "auto" else old == "trainer")
+    _check_old_log_probs(cfg, precision)
+    return precision
+
+
 def native_bf16(device: str) -> bool:
     """Whether bf16 matmuls run natively on ``device`` (elsewhere torch emulates them, slower than float32)."""
     return device.startswith("cuda") or torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
-def train_device() -> str:
-    """Where the trained model runs (:func:`torchrl_grpo.config.placement.place`): a GPU if there is one."""
-    return "cuda" if torch.cuda.device_count() > 0 else "cpu"
 
 
 def resolve_dtype(name: str | None, device: str) -> torch.dtype:
@@ -43,38 +82,26 @@ def resolve_dtype(name: str | None, device: str) -> torch.dtype:
     return dtype
 
 
-def autocast_bf16(cfg: DictConfig, device: str) -> bool:
-    """``train.mixed_precision``: ``auto`` is bf16 autocast where bf16 is native on the train ``device``."""
-    mode = cfg.train.mixed_precision
-    return native_bf16(device) if mode == "auto" else bool(mode)
+def _check_old_log_probs(cfg: DictConfig, precision: Precision) -> None:
+    """Nucleus sampling and TIS need the trainer's old log-probs: refused, naming the keys, with the engine's."""
+    if precision.trainer_old_log_probs:
+        return
+    old_log_probs = f"loss.old_log_probs={cfg.loss.old_log_probs}"
+    if cfg.loss.old_log_probs == "auto":
+        old_log_probs += " (the engine's, as training runs in float32 here)"
+    top_p = cfg.inference_model.top_p
+    if top_p < 1:
+        raise ConfigError(
+            f"inference_model.top_p={top_p} with {old_log_probs}: the engine's log-probs are then renormalised "
+            "over the nucleus and the ratio is biased; set loss.old_log_probs=trainer (or top_p=1)"
+        )
+    tis_cap = cfg.loss.get("tis_cap")
+    if tis_cap is not None:
+        raise ConfigError(
+            f"loss.tis_cap={tis_cap} with {old_log_probs}: the TIS weight exp(old - sample) is 1 unless the old "
+            "log-probs are the trainer's; set loss.old_log_probs=trainer (or loss.tis_cap=null)"
+        )
 
 
-def trains_in_low_precision(cfg: DictConfig, device: str) -> bool:
-    """The trainer computes in bf16 (autocast) or in bf16/fp16 weights."""
-    return autocast_bf16(cfg, device) or resolve_dtype(cfg.train_model.torch_dtype, device) in LOW_PRECISION
-
-
-def engine_dtype_on(cfg: DictConfig, device: str, train_on: str) -> torch.dtype:
-    """``inference_model.torch_dtype`` for an engine on ``device``: ``auto`` is bfloat16 on a GPU; on the CPU,
-    bfloat16 when the trainer (on ``train_on``) computes in low precision, else float32."""
-    name = cfg.inference_model.torch_dtype
-    if name in (None, "auto") and not device.startswith("cuda"):
-        return torch.bfloat16 if trains_in_low_precision(cfg, train_on) else torch.float32
-    return resolve_dtype(name, device)
-
-
-def recompute_old_log_probs(cfg: DictConfig, device: str) -> bool:
-    """``loss.old_log_probs``: ``auto`` is ``trainer`` when the trainer computes in low precision on ``device``."""
-    chosen = cfg.loss.old_log_probs
-    return trains_in_low_precision(cfg, device) if chosen == "auto" else chosen == "trainer"
-
-
-def describe(cfg: DictConfig, train_on: str, engine_on: str) -> str:
-    """The resolved choices, for the console: what the three keys mean on this machine."""
-    weights = str(resolve_dtype(cfg.train_model.torch_dtype, train_on)).removeprefix("torch.")
-    compute = f"bf16 autocast over {weights} weights" if autocast_bf16(cfg, train_on) else f"{weights}"
-    engine = str(engine_dtype_on(cfg, engine_on, train_on)).removeprefix("torch.")
-    old = "the trainer's" if recompute_old_log_probs(cfg, train_on) else "the engine's"
-    return (f"trainer {compute} (train.mixed_precision={cfg.train.mixed_precision}), engine {engine} "
-            f"(inference_model.torch_dtype={cfg.inference_model.torch_dtype}), old log-probs {old} "
-            f"(loss.old_log_probs={cfg.loss.old_log_probs})")
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

@@ -21,7 +21,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from torchrl_grpo.config.placement import train_strategy
-from torchrl_grpo.config.precision import autocast_bf16, recompute_old_log_probs, train_device
+from torchrl_grpo.config.precision import Precision
 from torchrl_grpo.config.schema import check_schema, require
 from torchrl_grpo.core.errors import ConfigError
 
@@ -73,8 +73,7 @@ class CollectSettings:
     overlong_buffer: int | None  # loss.overlong_buffer
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> CollectSettings:
-        plan = batch_plan(cfg)
+    def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> CollectSettings:
         return cls(
             prompts_per_step=plan.prompts_per_step, group_size=plan.group_size, max_tokens=plan.max_tokens,
             temperature=float(cfg.inference_model.temperature), top_p=float(cfg.inference_model.top_p),
@@ -93,26 +92,24 @@ class TrainSettings:
     accumulation: int               # train.gradient_accumulation_steps
     epochs: int                     # train.epochs
     temperature: float              # inference_model.temperature: the log-probs' distribution
-    recompute_old_log_probs: bool   # loss.old_log_probs resolved (precision.recompute_old_log_probs)
+    recompute_old_log_probs: bool   # loss.old_log_probs resolved (Precision.trainer_old_log_probs)
     kl_in_reward_coeff: float       # train.kl_to_ref_coeff when train.kl_coef_in_loss is false, else 0
     reward_scale: str               # loss.reward_scale
     clip_grad_norm: float | None    # optimizer.clip_grad_norm
-    mixed_precision: bool           # train.mixed_precision resolved: bf16 autocast (precision.autocast_bf16)
+    mixed_precision: bool           # train.mixed_precision resolved: bf16 autocast (Precision.autocast_bf16)
     max_nonfinite_updates: int      # train.max_nonfinite_updates: skipped updates in a row that stop the run
     seed: int                       # train.seed: the micro-batch shuffle
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, device: str) -> TrainSettings:
-        """The settings of a trainer on ``device`` (its ``auto`` precision keys resolved there)."""
-        plan = batch_plan(cfg)
+    def from_config(cls, cfg: DictConfig, plan: BatchPlan, precision: Precision) -> TrainSettings:
         clip = cfg.optimizer.clip_grad_norm
         return cls(
             group_size=plan.group_size, micro_batch=plan.micro_batch, accumulation=plan.accumulation,
             epochs=plan.epochs, temperature=float(cfg.inference_model.temperature),
-            recompute_old_log_probs=recompute_old_log_probs(cfg, device),
+            recompute_old_log_probs=precision.trainer_old_log_probs,
             kl_in_reward_coeff=0.0 if cfg.train.kl_coef_in_loss else float(cfg.train.kl_to_ref_coeff),
             reward_scale=cfg.loss.reward_scale, clip_grad_norm=None if not clip else float(clip),
-            mixed_precision=autocast_bf16(cfg, device),
+            mixed_precision=precision.autocast_bf16,
             max_nonfinite_updates=int(cfg.train.max_nonfinite_updates), seed=int(cfg.train.seed),
         )
 
@@ -199,7 +196,8 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
 def validate(cfg: DictConfig) -> BatchPlan:
     """Check every key the trainer reads before anything heavy starts, once: each key's kind and range
     (:mod:`torchrl_grpo.config.schema`), then the batch arithmetic and the combinations that need each other;
-    returns the batch plan."""
+    returns the batch plan. What depends on the machine (devices, what ``auto`` precisions resolve to) is checked
+    as it is resolved (:func:`torchrl_grpo.config.spec.resolve_run`)."""
     check_schema(cfg)
     plan = batch_plan(cfg)
     lora = _get(cfg, "train_model.lora")
@@ -218,27 +216,12 @@ def validate(cfg: DictConfig) -> BatchPlan:
     if actor_gpus > 1 and actor_gpus != int(actor_gpus):
         raise ConfigError(f"ray.actor_num_gpus={actor_gpus}: an actor's engine takes a share of one GPU (at most 1) "
                           f"or runs tensor parallel over whole GPUs; use {int(actor_gpus)} or {int(actor_gpus) + 1}")
-    top_p, trainer_old_log_probs = _get(cfg, "inference_model.top_p"), recompute_old_log_probs(cfg, train_device())
-    old_log_probs = f"loss.old_log_probs={_get(cfg, 'loss.old_log_probs')}"
-    if _get(cfg, "loss.old_log_probs") == "auto":
-        old_log_probs += " (the engine's, as training runs in float32 here)"
-    if not trainer_old_log_probs and top_p < 1:
-        raise ConfigError(
-            f"inference_model.top_p={top_p} with {old_log_probs}: the engine's log-probs are then renormalised "
-            "over the nucleus and the ratio is biased; set loss.old_log_probs=trainer (or top_p=1)"
-        )
     # loss variants (docs/objective.md): the combinations that need each other
     aggregation = _get(cfg, "loss.aggregation")
     if _get(cfg, "loss.importance_level") == "sequence" and aggregation != "sequence_mean":
         raise ConfigError(
             f"loss.aggregation={aggregation} with loss.importance_level=sequence: the sequence ratio (GSPO) gives one "
             "loss per completion, averaged per completion; set loss.aggregation=sequence_mean"
-        )
-    tis_cap = _get(cfg, "loss.tis_cap")
-    if tis_cap is not None and not trainer_old_log_probs:
-        raise ConfigError(
-            f"loss.tis_cap={tis_cap} with {old_log_probs}: the TIS weight exp(old - sample) is 1 unless the old "
-            "log-probs are the trainer's; set loss.old_log_probs=trainer (or loss.tis_cap=null)"
         )
     buffer = _get(cfg, "loss.overlong_buffer")
     if _get(cfg, "loss.overlong") == "soft" and buffer is not None and buffer >= plan.max_tokens:

@@ -16,26 +16,27 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo.config.placement import Launch, torchrun_launch, train_strategy
+from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.parallel.ranks import DataParallel, process_group
 
-# (config, this rank's DataParallel) -> (trainer, engine) that follow rank 0's
-BuildFollower = Callable[[DictConfig, DataParallel], tuple]
+# (config, run spec, this rank's DataParallel) -> (trainer, engine) that follow rank 0's
+BuildFollower = Callable[[DictConfig, RunSpec, DataParallel], tuple]
 
 # collectives wait this long for a rank: the followers wait while rank 0 generates and evaluates
 RANK_TIMEOUT_S = 1800
 
 
 @contextlib.contextmanager
-def data_parallel_ranks(cfg: DictConfig, run_dir: Path, build_follower: BuildFollower):
-    """``train.strategy=fsdp`` (or ``auto`` resolved to it): this process becomes rank 0 of
-    ``train_model.num_devices`` ranks and starts the others (:func:`follow_rank` with ``build_follower``), or of
-    the ranks ``torchrun`` started (:func:`torchrun_follower` runs the others); yields rank 0's
-    :class:`DataParallel` (None for the other strategies). ``cfg`` was checked first (and torchrun's world taken
-    as ``train_model.num_devices``: :func:`adopt_torchrun_ranks`), so a bad one fails in one line before any rank
-    starts. The followers stop when rank 0's run ends; those it started are killed if it fails. A follower that
-    dies stops the run in one line (its collective fails at once, or after ``RANK_TIMEOUT_S``), saying how to
-    resume from ``run_dir``'s last checkpoint."""
+def data_parallel_ranks(cfg: DictConfig, spec: RunSpec, run_dir: Path, build_follower: BuildFollower):
+    """``train.strategy=fsdp`` (or ``auto`` resolved to it): this process becomes rank 0 of ``train_model.num_devices``
+    ranks and starts the others (:func:`follow_rank` with ``build_follower``), or of the ranks ``torchrun`` started
+    (:func:`torchrun_follower` runs the others); yields rank 0's :class:`DataParallel` (None for the other strategies).
+    ``cfg`` was checked and resolved into ``spec`` first (torchrun's world taken as ``train_model.num_devices``:
+    :func:`adopt_torchrun_ranks`), so a bad one fails in one line before any rank starts; the followers get both. The
+    followers stop when rank 0's run ends; those it started are killed if it fails. A follower that dies stops the run
+    in one line (its collective fails at once, or after ``RANK_TIMEOUT_S``), saying how to resume from ``run_dir``'s
+    last checkpoint."""
     launch = torchrun_launch()
     if train_strategy(cfg) != "fsdp":
         yield None
@@ -54,7 +55,7 @@ def data_parallel_ranks(cfg: DictConfig, run_dir: Path, build_follower: BuildFol
         follower.start()
     try:
         with process_group(0, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
-            parallel.broadcast_config(OmegaConf.to_container(cfg, resolve=True))
+            parallel.broadcast_run((OmegaConf.to_container(cfg, resolve=True), spec))
             started = ", started by torchrun" if launch is not None else ""
             print(f"data-parallel training: {world} rank{'s' if world > 1 else ''} (FSDP2 over "
                   f"{torch.distributed.get_backend()}{started}), this process is rank 0", flush=True)
@@ -112,8 +113,8 @@ def torchrun_follower(build_follower: BuildFollower) -> bool:
 
 def follow_rank(rank: int, world: int, init_method: str, build_follower: BuildFollower) -> None:
     """A follower rank (started by :func:`data_parallel_ranks` or torchrun): ``build_follower`` builds the trainer
-    and engine rank 0 has, from the config rank 0 sends, sharded alike; they then make the calls rank 0's trainer
-    announces until the run ends."""
+    and engine rank 0 has, from the config and spec rank 0 sends, sharded alike; they then make the calls rank 0's
+    trainer announces until the run ends."""
     with process_group(rank, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
-        cfg = OmegaConf.create(parallel.broadcast_config(None))
-        parallel.follow(*build_follower(cfg, parallel))
+        config, spec = parallel.broadcast_run(None)
+        parallel.follow(*build_follower(OmegaConf.create(config), spec, parallel))

@@ -16,10 +16,9 @@ import torch
 from omegaconf import DictConfig
 
 from torchrl_grpo.collect.collector import Collector
-from torchrl_grpo.collect.rollout_actors import actor_devices, actor_dtype
-from torchrl_grpo.config.placement import Placement, place, torchrun_launch
-from torchrl_grpo.config.precision import autocast_bf16, describe, engine_dtype_on, native_bf16, resolve_dtype
-from torchrl_grpo.config.validate import BatchPlan, CollectSettings, TrainSettings, validate
+from torchrl_grpo.config.placement import torchrun_launch
+from torchrl_grpo.config.precision import native_bf16
+from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
 from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.episodes.setup import build_episode_task
@@ -42,16 +41,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_from: Path | None):
-    """The trained policy: base weights (or a full checkpoint's), LoRA if enabled, dropout off (so that the
-    ratio is exactly 1 on fresh data), in eval mode outside optimisation."""
+def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_from: Path | None,
+                 dtype: torch.dtype):
+    """The trained policy, its weights in ``dtype``: base weights (or a full checkpoint's), LoRA if enabled,
+    dropout off (so that the ratio is exactly 1 on fresh data), in eval mode outside optimisation."""
     from torchrl_grpo.models.loading import load_policy
 
     lora = dict(cfg.train_model.lora) if cfg.train_model.lora.enabled else None
     full_checkpoint = resume_from is not None and lora is None
     policy = load_policy(
         str(resume_from) if full_checkpoint else model_path,
-        dtype=resolve_dtype(cfg.train_model.torch_dtype, devices[0]),
+        dtype=dtype,
         device=devices,
         gradient_checkpointing=bool(cfg.train_model.gradient_checkpointing),
         lora=lora,
@@ -71,7 +71,7 @@ def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_fr
     return policy.eval()
 
 
-def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy, tokenizer, seed: int,
+def build_engine(cfg: DictConfig, spec: RunSpec, model_path: str, policy, tokenizer, seed: int,
                  engine_process: str | None = None, parallel: DataParallel | None = None):
     """The rollout engine: vLLM on its device(s) (in the process ``engine_process`` says, default
     ``inference_model.engine_process``), or the transformers fallback sharing the trained policy (with
@@ -84,13 +84,8 @@ def build_engine(cfg: DictConfig, model_path: str, placement: Placement, policy,
     options = engine_options(cfg)
     if engine_process:
         options["engine_process"] = engine_process
-    return make_engine(backend, model_path, dtype=str(engine_dtype(cfg, placement)).removeprefix("torch."),
-                       device=placement.inference, seed=seed, **options)
-
-
-def engine_dtype(cfg: DictConfig, placement: Placement) -> torch.dtype:
-    """The inference engine's dtype: ``inference_model.torch_dtype`` on its first device."""
-    return engine_dtype_on(cfg, placement.inference[0], placement.train[0])
+    return make_engine(backend, model_path, dtype=str(spec.precision.engine).removeprefix("torch."),
+                       device=spec.placement.inference, seed=seed, **options)
 
 
 def build_weight_check(cfg: DictConfig, trainer: Trainer, tokenizer, dtype: torch.dtype) -> WeightCheck | None:
@@ -134,38 +129,37 @@ def build_eval_task(cfg: DictConfig) -> Task:
     return build_episode_task(eval_env_config(cfg.env))
 
 
-def build_eval_engine(cfg: DictConfig):
+def build_eval_engine(cfg: DictConfig, spec: RunSpec):
     """(engine, tokenizer) for ``evaluate.py``: the configured backend on ``model.name``, no trainer."""
     from torchrl_grpo.models.loading import load_policy, load_tokenizer
     from torchrl_grpo.models.sources import resolve_model
 
-    placement = place(cfg, needs_ref=False)
     trust = bool(cfg.model.trust_remote_code)
     model_path = resolve_model(str(cfg.model.name), trust)
     tokenizer = load_tokenizer(model_path, trust)
     policy = None
     if cfg.inference_model.backend == "transformers":
-        policy = load_policy(model_path, dtype=engine_dtype(cfg, placement), device=placement.inference,
+        policy = load_policy(model_path, dtype=spec.precision.engine, device=spec.placement.inference,
                              trainable=False, trust_remote_code=trust)
-    return build_engine(cfg, model_path, placement, policy, tokenizer, seed=int(cfg.train.seed)), tokenizer
+    return build_engine(cfg, spec, model_path, policy, tokenizer, seed=int(cfg.train.seed)), tokenizer
 
 
-def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume_from: Path | None,
+def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: Path | None,
                   parallel: DataParallel | None = None) -> Trainer:
     """Policy (from the checkpoint when resuming), reference when a KL to it is on, loss and optimizer; with
     ``parallel`` both models on the rank's own device (its GPU, or the CPU) and sharded over the ranks (FSDP2,
     with its bf16 policy under mixed precision) before the optimizer is built."""
     from torchrl_grpo.models.loading import load_policy, sparse_tied_embedding_gradient
 
-    train_on, ref_on = placement.train, placement.ref
+    train_on, ref_on, precision = spec.placement.train, spec.placement.ref, spec.precision
     if parallel is not None:
         train_on = ref_on = [str(parallel.device)]
-    policy = build_policy(cfg, model_path, train_on, resume_from)
+    policy = build_policy(cfg, model_path, train_on, resume_from, precision.train_weights)
     ref_policy = None
     if float(cfg.train.kl_to_ref_coeff) > 0:
-        ref_policy = load_policy(model_path, dtype=resolve_dtype(cfg.ref_model.torch_dtype, ref_on[0]),
-                                 device=ref_on, trainable=False, trust_remote_code=bool(cfg.model.trust_remote_code))
-    mixed = autocast_bf16(cfg, train_on[0])
+        ref_policy = load_policy(model_path, dtype=precision.reference, device=ref_on, trainable=False,
+                                 trust_remote_code=bool(cfg.model.trust_remote_code))
+    mixed = precision.autocast_bf16
     if parallel is not None:
         policy = shard_model(policy, mixed)
         ref_policy = None if ref_policy is None else shard_model(ref_policy, mixed)
@@ -174,12 +168,12 @@ def build_trainer(cfg: DictConfig, placement: Placement, model_path: str, resume
     if mixed and not native_bf16(train_on[0]):
         print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
               "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)
-    return Trainer(policy, ref_policy, build_loss(cfg, policy), build_optimizer(cfg, policy),
-                   TrainSettings.from_config(cfg, train_on[0]), torch.device(train_on[0]),
+    return Trainer(policy, ref_policy, build_loss(cfg, policy), build_optimizer(cfg, policy), spec.train,
+                   torch.device(train_on[0]),
                    torch.device(ref_on[0]) if ref_policy is not None else None, parallel)
 
 
-def build_follower(cfg: DictConfig, parallel: DataParallel) -> tuple[Trainer, object]:
+def build_follower(cfg: DictConfig, spec: RunSpec, parallel: DataParallel) -> tuple[Trainer, object]:
     """What a data-parallel follower rank holds (:func:`torchrl_grpo.parallel.launcher.follow_rank`): the trainer
     rank 0 builds, sharded alike, and the transformers engine over its policy, for its share of what rank 0
     samples with the sharded policy (the transformers engine, async evaluation)."""
@@ -188,20 +182,18 @@ def build_follower(cfg: DictConfig, parallel: DataParallel) -> tuple[Trainer, ob
     from torchrl_grpo.models.sources import resolve_model
 
     seed_everything(int(cfg.train.seed))
-    placement = place(cfg, needs_ref=float(cfg.train.kl_to_ref_coeff) > 0)
     trust = bool(cfg.model.trust_remote_code)
     model_path = resolve_model(str(cfg.model.name), trust)
-    trainer = build_trainer(cfg, placement, model_path, None, parallel)
+    trainer = build_trainer(cfg, spec, model_path, None, parallel)
     return trainer, policy_engine(trainer.policy, load_tokenizer(model_path, trust), parallel=parallel)
 
 
 @dataclass
 class Inputs:
-    """Everything a run reads from the user, checked: the config, the checkpoint to resume from, the task's
-    data and reward functions, the model folder and its tokenizer."""
+    """Everything a run reads from the user, checked: the config (resolved into the run spec), the checkpoint to
+    resume from, the task's data and reward functions, the model folder and its tokenizer."""
 
-    plan: BatchPlan
-    placement: Placement
+    spec: RunSpec
     state: RunState
     task: Task
     eval_task: Task | None
@@ -210,16 +202,15 @@ class Inputs:
 
 
 def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
-    """Take torchrun's ranks as the train devices, validate, place, seed the global RNG (before any model is
-    built), find the checkpoint to resume from, then build the task and the evaluation task
-    (``logging.eval_frequency > 0``) and resolve the model and its tokenizer: every input is read here, so that
-    a bad one fails in one line before the batch plan is printed and before any model or engine is built. Rank 0
-    reads them before any other rank starts (or, under torchrun, before it lets them join): a model built into the
-    cache is built once, and the other ranks find it there."""
+    """Take torchrun's ranks as the train devices, resolve the run spec (:func:`resolve_run`: every key checked, devices
+    placed, precisions resolved), seed the global RNG (before any model is built), find the checkpoint to resume from,
+    then build the task and the evaluation task (``logging.eval_frequency > 0``) and resolve the model and its
+    tokenizer: every input is read here, so that a bad one fails in one line before the batch plan is printed and before
+    any model or engine is built. Rank 0 reads them before any other rank starts (or, under torchrun, before it lets
+    them join): a model built into the cache is built once, and the other ranks find it there."""
     if (launch := torchrun_launch()) is not None:
         adopt_torchrun_ranks(cfg, launch)
-    plan = validate(cfg)
-    placement = place(cfg, needs_ref=float(cfg.train.kl_to_ref_coeff) > 0)
+    spec = resolve_run(cfg)
     seed_everything(int(cfg.train.seed))
     state = RunState(cfg, run_dir)
     task = build_episode_task(cfg.env)
@@ -229,60 +220,61 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
 
     model_path = resolve_model(str(cfg.model.name), bool(cfg.model.trust_remote_code))
     tokenizer = load_tokenizer(model_path, bool(cfg.model.trust_remote_code))
-    return Inputs(plan, placement, state, task, eval_task, model_path, tokenizer)
+    return Inputs(spec, state, task, eval_task, model_path, tokenizer)
 
 
 @dataclass
 class Common:
     """What both loops start from (the sync one adds an engine and a collector, the async one Ray actors)."""
 
-    plan: BatchPlan
+    spec: RunSpec
     state: RunState
     task: Task
     tokenizer: object
     model_path: str
-    placement: Placement
     trainer: Trainer
     evaluator: Evaluator | None
 
 
 def build_common(cfg: DictConfig, i: Inputs, parallel: DataParallel | None = None) -> Common:
     """From the checked inputs (:func:`read_inputs`): the batch plan printed, the evaluator and the trainer."""
-    print(f"batch plan:\n{i.plan.table()}\nplacement: {i.placement.describe()}\nallocator: {describe_allocator()}",
-          flush=True)
+    plan = i.spec.plan
+    print(f"batch plan:\n{plan.table()}\nplacement: {i.spec.placement.describe()}\nallocator: "
+          f"{describe_allocator()}", flush=True)
     evaluator = None if i.eval_task is None else Evaluator(
-        i.eval_task, i.tokenizer, cfg.eval, i.plan.max_tokens, int(cfg.logging.eval_frequency), i.plan.total_steps,
+        i.eval_task, i.tokenizer, cfg.eval, plan.max_tokens, int(cfg.logging.eval_frequency), plan.total_steps,
         int(cfg.inference_model.max_model_len))
-    trainer = build_trainer(cfg, i.placement, i.model_path, i.state.resume_from, parallel)
-    return Common(i.plan, i.state, i.task, i.tokenizer, i.model_path, i.placement, trainer, evaluator)
+    trainer = build_trainer(cfg, i.spec, i.model_path, i.state.resume_from, parallel)
+    return Common(i.spec, i.state, i.task, i.tokenizer, i.model_path, trainer, evaluator)
 
 
 def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = None) -> Run:
     """The sync run: the common pieces and a collector over an engine holding the policy's weights (seeded
     with the step a resume starts after); ``parallel``: this is rank 0 of data-parallel ranks."""
     c = build_common(cfg, inputs, parallel)
-    print(f"precision: {describe(cfg, c.placement.train[0], c.placement.inference[0])}", flush=True)
-    engine = build_engine(cfg, c.model_path, c.placement, c.trainer.policy, c.tokenizer,
-                          seed=int(cfg.train.seed) + c.state.step, engine_process="own" if parallel is not None else None,
-                          parallel=parallel)
+    print(f"precision: {c.spec.precision.describe(cfg)}", flush=True)
+    engine = build_engine(cfg, c.spec, c.model_path, c.trainer.policy, c.tokenizer,
+                          seed=int(cfg.train.seed) + c.state.step,
+                          engine_process="own" if parallel is not None else None, parallel=parallel)
     weights = EngineSync(c.trainer, engine, None if c.trainer.samples_with_policy(engine) else (
-        build_weight_check(cfg, c.trainer, c.tokenizer, engine_dtype(cfg, c.placement))))
+        build_weight_check(cfg, c.trainer, c.tokenizer, c.spec.precision.engine)))
     if c.state.resume_from is not None:
         weights.resume()
     if (line := weights.startup()) is not None:
         print(line, flush=True)
     collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), int(cfg.env.seed)),
-                          CollectSettings.from_config(cfg))
+                          c.spec.collect)
     source = LocalSource(collector, weights, overlap=not cfg.train.sync_iter)
-    return Run(source, c.trainer, c.state, c.plan.total_steps, c.evaluator)
+    return Run(source, c.trainer, c.state, c.spec.plan.total_steps, c.evaluator)
 
 
 def build_async(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = None) -> Run:
     """The async run: the common pieces; the Ray actors (with their engines and collectors) start in the loop.
     ``parallel``: this is rank 0 of data-parallel ranks."""
     c = build_common(cfg, inputs, parallel)
-    print(f"precision: {describe(cfg, c.placement.train[0], actor_devices(cfg)[0])}", flush=True)
-    weights = ActorSync(c.trainer, build_weight_check(cfg, c.trainer, c.tokenizer, actor_dtype(cfg)), actor_dtype(cfg))
-    source = ActorSource(weights, c.tokenizer, c.task.reward_names, int(cfg.ray.num_actors),
+    print(f"precision: {c.spec.precision.describe(cfg)}", flush=True)
+    engine_dtype = c.spec.precision.engine
+    weights = ActorSync(c.trainer, build_weight_check(cfg, c.trainer, c.tokenizer, engine_dtype), engine_dtype)
+    source = ActorSource(c.spec, weights, c.tokenizer, c.task.reward_names, int(cfg.ray.num_actors),
                          int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness))
-    return Run(source, c.trainer, c.state, c.plan.total_steps, c.evaluator)
+    return Run(source, c.trainer, c.state, c.spec.plan.total_steps, c.evaluator)

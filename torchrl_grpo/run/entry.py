@@ -51,7 +51,7 @@ def train_sync(cfg: DictConfig, run_dir: Path) -> None:
     from torchrl_grpo.run.loop import run_loop
 
     inputs = read_inputs(cfg, run_dir)  # before any other rank starts
-    with data_parallel_ranks(cfg, run_dir, build_follower) as parallel:  # rank 0; the others follow
+    with data_parallel_ranks(cfg, inputs.spec, run_dir, build_follower) as parallel:  # rank 0; the others follow
         run = build_sync(cfg, inputs, parallel)
         try:
             run_loop(run)
@@ -66,24 +66,24 @@ def train_async(cfg: DictConfig, run_dir: Path) -> None:
     from torchrl_grpo.run.loop import run_loop
 
     inputs = read_inputs(cfg, run_dir)  # before any other rank starts
-    with data_parallel_ranks(cfg, run_dir, build_follower) as parallel:
+    with data_parallel_ranks(cfg, inputs.spec, run_dir, build_follower) as parallel:
         run_loop(build_async(cfg, inputs, parallel))
 
 
 def evaluate(cfg: DictConfig, run_dir: Path) -> None:
     """evaluate.py: generate on (or score given responses of) the task's evaluation split; write
     ``eval_responses.jsonl`` and ``eval_metrics.json``, print a table and the metrics as one JSON line."""
-    from torchrl_grpo.config.validate import validate
+    from torchrl_grpo.config.spec import resolve_run
     from torchrl_grpo.run.build import build_eval_engine, build_eval_task
     from torchrl_grpo.run.evaluation import evaluate_with_engine, format_table, read_responses, score_responses
 
-    validate(cfg)
+    spec = resolve_run(cfg, training=False)
     task = build_eval_task(cfg)
     if cfg.eval.responses:
         metrics, records = score_responses(task, *read_responses(cfg.eval.responses, task))
         source = str(cfg.eval.responses)
     else:
-        engine, tokenizer = build_eval_engine(cfg)
+        engine, tokenizer = build_eval_engine(cfg, spec)
         try:
             metrics, records = evaluate_with_engine(engine, task, tokenizer, cfg.eval, int(cfg.inference_model.max_tokens),
                                                    int(cfg.inference_model.max_model_len))

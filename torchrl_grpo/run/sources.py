@@ -25,10 +25,10 @@ import contextlib
 import copy
 import time
 
-
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.collect.prefetch import Prefetch
 from torchrl_grpo.collect.rollout_actors import ActorFault, ActorPool
+from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.errors import RunError
 from torchrl_grpo.run.loop import Delivery
 from torchrl_grpo.run.state import AsyncProgress, RunState
@@ -100,9 +100,9 @@ class ActorSource:
     faults = (ActorFault,)
     exact_engine = None  # the actors sample while the trainer saves
 
-    def __init__(self, weights: ActorSync, tokenizer, reward_names: list[str], num_actors: int,
+    def __init__(self, spec: RunSpec, weights: ActorSync, tokenizer, reward_names: list[str], num_actors: int,
                  weight_update_frequency: int, max_staleness: int):
-        self.weights, self.tokenizer, self.reward_names = weights, tokenizer, reward_names
+        self.spec, self.weights, self.tokenizer, self.reward_names = spec, weights, tokenizer, reward_names
         self.num_actors, self.weight_update_frequency = num_actors, weight_update_frequency
         self.max_staleness = max_staleness
         self.progress = AsyncProgress(num_actors)
@@ -120,8 +120,8 @@ class ActorSource:
     def running(self, state: RunState, trainer, total_steps: int):
         self.total_steps = total_steps
         weights, probe = self.weights.resume() if state.resume_from is not None else (None, None)
-        with ActorPool(state.config, self.progress.actor_samplers, state.step, self.progress.policy_version, weights,
-                       probe, log_dir=state.run_dir) as pool:
+        with ActorPool(state.config, self.spec, self.progress.actor_samplers, state.step,
+                       self.progress.policy_version, weights, probe, log_dir=state.run_dir) as pool:
             self.pool = pool
             print(f"async: {self.num_actors} rollout actor(s) started in Ray ({pool.startup_time:.1f} s); weights "
                   f"pushed every {self.weight_update_frequency} step(s), batches older than {self.max_staleness} "

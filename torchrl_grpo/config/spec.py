@@ -1,0 +1,41 @@
+"""The run spec: the composed config checked and resolved once, before anything heavy starts.
+
+:func:`resolve_run` validates every key (:func:`~torchrl_grpo.config.validate.validate`), places the roles on this
+machine's devices (:func:`~torchrl_grpo.config.placement.place`) and resolves the precision keys for those
+devices (:func:`~torchrl_grpo.config.precision.resolve_precision`). The composition root builds from the spec;
+the collector and the trainer take their settings from it, so no ``auto`` is resolved twice.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from torchrl_grpo.config.placement import Placement, place
+from torchrl_grpo.config.precision import Precision, resolve_precision
+from torchrl_grpo.config.validate import BatchPlan, CollectSettings, TrainSettings, validate
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """What a run does, in the trainer's terms."""
+
+    plan: BatchPlan             # the batch arithmetic
+    placement: Placement        # the devices of the trained, reference and inference models
+    precision: Precision        # the precision keys, resolved for those devices
+    collect: CollectSettings    # what the collectors need
+    train: TrainSettings        # what the trainer needs besides its model, loss and optimizer
+
+
+def resolve_run(cfg: DictConfig, training: bool = True) -> RunSpec:
+    """``cfg`` checked and resolved (one-line ConfigErrors naming the keys). ``training=False`` (evaluate.py):
+    no reference model takes a device. The engines are the rollout actors' in async mode (on a GPU when each asks
+    for one: ``ray.actor_num_gpus``), else the inference model's."""
+    plan = validate(cfg)
+    placement = place(cfg, needs_ref=training and float(cfg.train.kl_to_ref_coeff) > 0)
+    engine_on = placement.inference[0]
+    if cfg.get("mode") == "async":
+        engine_on = "cuda" if float(cfg.ray.actor_num_gpus) > 0 else "cpu"
+    precision = resolve_precision(cfg, placement.train[0], engine_on, placement.ref[0])
+    return RunSpec(plan, placement, precision, CollectSettings.from_config(cfg, plan),
+                   TrainSettings.from_config(cfg, plan, precision))
