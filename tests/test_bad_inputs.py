@@ -127,6 +127,11 @@ ROWS = [
     (["train.resume={F}/run/checkpoints/step_000001"], r"train.resume=.*step_000001: that checkpoint does not load \(trainer_state.pt"),
     (["train.resume={F}/run"], r"train.resume={F}/run: none of its checkpoints loads"),
     (["train.resume={F}/pickled/step_000001"], r"train.resume=.*: that checkpoint does not load \(trainer_state.pt: Unpickling"),
+    # lengths: the engine's context against the prompts and the model
+    (["inference_model.max_model_len=8"], r"no env row fits inference_model.max_model_len=8: the shortest prompt has "
+                                          r"\d+ tokens and a completion may take inference_model.max_tokens=24 more"),
+    (["inference_model.max_model_len=4096"], r"inference_model.max_model_len=4096 is longer than the model's context "
+                                             r"\(2048 tokens: max_position_embeddings in .*config.json\)"),
 ]
 
 
@@ -160,6 +165,7 @@ def _refused(done) -> str:
     (["env=gsm8k", "env.data_path={F}/empty.jsonl"], "error: env.data_path={F}/empty.jsonl: {F}/empty.jsonl is empty"),
     (["train.resume={F}/run/checkpoints/step_000001"], "error: train.resume={F}/run/checkpoints/step_000001: that "
                                                       "checkpoint does not load"),
+    (["inference_model.max_model_len=8"], "error: no env row fits inference_model.max_model_len=8: "),
 ])
 def test_grpo_py_refuses_it_in_one_line_before_the_batch_plan(overrides, expected, files, tmp_path):
     done = run([*args(overrides, files), f"hydra.run.dir={tmp_path}/run"], tmp_path, timeout=120)

@@ -68,6 +68,7 @@ class RolloutActor:
                  log_file: str | None = None):
         from torchrl_grpo.collect.collector import Collector
         from torchrl_grpo.engines.factory import engine_options, make_engine
+        from torchrl_grpo.episodes.lengths import fit_prompts
         from torchrl_grpo.episodes.setup import build_episode_task
         from torchrl_grpo.episodes.trajectories import PromptSampler
         from torchrl_grpo.models.loading import load_tokenizer
@@ -77,9 +78,11 @@ class RolloutActor:
         quiet_libraries(cfg.logging.verbose is True, log_file)
         self.version = 0
         self.probe_scores = None  # the engine's weight sync probe log-probs at the last push
-        task = build_episode_task(cfg.env)
         trust = bool(cfg.model.trust_remote_code)
         model_path = resolve_model(str(cfg.model.name), trust)
+        tokenizer = load_tokenizer(model_path, trust)
+        task = build_episode_task(cfg.env)  # the rows the trainer kept (it warned of those left out)
+        fit_prompts(task, tokenizer, spec.collect.max_tokens, spec.collect.max_model_len, cfg.env.overlong_prompts)
         dtype = str(spec.precision.engine).removeprefix("torch.")
         # the vLLM-only options: make_engine drops them for the transformers backend
         kwargs = {"dtype": dtype, "device": actor_devices(cfg), "seed": engine_seed, **engine_options(cfg)}
@@ -87,7 +90,7 @@ class RolloutActor:
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
         engine = make_engine(cfg.inference_model.backend, model_path, **kwargs)
-        self.collector = Collector(task, load_tokenizer(model_path, trust), engine, sampler, spec.collect)
+        self.collector = Collector(task, tokenizer, engine, sampler, spec.collect)
 
     def collect(self):
         """One scored batch at the current weights: (batch, metrics, first texts, sampler state)."""

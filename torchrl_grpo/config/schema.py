@@ -79,6 +79,9 @@ class Env:
     seed: int = key("int", "prompt order (shuffled each epoch of the dataset)")
     reward_errors: str = key("choice", "a reward function that raises: raise (stop the run, naming it and the "
                              "row) | zero (score 0, counted)", choices=("raise", "zero"))
+    overlong_prompts: str = key("choice", "rows whose prompt + inference_model.max_tokens (x env.max_steps) exceeds "
+                                "inference_model.max_model_len: drop (one warning line) | error (refuse the run)",
+                                choices=("drop", "error"))
 
 
 @dataclass

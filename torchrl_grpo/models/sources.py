@@ -108,6 +108,19 @@ def check_model_dir(directory: pathlib.Path, name: str, trust_remote_code: bool 
                           "model directory with its safetensors weights")
 
 
+def context_limit(directory: str | pathlib.Path) -> int | None:
+    """The longest sequence the model in ``directory`` was built for (its config.json's
+    ``max_position_embeddings``), or None when the config does not say or scales its rotary embedding
+    (``rope_scaling``: vLLM then derives a longer context itself)."""
+    try:
+        config = json.loads((pathlib.Path(directory) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    config = config.get("text_config", config) if isinstance(config, dict) else {}
+    limit = config.get("max_position_embeddings")
+    return limit if isinstance(limit, int) and not config.get("rope_scaling") else None
+
+
 # ---------------------------------------------------------------------------------------------------
 # LoRA checkpoints
 

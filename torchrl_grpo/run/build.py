@@ -20,7 +20,9 @@ from torchrl_grpo.config.placement import torchrun_launch
 from torchrl_grpo.config.precision import native_bf16
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
+from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.weight_check import WeightCheck
+from torchrl_grpo.episodes.lengths import fit_prompts
 from torchrl_grpo.episodes.setup import build_episode_task
 from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.objective.loss import GRPOLoss
@@ -129,14 +131,16 @@ def build_eval_task(cfg: DictConfig) -> Task:
     return build_episode_task(eval_env_config(cfg.env))
 
 
-def build_eval_engine(cfg: DictConfig, spec: RunSpec):
-    """(engine, tokenizer) for ``evaluate.py``: the configured backend on ``model.name``, no trainer."""
+def build_eval_engine(cfg: DictConfig, spec: RunSpec, task: Task):
+    """(engine, tokenizer) for ``evaluate.py``: the configured backend on ``model.name``, no trainer; the rows of
+    the evaluation ``task`` that cannot fit the engine's context left out first (:func:`fit_lengths`)."""
     from torchrl_grpo.models.loading import load_policy, load_tokenizer
     from torchrl_grpo.models.sources import resolve_model
 
     trust = bool(cfg.model.trust_remote_code)
     model_path = resolve_model(str(cfg.model.name), trust)
     tokenizer = load_tokenizer(model_path, trust)
+    fit_lengths(cfg, spec, model_path, tokenizer, None, task)
     policy = None
     if cfg.inference_model.backend == "transformers":
         policy = load_policy(model_path, dtype=spec.precision.engine, device=spec.placement.inference,
@@ -220,7 +224,30 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
 
     model_path = resolve_model(str(cfg.model.name), bool(cfg.model.trust_remote_code))
     tokenizer = load_tokenizer(model_path, bool(cfg.model.trust_remote_code))
+    fit_lengths(cfg, spec, model_path, tokenizer, task, eval_task)
     return Inputs(spec, state, task, eval_task, model_path, tokenizer)
+
+
+def fit_lengths(cfg: DictConfig, spec: RunSpec, model_path: str, tokenizer, task: Task | None,
+                eval_task: Task | None) -> None:
+    """Before any engine starts: ``inference_model.max_model_len`` within the model's own context, and the rows
+    of ``task`` (and ``eval_task``, with the evaluation's completion budget) whose prompt and completion cannot
+    fit it left out with one warning line, or refused (``env.overlong_prompts``;
+    :mod:`torchrl_grpo.episodes.lengths`)."""
+    from torchrl_grpo.models.sources import context_limit
+
+    max_model_len, limit = spec.collect.max_model_len, context_limit(model_path)
+    if limit is not None and max_model_len > limit:
+        raise ConfigError(f"inference_model.max_model_len={max_model_len} is longer than the model's context "
+                          f"({limit} tokens: max_position_embeddings in {model_path}/config.json); set "
+                          f"inference_model.max_model_len={limit} or less")
+    eval_max_tokens = spec.plan.max_tokens if cfg.eval.max_tokens is None else int(cfg.eval.max_tokens)
+    for where, checked, max_tokens in (("env", task, spec.plan.max_tokens), ("env.eval", eval_task, eval_max_tokens)):
+        if checked is None:
+            continue
+        dropped = fit_prompts(checked, tokenizer, max_tokens, max_model_len, cfg.env.overlong_prompts, where)
+        if dropped is not None:
+            print(dropped.message, file=sys.stderr, flush=True)
 
 
 @dataclass

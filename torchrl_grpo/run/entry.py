@@ -83,7 +83,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> None:
         metrics, records = score_responses(task, *read_responses(cfg.eval.responses, task))
         source = str(cfg.eval.responses)
     else:
-        engine, tokenizer = build_eval_engine(cfg, spec)
+        engine, tokenizer = build_eval_engine(cfg, spec, task)
         try:
             metrics, records = evaluate_with_engine(engine, task, tokenizer, cfg.eval, int(cfg.inference_model.max_tokens),
                                                    int(cfg.inference_model.max_model_len))
