@@ -74,6 +74,9 @@ class FakeTrainer:
     def save_pretrained(self, directory, **kwargs):
         save_file({"w": torch.zeros(3)}, str(directory / "model.safetensors"))
 
+    def parameters(self):
+        return iter([torch.zeros(3)])
+
     def state_dict(self):
         return {"optimizer": {}, "shuffle_rng": torch.Generator().get_state()}
 

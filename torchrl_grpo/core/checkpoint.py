@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 from torchrl_grpo.core.errors import ConfigError, one_line
+from torchrl_grpo.core.files import not_written, tree_bytes
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.pt"
@@ -53,25 +54,56 @@ def list_checkpoints(directory: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def save(directory: Path, step: int, model, tokenizer, state: dict, keep: int = 2) -> Path:
+def save(directory: Path, step: int, model, tokenizer, state: dict, keep: int = 2, weights_bytes: int = 0) -> Path:
     """Write checkpoint ``step`` atomically into ``directory`` and keep only the newest ``keep``. ``model`` is
-    anything with HF's ``save_pretrained`` (the trainer: it gathers a sharded policy)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    anything with HF's ``save_pretrained`` (the trainer: it gathers a sharded policy). A write that fails (a full
+    disk, a read-only or vanished folder) leaves no partial checkpoint and every earlier one intact, and raises
+    a one-line RunError naming the folder, the space left and about how much a checkpoint takes (the newest
+    one's size, else ``weights_bytes`` and the tensors of ``state``)."""
     final = directory / f"step_{step:06d}"
     tmp = directory / f".tmp_step_{step:06d}_{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
-    torch.save(state, tmp / STATE_FILE)
-    _fsync_tree(tmp)
-    if final.exists():  # the same step saved again (e.g. after a resume): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        torch.save(state, tmp / STATE_FILE)
+        _fsync_tree(tmp)
+        if final.exists():  # the same step saved again (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(directory)
+    except Exception as err:
+        if not _is_write_error(err):
+            raise
+        written = tree_bytes(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)  # never a partial checkpoint (resume skips .tmp_ folders anyway)
+        earlier = list_checkpoints(directory)  # the same model and optimizer: about the newest one's size
+        needed = tree_bytes(earlier[-1]) if earlier else max(written, weights_bytes + _tensor_bytes(state))
+        raise not_written(final, err, needed) from None
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _tensor_bytes(obj) -> int:
+    """The bytes of the tensors in ``obj`` (nested dicts, lists and tuples: an optimizer's state)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
+def _is_write_error(err: Exception) -> bool:
+    """An OSError, or what a library makes of one: torch's file writer raises a RuntimeError ("file write
+    failed", "unexpected pos"), safetensors a SafetensorError wrapping the OS's IoError."""
+    text = str(err).lower()
+    return isinstance(err, OSError) or any(k in text for k in (
+        "write failed", "unexpected pos", "ioerror", "no space", "file too large", "read-only", "errno"))
 
 
 def find_resume_point(resume, run_checkpoints: Path) -> Path | None:

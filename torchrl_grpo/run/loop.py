@@ -15,6 +15,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from torchrl_grpo.core.files import NotWritten
 from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.state import RunState
 from torchrl_grpo.run.stop_request import StopRequest
@@ -103,25 +104,28 @@ def run_loop(run: Run) -> dict:
             source.ready()
         except source.faults as cause:
             raise stopped_by(cause, start, source.position) from None
-        for step in range(start + 1, run.total_steps + 1):
-            position = source.saved_position()
-            try:
-                delivery = source.take(step)
-            except source.faults as cause:  # the trainer holds the update of the step before
-                raise stopped_by(cause, step - 1, position) from None
-            metrics = delivery.metrics
-            metrics.update(trainer.prepare(delivery.batch))
-            metrics.update(trainer.optimize(delivery.batch))
-            try:
-                metrics.update(source.finish(step, delivery))
-                if evaluator is not None and evaluator.due(step):
-                    metrics.update(evaluator(eval_engine))
-            except source.faults as cause:  # the trainer holds this step's update
-                raise stopped_by(cause, step, source.position) from None
-            telemetry.log(step, metrics, list(zip(delivery.texts, delivery.batch["reward"].tolist())))
-            stopped = state.after_step(step, run.total_steps, trainer, source.tokenizer, source.position,
-                                       stop.requested, source.exact_engine, source.fault)
-            if stopped:
-                telemetry.print(stopped)
-                break
+        try:
+            for step in range(start + 1, run.total_steps + 1):
+                position = source.saved_position()
+                try:
+                    delivery = source.take(step)
+                except source.faults as cause:  # the trainer holds the update of the step before
+                    raise stopped_by(cause, step - 1, position) from None
+                metrics = delivery.metrics
+                metrics.update(trainer.prepare(delivery.batch))
+                metrics.update(trainer.optimize(delivery.batch))
+                try:
+                    metrics.update(source.finish(step, delivery))
+                    if evaluator is not None and evaluator.due(step):
+                        metrics.update(evaluator(eval_engine))
+                except source.faults as cause:  # the trainer holds this step's update
+                    raise stopped_by(cause, step, source.position) from None
+                telemetry.log(step, metrics, list(zip(delivery.texts, delivery.batch["reward"].tolist())))
+                stopped = state.after_step(step, run.total_steps, trainer, source.tokenizer, source.position,
+                                           stop.requested, source.exact_engine, source.fault)
+                if stopped:
+                    telemetry.print(stopped)
+                    break
+        except NotWritten as err:  # a full disk: every checkpoint before this one is whole
+            raise NotWritten(f"{err}; stopped: free some space, then {state.continue_hint()}") from None
     return telemetry.summary(source.reward_names, run.total_steps)

@@ -63,7 +63,8 @@ class RunState:
         state = {"step": step, **trainer.state_dict(), "sampler": data.state_dict(), "rng": checkpoint.rng_state(),
                  "engine_rng": engine.sampling_state() if engine is not None else None,
                  "config": OmegaConf.to_container(self.config, resolve=True)}
-        return checkpoint.save(self.directory, step, trainer, tokenizer, state, keep=self.keep)
+        weights = sum(p.numel() * p.element_size() for p in trainer.policy.parameters())
+        return checkpoint.save(self.directory, step, trainer, tokenizer, state, keep=self.keep, weights_bytes=weights)
 
     def after_step(self, step: int, total_steps: int, trainer, tokenizer, data, stop_requested: bool,
                    engine=None, fault: str | None = None) -> str | None:

@@ -4,6 +4,7 @@ run's figures at its end (plots.py)."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import os
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+from torchrl_grpo.core.files import append_whole, write_replacing
 
 CONSOLE_KEYS = (
     ("reward", "reward"),
@@ -29,7 +32,8 @@ EVAL_CONSOLE_KEYS = ("accuracy", "reward")
 
 
 class MetricsCSV:
-    """One row per step; the header grows when a new metric appears (the file is rewritten then)."""
+    """One row per step; the header grows when a new metric appears (the file is rewritten then). A row is
+    written whole or not at all (:mod:`torchrl_grpo.core.files`)."""
 
     def __init__(self, path: Path, resume_step: int | None = None):
         self.path = path
@@ -52,16 +56,18 @@ class MetricsCSV:
             self.header += new
             self._rewrite()
             return
-        with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, self.header, restval="").writerow(row)
+        append_whole(self.path, self._text([row], header=False))
 
     def _rewrite(self) -> None:
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w", newline="") as f:
-            writer = csv.DictWriter(f, self.header, restval="")
+        write_replacing(self.path, self._text(self.rows, header=True))
+
+    def _text(self, rows: list[dict], header: bool) -> str:
+        out = io.StringIO(newline="")
+        writer = csv.DictWriter(out, self.header, restval="")
+        if header:
             writer.writeheader()
-            writer.writerows(self.rows)
-        os.replace(tmp, self.path)
+        writer.writerows(rows)
+        return out.getvalue()
 
 
 class SamplesJSONL:
@@ -73,16 +79,13 @@ class SamplesJSONL:
         self.path = path
         if path.exists() and resume_step is not None:
             kept = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= resume_step]
-            tmp = path.with_suffix(".tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, path)
+            write_replacing(path, "".join(line + "\n" for line in kept))
         elif path.exists():
             path.unlink()
 
     def write(self, step: int, samples: list[tuple[str, float]]) -> None:
-        with open(self.path, "a") as f:
-            for text, reward in samples:
-                f.write(json.dumps({"step": step, "reward": reward, "completion": text}, ensure_ascii=False) + "\n")
+        append_whole(self.path, "".join(json.dumps({"step": step, "reward": reward, "completion": text},
+                                                   ensure_ascii=False) + "\n" for text, reward in samples))
 
 
 class Telemetry:
