@@ -13,7 +13,7 @@ from omegaconf import DictConfig
 
 from torchrl_grpo.config.placement import Placement, place
 from torchrl_grpo.config.precision import Precision, resolve_precision
-from torchrl_grpo.config.validate import BatchPlan, CollectSettings, TrainSettings, validate
+from torchrl_grpo.config.validate import BatchPlan, CollectSettings, EvalSettings, TrainSettings, validate
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ class RunSpec:
     precision: Precision        # the precision keys, resolved for those devices
     collect: CollectSettings    # what the collectors need
     train: TrainSettings        # what the trainer needs besides its model, loss and optimizer
+    eval: EvalSettings          # what an evaluation needs
 
 
 def resolve_run(cfg: DictConfig, training: bool = True) -> RunSpec:
@@ -38,4 +39,4 @@ def resolve_run(cfg: DictConfig, training: bool = True) -> RunSpec:
         engine_on = "cuda" if float(cfg.ray.actor_num_gpus) > 0 else "cpu"
     precision = resolve_precision(cfg, placement.train[0], engine_on, placement.ref[0])
     return RunSpec(plan, placement, precision, CollectSettings.from_config(cfg, plan),
-                   TrainSettings.from_config(cfg, plan, precision))
+                   TrainSettings.from_config(cfg, plan, precision), EvalSettings.from_config(cfg, plan))

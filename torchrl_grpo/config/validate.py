@@ -84,6 +84,26 @@ class CollectSettings:
 
 
 @dataclass(frozen=True)
+class EvalSettings:
+    """What an evaluation needs (``eval.*``; the trainer's also ``logging.eval_frequency``)."""
+
+    num_prompts: int | None      # eval.num_prompts: the first N prompts of the evaluation split (None: all)
+    samples: int                 # eval.samples: completions per prompt (pass@k up to it)
+    temperature: float           # eval.temperature (0: greedy)
+    max_tokens: int              # eval.max_tokens, null resolved to inference_model.max_tokens
+    max_model_len: int           # inference_model.max_model_len: a multi-turn episode ends before passing it
+    every: int                   # logging.eval_frequency: the trainer evaluates every N steps (0: never)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> EvalSettings:
+        e = cfg.eval
+        return cls(num_prompts=None if e.num_prompts is None else int(e.num_prompts), samples=int(e.samples),
+                   temperature=float(e.temperature),
+                   max_tokens=plan.max_tokens if e.max_tokens is None else int(e.max_tokens),
+                   max_model_len=int(cfg.inference_model.max_model_len), every=int(cfg.logging.eval_frequency))
+
+
+@dataclass(frozen=True)
 class TrainSettings:
     """What the trainer needs besides its model, loss and optimizer, in its own terms."""
 

@@ -29,9 +29,9 @@ from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.parallel.launcher import adopt_torchrun_ranks
 from torchrl_grpo.parallel.ranks import DataParallel, shard_model
 from torchrl_grpo.run.evaluation import Evaluator
-from torchrl_grpo.run.state import RunState
 from torchrl_grpo.run.loop import Run
 from torchrl_grpo.run.sources import ActorSource, LocalSource
+from torchrl_grpo.run.state import RunState
 from torchrl_grpo.tasks import Task, eval_env_config
 from torchrl_grpo.training.trainer import Trainer
 from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
@@ -241,8 +241,8 @@ def fit_lengths(cfg: DictConfig, spec: RunSpec, model_path: str, tokenizer, task
         raise ConfigError(f"inference_model.max_model_len={max_model_len} is longer than the model's context "
                           f"({limit} tokens: max_position_embeddings in {model_path}/config.json); set "
                           f"inference_model.max_model_len={limit} or less")
-    eval_max_tokens = spec.plan.max_tokens if cfg.eval.max_tokens is None else int(cfg.eval.max_tokens)
-    for where, checked, max_tokens in (("env", task, spec.plan.max_tokens), ("env.eval", eval_task, eval_max_tokens)):
+    for where, checked, max_tokens in (("env", task, spec.plan.max_tokens), ("env.eval", eval_task,
+                                                                              spec.eval.max_tokens)):
         if checked is None:
             continue
         dropped = fit_prompts(checked, tokenizer, max_tokens, max_model_len, cfg.env.overlong_prompts, where)
@@ -268,9 +268,7 @@ def build_common(cfg: DictConfig, i: Inputs, parallel: DataParallel | None = Non
     plan = i.spec.plan
     print(f"batch plan:\n{plan.table()}\nplacement: {i.spec.placement.describe()}\nallocator: "
           f"{describe_allocator()}", flush=True)
-    evaluator = None if i.eval_task is None else Evaluator(
-        i.eval_task, i.tokenizer, cfg.eval, plan.max_tokens, int(cfg.logging.eval_frequency), plan.total_steps,
-        int(cfg.inference_model.max_model_len))
+    evaluator = None if i.eval_task is None else Evaluator(i.eval_task, i.tokenizer, i.spec.eval, plan.total_steps)
     trainer = build_trainer(cfg, i.spec, i.model_path, i.state.resume_from, parallel)
     return Common(i.spec, i.state, i.task, i.tokenizer, i.model_path, trainer, evaluator)
 

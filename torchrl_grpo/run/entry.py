@@ -85,8 +85,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> None:
     else:
         engine, tokenizer = build_eval_engine(cfg, spec, task)
         try:
-            metrics, records = evaluate_with_engine(engine, task, tokenizer, cfg.eval, int(cfg.inference_model.max_tokens),
-                                                   int(cfg.inference_model.max_model_len))
+            metrics, records = evaluate_with_engine(engine, task, tokenizer, spec.eval)
         finally:
             engine.close()
         source = str(cfg.model.name)

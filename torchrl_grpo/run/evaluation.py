@@ -20,6 +20,7 @@ from math import comb
 from pathlib import Path
 from typing import Any
 
+from torchrl_grpo.config.validate import EvalSettings
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks import Task, per_task_means
 
@@ -93,16 +94,14 @@ def eval_rows(task: Task, num_prompts: int | None) -> list[dict]:
     return [task.rows[i] for i in range(count)]
 
 
-def evaluate_with_engine(engine, task: Task, tokenizer, eval_cfg, default_max_tokens: int,
-                         max_model_len: int | None = None) -> tuple[dict, list[dict]]:
-    """Generate on the evaluation split as ``eval_cfg`` says (num_prompts, samples, temperature, max_tokens)
-    and score; what the trainer logs under ``eval/`` and ``evaluate.py`` prints. ``max_model_len``: where a
-    multi-turn episode must end."""
-    rows = eval_rows(task, eval_cfg.num_prompts)
-    max_tokens = default_max_tokens if eval_cfg.max_tokens is None else int(eval_cfg.max_tokens)
-    responses = generate_responses(engine, task, tokenizer, rows, samples=int(eval_cfg.samples),
-                                   max_tokens=max_tokens, temperature=float(eval_cfg.temperature),
-                                   max_model_len=max_model_len)
+def evaluate_with_engine(engine, task: Task, tokenizer, settings: EvalSettings) -> tuple[dict, list[dict]]:
+    """Generate on the evaluation split as ``settings`` say (num_prompts, samples, temperature, max_tokens; a
+    multi-turn episode ends before ``max_model_len``) and score; what the trainer logs under ``eval/`` and
+    ``evaluate.py`` prints."""
+    rows = eval_rows(task, settings.num_prompts)
+    responses = generate_responses(engine, task, tokenizer, rows, samples=settings.samples,
+                                   max_tokens=settings.max_tokens, temperature=settings.temperature,
+                                   max_model_len=settings.max_model_len)
     return score_responses(task, rows, responses)
 
 
@@ -194,11 +193,9 @@ class Evaluator:
     evaluation split before the first step (step 0), every N steps and after the last one; metrics under
     ``eval/`` and the time it took."""
 
-    def __init__(self, task: Task, tokenizer, eval_cfg, max_tokens: int, every: int, total_steps: int,
-                 max_model_len: int | None = None):
-        self.task, self.tokenizer, self.eval_cfg, self.max_tokens = task, tokenizer, eval_cfg, max_tokens
-        self.max_model_len = max_model_len
-        self.every, self.total_steps = every, total_steps
+    def __init__(self, task: Task, tokenizer, settings: EvalSettings, total_steps: int):
+        self.task, self.tokenizer, self.settings = task, tokenizer, settings
+        self.every, self.total_steps = settings.every, total_steps
 
     def due(self, step: int) -> bool:
         return self.every > 0 and (step == 0 or step % self.every == 0 or step == self.total_steps)
@@ -208,6 +205,5 @@ class Evaluator:
         import time
 
         started = time.perf_counter()
-        metrics, _ = evaluate_with_engine(engine, self.task, self.tokenizer, self.eval_cfg, self.max_tokens,
-                                          self.max_model_len)
+        metrics, _ = evaluate_with_engine(engine, self.task, self.tokenizer, self.settings)
         return {**{f"eval/{k}": v for k, v in metrics.items()}, "eval_time": time.perf_counter() - started}
