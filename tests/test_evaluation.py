@@ -129,9 +129,9 @@ def test_eval_env_merges_the_eval_block_over_env():
     assert merged.split == "test" and merged.data_path == "/d" and "eval" not in merged
 
 
-def evaluate(args, cwd):
+def evaluate(args, cwd, env_extra=None):
     """evaluate.py run to its end, its outputs in ``cwd/run``."""
-    return run([*args, f"hydra.run.dir={cwd}/run"], cwd, script="evaluate.py")
+    return run([*args, f"hydra.run.dir={cwd}/run"], cwd, script="evaluate.py", env_extra=env_extra)
 
 
 @needs_files(GSM8K / "test.jsonl")
@@ -169,10 +169,12 @@ def test_evaluate_py_bad_key_is_one_line(tmp_path):
 
 @needs_vllm
 def test_evaluate_py_generates_with_vllm_then_rescores_its_own_file(tmp_path):
+    """A first run on an empty model cache: the model is built once, then evaluated."""
     args = ["model=tiny", "env=reasoning_gym", "env.eval.size=2", "eval.num_prompts=6", "eval.samples=2",
             "eval.temperature=1.0", "inference_model.max_tokens=8"]
-    out = evaluate(args, tmp_path)
+    out = evaluate(args, tmp_path, env_extra={"TORCHRL_GRPO_CACHE": str(tmp_path / "cache")})
     assert out.returncode == 0, out.stderr[-3000:]
+    assert (out.stdout + out.stderr).count("(once; cached afterwards)") == 1
     metrics = json.loads(out.stdout.strip().splitlines()[-1])
     assert metrics["prompts"] == 6 and metrics["responses"] == 12
     # 2 responses to every prompt: pass@1 is the accuracy, and a second try can only help
