@@ -85,11 +85,11 @@ class RolloutActor:
         fit_prompts(task, tokenizer, spec.collect.max_tokens, spec.collect.max_model_len, cfg.env.overlong_prompts)
         dtype = str(spec.precision.engine).removeprefix("torch.")
         # the vLLM-only options: make_engine drops them for the transformers backend
-        kwargs = {"dtype": dtype, "device": actor_devices(cfg), "seed": engine_seed, **engine_options(cfg)}
+        kwargs = {"dtype": dtype, "device": actor_devices(cfg), "seed": engine_seed, **engine_options(spec.engine)}
         sampler = PromptSampler(len(task.rows), int(cfg.env.seed) + index)
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
-        engine = make_engine(cfg.inference_model.backend, model_path, **kwargs)
+        engine = make_engine(spec.engine.backend, model_path, **kwargs)
         self.collector = Collector(task, tokenizer, engine, sampler, spec.collect)
 
     def collect(self):

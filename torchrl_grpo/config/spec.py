@@ -13,7 +13,8 @@ from omegaconf import DictConfig
 
 from torchrl_grpo.config.placement import Placement, place
 from torchrl_grpo.config.precision import Precision, resolve_precision
-from torchrl_grpo.config.validate import BatchPlan, CollectSettings, EvalSettings, TrainSettings, validate
+from torchrl_grpo.config.validate import (BatchPlan, CollectSettings, EngineSettings, EvalSettings, TrainSettings,
+                                          validate)
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,7 @@ class RunSpec:
     plan: BatchPlan             # the batch arithmetic
     placement: Placement        # the devices of the trained, reference and inference models
     precision: Precision        # the precision keys, resolved for those devices
+    engine: EngineSettings      # what builds the engines
     collect: CollectSettings    # what the collectors need
     train: TrainSettings        # what the trainer needs besides its model, loss and optimizer
     eval: EvalSettings          # what an evaluation needs
@@ -38,5 +40,6 @@ def resolve_run(cfg: DictConfig, training: bool = True) -> RunSpec:
     if cfg.get("mode") == "async":
         engine_on = "cuda" if float(cfg.ray.actor_num_gpus) > 0 else "cpu"
     precision = resolve_precision(cfg, placement.train[0], engine_on, placement.ref[0])
-    return RunSpec(plan, placement, precision, CollectSettings.from_config(cfg, plan),
-                   TrainSettings.from_config(cfg, plan, precision), EvalSettings.from_config(cfg, plan))
+    return RunSpec(plan, placement, precision, EngineSettings.from_config(cfg, plan),
+                   CollectSettings.from_config(cfg, plan), TrainSettings.from_config(cfg, plan, precision),
+                   EvalSettings.from_config(cfg, plan))

@@ -84,6 +84,29 @@ class CollectSettings:
 
 
 @dataclass(frozen=True)
+class EngineSettings:
+    """What builds a run's engines, the same for the sync engine, ``evaluate.py``'s and each rollout actor's
+    (``inference_model.*``; each caller adds its own dtype, devices and seed)."""
+
+    backend: str                    # inference_model.backend: vllm | transformers
+    gpu_memory_utilization: float   # inference_model.gpu_memory_utilization
+    max_model_len: int              # inference_model.max_model_len
+    engine_process: str             # inference_model.engine_process: same | own | auto
+    trust_remote_code: bool         # model.trust_remote_code
+    prompts_per_step: int           # env.num_envs: with the two below, what a step's KV cache must hold
+    completions_per_step: int       # env.num_envs x env.repeats
+    max_tokens: int                 # inference_model.max_tokens
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> EngineSettings:
+        inference = cfg.inference_model
+        return cls(backend=str(inference.backend), gpu_memory_utilization=float(inference.gpu_memory_utilization),
+                   max_model_len=int(inference.max_model_len), engine_process=str(inference.engine_process),
+                   trust_remote_code=bool(cfg.model.trust_remote_code), prompts_per_step=plan.prompts_per_step,
+                   completions_per_step=plan.completions_per_step, max_tokens=plan.max_tokens)
+
+
+@dataclass(frozen=True)
 class EvalSettings:
     """What an evaluation needs (``eval.*``; the trainer's also ``logging.eval_frequency``)."""
 

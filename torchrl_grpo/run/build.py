@@ -80,10 +80,10 @@ def build_engine(cfg: DictConfig, spec: RunSpec, model_path: str, policy, tokeni
     ``parallel``, sharded over the ranks, which sample together)."""
     from torchrl_grpo.engines.factory import engine_options, make_engine, policy_engine
 
-    backend = cfg.inference_model.backend
+    backend = spec.engine.backend
     if backend == "transformers":
         return policy_engine(policy, tokenizer, seed=seed, parallel=parallel)
-    options = engine_options(cfg)
+    options = engine_options(spec.engine)
     if engine_process:
         options["engine_process"] = engine_process
     return make_engine(backend, model_path, dtype=str(spec.precision.engine).removeprefix("torch."),
@@ -142,7 +142,7 @@ def build_eval_engine(cfg: DictConfig, spec: RunSpec, task: Task):
     tokenizer = load_tokenizer(model_path, trust)
     fit_lengths(cfg, spec, model_path, tokenizer, None, task)
     policy = None
-    if cfg.inference_model.backend == "transformers":
+    if spec.engine.backend == "transformers":
         policy = load_policy(model_path, dtype=spec.precision.engine, device=spec.placement.inference,
                              trainable=False, trust_remote_code=trust)
     return build_engine(cfg, spec, model_path, policy, tokenizer, seed=int(cfg.train.seed)), tokenizer
