@@ -81,7 +81,8 @@ class RolloutActor:
         trust = bool(cfg.model.trust_remote_code)
         model_path = resolve_model(str(cfg.model.name), trust)
         tokenizer = load_tokenizer(model_path, trust)
-        task = build_episode_task(cfg.env)  # the rows the trainer kept (it warned of those left out)
+        task = build_episode_task(cfg.env)
+        # the rows the trainer kept, found again (the same check on the same rows; the trainer printed the warning)
         fit_prompts(task, tokenizer, spec.collect.max_tokens, spec.collect.max_model_len, cfg.env.overlong_prompts)
         dtype = str(spec.precision.engine).removeprefix("torch.")
         # the vLLM-only options: make_engine drops them for the transformers backend
