@@ -11,7 +11,7 @@ MAY_IMPORT = {
     "core": set(),
     "objective": {"core"},
     "config": {"core", "objective"},
-    "telemetry": {"core"},
+    "telemetry": {"core", "config"},
     "tasks": {"core"},
     "parallel": {"core", "objective", "config"},
     "models": {"core", "config", "parallel"},

@@ -96,10 +96,11 @@ class Position:
 
 def test_after_step_checkpoints_when_due_asked_or_diverged(tmp_path):
     from helpers import cfg_with
+    from torchrl_grpo.config.spec import resolve_run
     from torchrl_grpo.core.errors import RunError
     from torchrl_grpo.run.state import RunState
 
-    state = RunState(cfg_with("logging.checkpoint_frequency=2"), tmp_path)
+    state = RunState(resolve_run(cfg_with("logging.checkpoint_frequency=2")), tmp_path)
     assert state.after_step(1, 10, FakeTrainer(), FakeTokenizer(), Position(), False) is None
     assert not (tmp_path / "checkpoints" / "step_000001").exists()
     assert state.after_step(2, 10, FakeTrainer(), FakeTokenizer(), Position(), False) is None

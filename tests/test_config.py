@@ -117,8 +117,7 @@ def test_fsdp_ranks_on_gpus_take_gpus_0_to_n_and_the_engine_the_next():
 def test_torchrun_ranks(monkeypatch):
     """Under torchrun (its variables set): auto is fsdp, train_model.num_devices takes its world size (another
     value is one line), and on GPUs each machine's ranks take its first GPUs: 4 ranks over 2 machines of 4."""
-    from torchrl_grpo.config.placement import Launch, torchrun_launch
-    from torchrl_grpo.parallel.launcher import adopt_torchrun_ranks
+    from torchrl_grpo.config.placement import Launch, adopt_torchrun_ranks, torchrun_launch
 
     assert torchrun_launch({}) is None
     rendezvous = {"MASTER_ADDR": "node0", "MASTER_PORT": "29500"}
@@ -146,12 +145,16 @@ def test_an_actor_with_several_gpus_runs_a_tensor_parallel_engine(monkeypatch):
     import torch
 
     from torchrl_grpo.collect.rollout_actors import actor_devices
+    from torchrl_grpo.config.settings import ActorSettings
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    devices = {gpus: actor_devices(cfg_with("mode=async", f"ray.actor_num_gpus={gpus}")) for gpus in (0, 0.5, 1, 4)}
+    def devices_for(gpus):
+        return actor_devices(ActorSettings.from_config(cfg_with("mode=async", f"ray.actor_num_gpus={gpus}")))
+
+    devices = {gpus: devices_for(gpus) for gpus in (0, 0.5, 1, 4)}
     assert devices == {0: ["cpu"], 0.5: ["cuda:0"], 1: ["cuda:0"], 4: ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]}
     validate(cfg_with("mode=async", "ray.actor_num_gpus=4"))
     with pytest.raises(ConfigError, match=r"^ray.actor_num_gpus=1.5: .* tensor parallel over whole GPUs; use 1 or 2$"):
         validate(cfg_with("mode=async", "ray.actor_num_gpus=1.5"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert actor_devices(cfg_with("mode=async", "ray.actor_num_gpus=4")) == ["cpu"]
+    assert devices_for(4) == ["cpu"]

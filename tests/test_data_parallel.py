@@ -25,7 +25,7 @@ from tensordict import TensorDict
 
 from helpers import (FLOAT32, LOGPROB_TOL, LORA, SMALL, finite, free_port, max_logprob_gap, metric_rows,
                      needs_ray_and_vllm, needs_vllm, ray_processes, run_async, start, wait_until)
-from torchrl_grpo.config.validate import TrainSettings
+from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.models.loading import load_policy, merged_weights

@@ -126,7 +126,8 @@ def test_read_responses_prompt_matching_nothing_is_one_line(tmp_path):
 def test_eval_env_merges_the_eval_block_over_env():
     env = OmegaConf.create({"dataset": "openai/gsm8k", "split": "train", "data_path": "/d", "eval": {"split": "test"}})
     merged = eval_env_config(env)
-    assert merged.split == "test" and merged.data_path == "/d" and "eval" not in merged
+    assert merged == {"dataset": "openai/gsm8k", "split": "test", "data_path": "/d"}
+    assert eval_env_config({**env, "eval": None}) == {"dataset": "openai/gsm8k", "split": "train", "data_path": "/d"}
 
 
 def evaluate(args, cwd, env_extra=None):

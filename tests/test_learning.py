@@ -42,7 +42,7 @@ def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path
     check = WeightCheck(policy, tokenizer, torch.float32, None)  # every real push must pass it
     check.startup(vllm_engine)
     source = LocalSource(collector, EngineSync(trainer, collector.engine, check))
-    run = Run(source, trainer, RunState(cfg, tmp_path), resolve_run(cfg).plan.total_steps)
+    run = Run(source, trainer, RunState(resolve_run(cfg), tmp_path), resolve_run(cfg))
     try:
         summary = run_loop(run)
     finally:
@@ -83,7 +83,7 @@ def test_a_reward_for_well_formed_tool_calls_rises_over_two_turn_episodes(tiny_m
                       resolve_run(cfg).train, torch.device("cpu"), None)
     collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), resolve_run(cfg).collect)
     source = LocalSource(collector, EngineSync(trainer, collector.engine))
-    run = Run(source, trainer, RunState(cfg, tmp_path), resolve_run(cfg).plan.total_steps)
+    run = Run(source, trainer, RunState(resolve_run(cfg), tmp_path), resolve_run(cfg))
     try:
         summary = run_loop(run)
     finally:

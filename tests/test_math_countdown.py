@@ -105,7 +105,7 @@ def test_grpo_math_and_grpo_countdown_compose_and_validate():
     math_cfg = cfg_with(name="grpo_math")
     assert (math_cfg.env.dataset, math_cfg.model.name, math_cfg.inference_model.max_tokens) == \
         ("math", "Qwen/Qwen2.5-1.5B-Instruct", 1024)
-    assert eval_env_config(math_cfg.env).split == "test"
+    assert eval_env_config(math_cfg.env)["split"] == "test"
     countdown = cfg_with(name="grpo_countdown")
     assert countdown.env.tasks[0].name == "countdown" and countdown.inference_model.max_tokens == 512
     for cfg in (math_cfg, countdown):

@@ -4,16 +4,17 @@ import subprocess
 import sys
 
 import yaml
-from omegaconf import OmegaConf
 from PIL import Image
 
 from helpers import ROOT
+from torchrl_grpo.config.settings import LoggingSettings
 from torchrl_grpo.telemetry import plots
 from torchrl_grpo.telemetry.recorder import Telemetry
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-LOGGING = OmegaConf.create({"logging": {"log_frequency": 100, "show_completions": 0, "progress_bar": False,
-                                        "samples_frequency": 0, "wandb": {"enabled": False}}})
+LOGGING = LoggingSettings(log_frequency=100, samples_frequency=0, show_completions=0, progress_bar=False,
+                          verbose=False, wandb=False, wandb_mode="auto", wandb_project=None, run_name=None,
+                          exp_name="test")
 
 
 def write_run(run_dir, rewards, eval_accuracy=None, overrides=(), finish=False):
@@ -25,7 +26,7 @@ def write_run(run_dir, rewards, eval_accuracy=None, overrides=(), finish=False):
         (run_dir / ".hydra").mkdir()
         (run_dir / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(list(overrides)))
     evaluated = eval_accuracy is not None
-    with Telemetry(LOGGING, run_dir, len(rewards), 0, resumed=False) as telemetry:
+    with Telemetry(LOGGING, {}, run_dir, len(rewards), 0, resumed=False) as telemetry:
         if evaluated:
             telemetry.record(0, {"eval/accuracy": 0.0, "eval/pass@1": 0.0, "eval/pass@2": 0.0, "eval/reward": 0.0})
         for step, reward in enumerate(rewards, 1):
@@ -66,7 +67,7 @@ def test_a_run_stopped_by_a_fault_still_leaves_its_figures(tmp_path, capsys):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     try:
-        with Telemetry(LOGGING, run_dir, 10, 0, resumed=False) as telemetry:
+        with Telemetry(LOGGING, {}, run_dir, 10, 0, resumed=False) as telemetry:
             telemetry.log(1, {"reward": 0.5, "grad_norm": 1.0}, [])
             raise RuntimeError("an actor died")
     except RuntimeError:

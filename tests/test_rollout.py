@@ -183,7 +183,7 @@ def test_vllm_push_weights_tied_embeddings_smollm2():
 def test_weights_sent_cast_to_a_bf16_engine_load_as_the_float32_ones(tiny_model_path, bf16_engine):
     """grpo-async.py sends its pushes cast to the engines' dtype (``Trainer.cpu_weights(dtype)``): a bf16 engine
     casts float32 weights on load to the very values it is sent cast, so its scores are equal bit for bit."""
-    from torchrl_grpo.config.validate import TrainSettings
+    from torchrl_grpo.config.settings import TrainSettings
     from torchrl_grpo.objective.loss import GRPOLoss
     from torchrl_grpo.training.trainer import Trainer
 

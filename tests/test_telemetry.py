@@ -3,6 +3,7 @@ resume like metrics.csv."""
 import json
 
 from helpers import cfg_with
+from torchrl_grpo.config.settings import LoggingSettings
 from torchrl_grpo.telemetry.recorder import Telemetry
 
 
@@ -11,19 +12,19 @@ def _lines(path):
 
 
 def test_samples_are_written_every_n_steps_and_trimmed_on_resume(tmp_path):
-    cfg = cfg_with("logging.samples_frequency=2", "logging.progress_bar=false")
-    with Telemetry(cfg, tmp_path, total_steps=4, start_step=0, resumed=False) as telemetry:
+    settings = LoggingSettings.from_config(cfg_with("logging.samples_frequency=2", "logging.progress_bar=false"))
+    with Telemetry(settings, {}, tmp_path, total_steps=4, start_step=0, resumed=False) as telemetry:
         for step in range(1, 5):
             telemetry.log(step, {"reward": 0.5}, [(f"answer {step}a ✓", 1.0), (f"answer {step}b", 0.0)])
     written = _lines(tmp_path / "samples.jsonl")
     assert [(r["step"], r["completion"], r["reward"]) for r in written] == [
         (2, "answer 2a ✓", 1.0), (2, "answer 2b", 0.0), (4, "answer 4a ✓", 1.0), (4, "answer 4b", 0.0)]
 
-    with Telemetry(cfg, tmp_path, total_steps=4, start_step=3, resumed=True) as telemetry:  # resumed at step 3
+    with Telemetry(settings, {}, tmp_path, total_steps=4, start_step=3, resumed=True) as telemetry:  # resumed at step 3
         telemetry.log(4, {"reward": 0.25}, [("again", 0.5)])
     assert [(r["step"], r["completion"]) for r in _lines(tmp_path / "samples.jsonl")] == [
         (2, "answer 2a ✓"), (2, "answer 2b"), (4, "again")]
 
-    with Telemetry(cfg, tmp_path, total_steps=4, start_step=0, resumed=False):  # a fresh run starts a fresh file
+    with Telemetry(settings, {}, tmp_path, total_steps=4, start_step=0, resumed=False):  # a fresh run starts a fresh file
         pass
     assert not (tmp_path / "samples.jsonl").exists()

@@ -7,7 +7,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from torchrl_grpo.config.validate import TrainSettings
+from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.training.trainer import Trainer, by_length
 
@@ -203,6 +203,7 @@ def test_adam_runs_torchs_fused_kernel_on_cpu_with_the_per_tensor_loops_update(n
     """build_optimizer picks the fused kernel (on CPU torch would loop tensor by tensor): same update to float
     rounding."""
     from helpers import cfg_with
+
     from torchrl_grpo.run.build import build_optimizer
 
     cfg = cfg_with(f"optimizer.name={name}", "optimizer.lr=0.1", "optimizer.weight_decay=0.1")

@@ -143,7 +143,7 @@ def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(
     assert "warning" not in check.startup(engine)
     collector = Collector(task, tokenizer, engine, PromptSampler(len(rows), 0), resolve_run(cfg).collect)
     source = LocalSource(collector, EngineSync(trainer, collector.engine, check))
-    run = Run(source, trainer, RunState(cfg, tmp_path), resolve_run(cfg).plan.total_steps)
+    run = Run(source, trainer, RunState(resolve_run(cfg), tmp_path), resolve_run(cfg))
     with pytest.raises(RunError) as stopped:
         run_loop(run)
     message = str(stopped.value)

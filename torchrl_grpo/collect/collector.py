@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from torchrl_grpo.config.validate import CollectSettings
+from torchrl_grpo.config.settings import CollectSettings
 from torchrl_grpo.episodes.play import ENDINGS, Played, play
 from torchrl_grpo.episodes.trajectories import PromptSampler, build_batch, reward_tensors
 from torchrl_grpo.objective.terms import overlong_penalty

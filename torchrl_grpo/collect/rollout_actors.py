@@ -17,6 +17,7 @@ the loop turns into one line after a checkpoint.
 """
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import sys
@@ -26,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 
+from torchrl_grpo.config.settings import ActorSettings
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.console import quiet_libraries
 from torchrl_grpo.core.errors import ConfigError, one_line
@@ -64,7 +65,7 @@ class RolloutActor:
     ``env.seed + index``.
     """
 
-    def __init__(self, cfg: dict, spec: RunSpec, index: int, engine_seed: int, sampler_state: dict | None = None,
+    def __init__(self, spec: RunSpec, index: int, engine_seed: int, sampler_state: dict | None = None,
                  log_file: str | None = None):
         from torchrl_grpo.collect.collector import Collector
         from torchrl_grpo.engines.factory import engine_options, make_engine
@@ -74,24 +75,24 @@ class RolloutActor:
         from torchrl_grpo.models.loading import load_tokenizer
         from torchrl_grpo.models.sources import resolve_model
 
-        cfg = OmegaConf.create(cfg)
-        quiet_libraries(cfg.logging.verbose is True, log_file)
+        quiet_libraries(spec.logging.verbose, log_file)
         self.version = 0
         self.probe_scores = None  # the engine's weight sync probe log-probs at the last push
-        trust = bool(cfg.model.trust_remote_code)
-        model_path = resolve_model(str(cfg.model.name), trust)
+        trust = spec.model.trust_remote_code
+        model_path = resolve_model(spec.model.name, trust)
         tokenizer = load_tokenizer(model_path, trust)
-        task = build_episode_task(cfg.env)
+        task, collect = build_episode_task(spec.task), spec.collect
         # the rows the trainer kept, found again (the same check on the same rows; the trainer printed the warning)
-        fit_prompts(task, tokenizer, spec.collect.max_tokens, spec.collect.max_model_len, cfg.env.overlong_prompts)
+        fit_prompts(task, tokenizer, collect.max_tokens, collect.max_model_len, collect.overlong_prompts)
         dtype = str(spec.precision.engine).removeprefix("torch.")
         # the vLLM-only options: make_engine drops them for the transformers backend
-        kwargs = {"dtype": dtype, "device": actor_devices(cfg), "seed": engine_seed, **engine_options(spec.engine)}
-        sampler = PromptSampler(len(task.rows), int(cfg.env.seed) + index)
+        kwargs = {"dtype": dtype, "device": actor_devices(spec.actors), "seed": engine_seed,
+                  **engine_options(spec.engine)}
+        sampler = PromptSampler(len(task.rows), collect.prompt_seed + index)
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
         engine = make_engine(spec.engine.backend, model_path, **kwargs)
-        self.collector = Collector(task, tokenizer, engine, sampler, spec.collect)
+        self.collector = Collector(task, tokenizer, engine, sampler, collect)
 
     def collect(self):
         """One scored batch at the current weights: (batch, metrics, first texts, sampler state)."""
@@ -116,11 +117,11 @@ class RolloutActor:
         self.collector.engine.close()
 
 
-def actor_devices(cfg: DictConfig) -> list[str]:
+def actor_devices(actors: ActorSettings) -> list[str]:
     """Where an actor's engine runs: the GPUs Ray gives it (``ray.actor_num_gpus``: a share of one, one, or
     several, which vLLM shards the model over: tensor parallel), if it asks for any and they are there; else
     the CPU. Ray shows the actor only its own GPUs, so they are always the first ones it sees."""
-    gpus = float(cfg.ray.actor_num_gpus)
+    gpus = actors.actor_num_gpus
     if gpus <= 0 or not torch.cuda.is_available():
         return ["cpu"]
     return [f"cuda:{i}" for i in range(max(1, int(gpus)))]
@@ -131,7 +132,7 @@ def actor_error(err: Exception) -> str:
     return one_line(getattr(err, "cause", None) or err)
 
 
-def ray_init_kwargs(cfg: DictConfig) -> dict:
+def ray_init_kwargs(actors: ActorSettings, verbose: bool = False) -> dict:
     """``ray.init`` arguments: ``ray.address`` (null: start a private local Ray; auto or host:port: join one)
     and every key of ``ray.init``; a local Ray gets ``num_cpus`` = what the actors ask for plus one for the
     trainer's own tasks, unless ``ray.init.num_cpus`` says otherwise (Ray would otherwise count every core).
@@ -140,15 +141,14 @@ def ray_init_kwargs(cfg: DictConfig) -> dict:
     raylet, workers) to one interface: they listen on all, behind Ray's token authentication (on by default).
     null maps to Ray's ``"local"``: a bare ``ray.init()`` joins whatever cluster ``RAY_ADDRESS`` or an earlier
     ``ray start`` on this machine left behind, and then refuses ``num_cpus``."""
-    ray_cfg = cfg.ray
-    kwargs = {k: v for k, v in OmegaConf.to_container(ray_cfg.init, resolve=True).items() if v is not None}
-    address = ray_cfg.address or "local"
+    kwargs = {k: v for k, v in copy.deepcopy(actors.init).items() if v is not None}
+    address = actors.address or "local"
     kwargs.setdefault("include_dashboard", False)
-    verbose = OmegaConf.select(cfg, "logging.verbose") is True  # Ray's own start-up lines: grpo.log has ours
+    # Ray's own start-up lines (logging.verbose): grpo.log has ours
     kwargs.setdefault("logging_level", logging.INFO if verbose else logging.ERROR)
     if address == "local":
         kwargs.setdefault("dashboard_host", "127.0.0.1")  # a dashboard asked for (ray.init.include_dashboard)
-        kwargs.setdefault("num_cpus", max(1, int(round(ray_cfg.num_actors * float(ray_cfg.actor_num_cpus)))) + 1)
+        kwargs.setdefault("num_cpus", max(1, int(round(actors.num_actors * actors.actor_num_cpus))) + 1)
     else:
         kwargs.pop("num_cpus", None)  # a running cluster has its resources already
     # workers import torchrl_grpo: make the repository importable from any working directory
@@ -166,33 +166,33 @@ class ActorPool:
     (resume), else None; ``probe``: their weight sync probe, if the check is on; ``log_dir``: where each
     actor writes its log (``rollout_actor_<i>.log``; None: its console only)."""
 
-    def __init__(self, cfg: DictConfig, spec: RunSpec, actor_samplers: list[dict | None], start_step: int,
-                 version: int, weights: dict | None = None, probe: Probe | None = None, log_dir: Path | None = None):
+    def __init__(self, spec: RunSpec, actor_samplers: list[dict | None], start_step: int, version: int,
+                 weights: dict | None = None, probe: Probe | None = None, log_dir: Path | None = None):
         import ray
 
-        self.ray, self.spec, self.timeout, self.log_dir = ray, spec, float(cfg.ray.collect_timeout_s), log_dir
-        self.max_restarts = int(cfg.ray.max_actor_restarts)
+        settings = spec.actors
+        self.ray, self.spec, self.timeout, self.log_dir = ray, spec, settings.collect_timeout_s, log_dir
+        self.max_restarts = settings.max_actor_restarts
         started, self.actors, self.pushes = time.perf_counter(), [], {}
         try:
-            ray.init(**ray_init_kwargs(cfg))
+            ray.init(**ray_init_kwargs(settings, spec.logging.verbose))
         except Exception as err:  # no cluster at ray.address, a bad ray.init key, ...
             ray.shutdown()
-            raise ConfigError(f"ray.address={cfg.ray.address}: could not start or join Ray ({one_line(err)})") from None
+            raise ConfigError(f"ray.address={settings.address}: could not start or join Ray ({one_line(err)})") from None
         try:
-            self._start(cfg, actor_samplers, start_step, version, weights, probe)
+            self._start(actor_samplers, start_step, version, weights, probe)
         except BaseException:
             self.__exit__()
             raise
         self.startup_time = time.perf_counter() - started
 
-    def _start(self, cfg: DictConfig, actor_samplers, start_step: int, version: int, weights: dict | None,
-               probe: Probe | None) -> None:
+    def _start(self, actor_samplers, start_step: int, version: int, weights: dict | None, probe: Probe | None) -> None:
         self.samplers, self.restarts = list(actor_samplers), [0] * len(actor_samplers)
         self.delivered = [False] * len(actor_samplers)
         self.version, self.weights_ref, self.probe, self.weight_sync_gap = version, None, None, None
-        self.seed, self.start_step = int(cfg.train.seed), start_step
-        self.remote_cls, self.plain_cfg = self.ray.remote(RolloutActor), OmegaConf.to_container(cfg, resolve=True)
-        self.actor_options = {"num_cpus": float(cfg.ray.actor_num_cpus), "num_gpus": float(cfg.ray.actor_num_gpus),
+        self.seed, self.start_step, self.remote_cls = self.spec.train.seed, start_step, self.ray.remote(RolloutActor)
+        settings = self.spec.actors
+        self.actor_options = {"num_cpus": settings.actor_num_cpus, "num_gpus": settings.actor_num_gpus,
                               "max_restarts": 0}  # restarts are ours: a new actor gets the current weights
         self.actors = [self._new_actor(i) for i in range(len(actor_samplers))]
         if weights is not None:  # the actors start from the base weights: give them the checkpoint's
@@ -204,7 +204,7 @@ class ActorPool:
         seed = self.seed + 1000 * i + self.start_step + 1_000_000 * self.restarts[i]
         log_file = str(self.log_dir / f"rollout_actor_{i}.log") if self.log_dir is not None else None
         return self.remote_cls.options(**self.actor_options).remote(
-            self.plain_cfg, self.spec, i, seed, self.samplers[i], log_file)
+            self.spec, i, seed, self.samplers[i], log_file)
 
     @property
     def total_restarts(self) -> int:

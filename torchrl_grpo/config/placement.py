@@ -25,6 +25,8 @@ class Placement:
     inference: list[str]
     ref: list[str]
     shared: bool
+    strategy: str = "layer_split"  # train.strategy resolved (train_strategy): fsdp | layer_split
+    ranks: int = 1                 # data-parallel training ranks (fsdp: train_model.num_devices), else 1
 
     def describe(self) -> str:
         note = " (roles share devices)" if self.shared else ""
@@ -34,7 +36,9 @@ class Placement:
 def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Placement:
     """Assign devices to the roles of ``cfg``; ``gpu_count`` defaults to what torch sees."""
     available = torch.cuda.device_count() if gpu_count is None else gpu_count
-    ranks = train_strategy(cfg, available) == "fsdp"
+    strategy = train_strategy(cfg, available)
+    ranks = strategy == "fsdp"
+    world = int(cfg.train_model.num_devices) if ranks else 1
     # data-parallel ranks shard the reference like the policy, on their own devices
     roles = [r for r in ROLES if r != "ref_model" or (needs_ref and not ranks)]
     if available == 0:
@@ -46,7 +50,7 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
                 fix = " (or train.strategy=fsdp: gloo ranks)" if role == "train_model" else ""
                 raise ConfigError(f"{role}.num_devices={cfg[role].num_devices} but this machine has no GPU: set "
                                   f"{role}.num_devices=1 to run on the CPU{fix}")
-        return Placement(["cpu"], ["cpu"], ["cpu"], shared=True)
+        return Placement(["cpu"], ["cpu"], ["cpu"], shared=True, strategy=strategy, ranks=world)
 
     chosen: dict[str, list[int]] = {}
     if ranks and cfg.train_model.get("devices"):
@@ -86,6 +90,8 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
         inference=as_names["inference_model"],
         ref=as_names.get("ref_model", as_names["train_model"]),
         shared=len(flat) != len(set(flat)),
+        strategy=strategy,
+        ranks=world,
     )
 
 
@@ -120,3 +126,18 @@ def torchrun_launch(environ=os.environ) -> Launch | None:
     world = int(environ["WORLD_SIZE"])
     local = int(environ.get("LOCAL_WORLD_SIZE", world))
     return Launch(int(environ["RANK"]), world, local) if world > 1 else None
+
+
+def adopt_torchrun_ranks(cfg: DictConfig, launch: Launch) -> None:
+    """Under ``torchrun`` the ranks are its: ``train_model.num_devices`` becomes its world size (left at 1 or
+    set to it; anything else is a one-line error), and they train data-parallel (``train.strategy`` fsdp or
+    auto)."""
+    given, strategy = int(cfg.train_model.num_devices), cfg.train.strategy
+    if given not in (1, launch.world_size):
+        raise ConfigError(f"train_model.num_devices={given} but torchrun started {launch.world_size} ranks: leave "
+                          f"train_model.num_devices out (torchrun's ranks are the train devices) or set it to "
+                          f"{launch.world_size}")
+    if strategy == "layer_split":
+        raise ConfigError(f"train.strategy=layer_split under torchrun ({launch.world_size} ranks): the layer split is "
+                          "one process; use train.strategy=fsdp (or auto), or run python grpo.py without torchrun")
+    cfg.train_model.num_devices = launch.world_size

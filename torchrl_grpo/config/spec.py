@@ -2,19 +2,22 @@
 
 :func:`resolve_run` validates every key (:func:`~torchrl_grpo.config.validate.validate`), places the roles on this
 machine's devices (:func:`~torchrl_grpo.config.placement.place`) and resolves the precision keys for those
-devices (:func:`~torchrl_grpo.config.precision.resolve_precision`). The composition root builds from the spec;
-the collector and the trainer take their settings from it, so no ``auto`` is resolved twice.
+devices (:func:`~torchrl_grpo.config.precision.resolve_precision`), then gives each part of the run its
+settings (:mod:`~torchrl_grpo.config.settings`). The composition root builds from the spec; below it nothing
+reads the config, so no ``auto`` is resolved twice.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo.config.placement import Placement, place
 from torchrl_grpo.config.precision import Precision, resolve_precision
-from torchrl_grpo.config.validate import (BatchPlan, CollectSettings, EngineSettings, EvalSettings, TrainSettings,
-                                          validate)
+from torchrl_grpo.config.settings import (ActorSettings, CheckpointSettings, CollectSettings, EngineSettings,
+                                          EvalSettings, LoggingSettings, ModelSettings, TrainSettings)
+from torchrl_grpo.config.validate import BatchPlan, validate
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,12 @@ class RunSpec:
     collect: CollectSettings    # what the collectors need
     train: TrainSettings        # what the trainer needs besides its model, loss and optimizer
     eval: EvalSettings          # what an evaluation needs
+    model: ModelSettings        # where the model comes from
+    task: dict[str, Any]        # the env section: what builds the task (the trainer's and each actor's)
+    actors: ActorSettings | None  # the async run's Ray actors (None: a sync run)
+    logging: LoggingSettings    # what the telemetry needs
+    checkpoint: CheckpointSettings  # what saves and resumes checkpoints
+    config: dict[str, Any]      # the whole config, resolved: what checkpoints and wandb record
 
 
 def resolve_run(cfg: DictConfig, training: bool = True) -> RunSpec:
@@ -42,4 +51,8 @@ def resolve_run(cfg: DictConfig, training: bool = True) -> RunSpec:
     precision = resolve_precision(cfg, placement.train[0], engine_on, placement.ref[0])
     return RunSpec(plan, placement, precision, EngineSettings.from_config(cfg, plan),
                    CollectSettings.from_config(cfg, plan), TrainSettings.from_config(cfg, plan, precision),
-                   EvalSettings.from_config(cfg, plan))
+                   EvalSettings.from_config(cfg, plan), ModelSettings.from_config(cfg),
+                   OmegaConf.to_container(cfg.env, resolve=True),
+                   ActorSettings.from_config(cfg) if cfg.get("mode") == "async" else None,
+                   LoggingSettings.from_config(cfg), CheckpointSettings.from_config(cfg, placement),
+                   OmegaConf.to_container(cfg, resolve=True))

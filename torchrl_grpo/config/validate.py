@@ -1,7 +1,6 @@
-"""Validate the composed config once, with errors that name the keys, and translate the recipe's key names
-into the trainer's terms: :class:`BatchPlan` (the batch arithmetic), :class:`CollectSettings` and
-:class:`TrainSettings`. Each key's kind and range is :mod:`torchrl_grpo.config.schema`'s; here are the checks that
-involve several keys.
+"""Validate the composed config once, with errors that name the keys, and translate the batch keys into the
+trainer's terms: :class:`BatchPlan` (the other settings are :mod:`torchrl_grpo.config.settings`'). Each key's
+kind and range is :mod:`torchrl_grpo.config.schema`'s; here are the checks that involve several keys.
 
 The batch vocabulary (see README.md):
 
@@ -21,7 +20,6 @@ from typing import Any
 from omegaconf import DictConfig
 
 from torchrl_grpo.config.placement import train_strategy
-from torchrl_grpo.config.precision import Precision
 from torchrl_grpo.config.schema import check_schema, require
 from torchrl_grpo.core.errors import ConfigError
 
@@ -54,107 +52,6 @@ class BatchPlan:
         ]
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"  {name:<{width}}  {value:>8}   ({key})" for name, value, key in rows)
-
-
-@dataclass(frozen=True)
-class CollectSettings:
-    """What the collector needs, in its own terms (``env.*``, ``inference_model.*`` and the loss keys that act
-    on collection: DAPO's dynamic sampling and soft overlong penalty)."""
-
-    prompts_per_step: int        # env.num_envs
-    group_size: int              # env.repeats
-    max_tokens: int              # inference_model.max_tokens
-    temperature: float           # inference_model.temperature
-    top_p: float                 # inference_model.top_p
-    max_model_len: int           # inference_model.max_model_len: a multi-turn episode ends before passing it
-    dynamic_sampling: bool       # loss.dynamic_sampling
-    max_resample_rounds: int     # loss.max_resample_rounds
-    soft_overlong: bool          # loss.overlong == "soft"
-    overlong_buffer: int | None  # loss.overlong_buffer
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> CollectSettings:
-        return cls(
-            prompts_per_step=plan.prompts_per_step, group_size=plan.group_size, max_tokens=plan.max_tokens,
-            temperature=float(cfg.inference_model.temperature), top_p=float(cfg.inference_model.top_p),
-            max_model_len=int(cfg.inference_model.max_model_len),
-            dynamic_sampling=bool(cfg.loss.dynamic_sampling), max_resample_rounds=int(cfg.loss.max_resample_rounds),
-            soft_overlong=cfg.loss.overlong == "soft", overlong_buffer=cfg.loss.overlong_buffer,
-        )
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """What builds a run's engines, the same for the sync engine, ``evaluate.py``'s and each rollout actor's
-    (``inference_model.*``; each caller adds its own dtype, devices and seed)."""
-
-    backend: str                    # inference_model.backend: vllm | transformers
-    gpu_memory_utilization: float   # inference_model.gpu_memory_utilization
-    max_model_len: int              # inference_model.max_model_len
-    engine_process: str             # inference_model.engine_process: same | own | auto
-    trust_remote_code: bool         # model.trust_remote_code
-    prompts_per_step: int           # env.num_envs: with the two below, what a step's KV cache must hold
-    completions_per_step: int       # env.num_envs x env.repeats
-    max_tokens: int                 # inference_model.max_tokens
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> EngineSettings:
-        inference = cfg.inference_model
-        return cls(backend=str(inference.backend), gpu_memory_utilization=float(inference.gpu_memory_utilization),
-                   max_model_len=int(inference.max_model_len), engine_process=str(inference.engine_process),
-                   trust_remote_code=bool(cfg.model.trust_remote_code), prompts_per_step=plan.prompts_per_step,
-                   completions_per_step=plan.completions_per_step, max_tokens=plan.max_tokens)
-
-
-@dataclass(frozen=True)
-class EvalSettings:
-    """What an evaluation needs (``eval.*``; the trainer's also ``logging.eval_frequency``)."""
-
-    num_prompts: int | None      # eval.num_prompts: the first N prompts of the evaluation split (None: all)
-    samples: int                 # eval.samples: completions per prompt (pass@k up to it)
-    temperature: float           # eval.temperature (0: greedy)
-    max_tokens: int              # eval.max_tokens, null resolved to inference_model.max_tokens
-    max_model_len: int           # inference_model.max_model_len: a multi-turn episode ends before passing it
-    every: int                   # logging.eval_frequency: the trainer evaluates every N steps (0: never)
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> EvalSettings:
-        e = cfg.eval
-        return cls(num_prompts=None if e.num_prompts is None else int(e.num_prompts), samples=int(e.samples),
-                   temperature=float(e.temperature),
-                   max_tokens=plan.max_tokens if e.max_tokens is None else int(e.max_tokens),
-                   max_model_len=int(cfg.inference_model.max_model_len), every=int(cfg.logging.eval_frequency))
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """What the trainer needs besides its model, loss and optimizer, in its own terms."""
-
-    group_size: int                 # env.repeats: advantages are computed per group
-    micro_batch: int                # train.optim_batch_size
-    accumulation: int               # train.gradient_accumulation_steps
-    epochs: int                     # train.epochs
-    temperature: float              # inference_model.temperature: the log-probs' distribution
-    recompute_old_log_probs: bool   # loss.old_log_probs resolved (Precision.trainer_old_log_probs)
-    kl_in_reward_coeff: float       # train.kl_to_ref_coeff when train.kl_coef_in_loss is false, else 0
-    reward_scale: str               # loss.reward_scale
-    clip_grad_norm: float | None    # optimizer.clip_grad_norm
-    mixed_precision: bool           # train.mixed_precision resolved: bf16 autocast (Precision.autocast_bf16)
-    max_nonfinite_updates: int      # train.max_nonfinite_updates: skipped updates in a row that stop the run
-    seed: int                       # train.seed: the micro-batch shuffle
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig, plan: BatchPlan, precision: Precision) -> TrainSettings:
-        clip = cfg.optimizer.clip_grad_norm
-        return cls(
-            group_size=plan.group_size, micro_batch=plan.micro_batch, accumulation=plan.accumulation,
-            epochs=plan.epochs, temperature=float(cfg.inference_model.temperature),
-            recompute_old_log_probs=precision.trainer_old_log_probs,
-            kl_in_reward_coeff=0.0 if cfg.train.kl_coef_in_loss else float(cfg.train.kl_to_ref_coeff),
-            reward_scale=cfg.loss.reward_scale, clip_grad_norm=None if not clip else float(clip),
-            mixed_precision=precision.autocast_bf16,
-            max_nonfinite_updates=int(cfg.train.max_nonfinite_updates), seed=int(cfg.train.seed),
-        )
 
 
 def _positive_int(cfg: DictConfig, key: str) -> int:

@@ -3,7 +3,7 @@ arguments a run's settings give, :func:`engine_options`) and :func:`policy_engin
 the caller holds (the trained policy)."""
 from __future__ import annotations
 
-from torchrl_grpo.config.validate import EngineSettings
+from torchrl_grpo.config.settings import EngineSettings
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.base import Engine
 

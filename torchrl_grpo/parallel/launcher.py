@@ -13,38 +13,37 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
-from torchrl_grpo.config.placement import Launch, torchrun_launch, train_strategy
+from torchrl_grpo.config.placement import torchrun_launch
 from torchrl_grpo.config.spec import RunSpec
-from torchrl_grpo.core.errors import ConfigError, RunError
+from torchrl_grpo.core.errors import RunError
 from torchrl_grpo.parallel.ranks import DataParallel, process_group
 
-# (config, run spec, this rank's DataParallel) -> (trainer, engine) that follow rank 0's
-BuildFollower = Callable[[DictConfig, RunSpec, DataParallel], tuple]
+# (run spec, this rank's DataParallel) -> (trainer, engine) that follow rank 0's
+BuildFollower = Callable[[RunSpec, DataParallel], tuple]
 
 # collectives wait this long for a rank: the followers wait while rank 0 generates and evaluates
 RANK_TIMEOUT_S = 1800
 
 
 @contextlib.contextmanager
-def data_parallel_ranks(cfg: DictConfig, spec: RunSpec, run_dir: Path, build_follower: BuildFollower):
+def data_parallel_ranks(spec: RunSpec, run_dir: Path, build_follower: BuildFollower):
     """``train.strategy=fsdp`` (or ``auto`` resolved to it): this process becomes rank 0 of ``train_model.num_devices``
     ranks and starts the others (:func:`follow_rank` with ``build_follower``), or of the ranks ``torchrun`` started
     (:func:`torchrun_follower` runs the others); yields rank 0's :class:`DataParallel` (None for the other strategies).
-    ``cfg`` was checked and resolved into ``spec`` first (torchrun's world taken as ``train_model.num_devices``:
-    :func:`adopt_torchrun_ranks`), so a bad one fails in one line before any rank starts; the followers get both. The
+    The config was checked and resolved into ``spec`` first (torchrun's world taken as ``train_model.num_devices``:
+    :func:`~torchrl_grpo.config.placement.adopt_torchrun_ranks`), so a bad one fails in one line before any rank starts; the followers get it. The
     followers stop when rank 0's run ends; those it started are killed if it fails. A follower that dies stops the run
     in one line (its collective fails at once, or after ``RANK_TIMEOUT_S``), saying how to resume from ``run_dir``'s
     last checkpoint."""
     launch = torchrun_launch()
-    if train_strategy(cfg) != "fsdp":
+    if spec.placement.strategy != "fsdp":
         yield None
         return
     # rank 0's vLLM engine in a fresh process of its own (build_sync asks for engine_process=own, spawned): in
     # this one (or a fork of it) it would take the ranks' process group and wait for the followers
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
-    world, store, init_method, followers = int(cfg.train_model.num_devices), None, "env://", []
+    world, store, init_method, followers = spec.placement.ranks, None, "env://", []
     if launch is None:
         store = Path(tempfile.mkdtemp(prefix="grpo_ranks_"))
         init_method = f"file://{store / 'store'}"
@@ -55,7 +54,7 @@ def data_parallel_ranks(cfg: DictConfig, spec: RunSpec, run_dir: Path, build_fol
         follower.start()
     try:
         with process_group(0, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
-            parallel.broadcast_run((OmegaConf.to_container(cfg, resolve=True), spec))
+            parallel.broadcast_run(spec)
             started = ", started by torchrun" if launch is not None else ""
             print(f"data-parallel training: {world} rank{'s' if world > 1 else ''} (FSDP2 over "
                   f"{torch.distributed.get_backend()}{started}), this process is rank 0", flush=True)
@@ -86,21 +85,6 @@ def data_parallel_ranks(cfg: DictConfig, spec: RunSpec, run_dir: Path, build_fol
             shutil.rmtree(store, ignore_errors=True)
 
 
-def adopt_torchrun_ranks(cfg: DictConfig, launch: Launch) -> None:
-    """Under ``torchrun`` the ranks are its: ``train_model.num_devices`` becomes its world size (left at 1 or
-    set to it; anything else is a one-line error), and they train data-parallel (``train.strategy`` fsdp or
-    auto)."""
-    given, strategy = int(cfg.train_model.num_devices), cfg.train.strategy
-    if given not in (1, launch.world_size):
-        raise ConfigError(f"train_model.num_devices={given} but torchrun started {launch.world_size} ranks: leave "
-                          f"train_model.num_devices out (torchrun's ranks are the train devices) or set it to "
-                          f"{launch.world_size}")
-    if strategy == "layer_split":
-        raise ConfigError(f"train.strategy=layer_split under torchrun ({launch.world_size} ranks): the layer split is "
-                          "one process; use train.strategy=fsdp (or auto), or run python grpo.py without torchrun")
-    cfg.train_model.num_devices = launch.world_size
-
-
 def torchrun_follower(build_follower: BuildFollower) -> bool:
     """Under ``torchrun``, a rank other than 0 follows rank 0 (:func:`follow_rank`) instead of running the
     script, and this returns True once the run ended; False for rank 0 and plain processes."""
@@ -113,8 +97,7 @@ def torchrun_follower(build_follower: BuildFollower) -> bool:
 
 def follow_rank(rank: int, world: int, init_method: str, build_follower: BuildFollower) -> None:
     """A follower rank (started by :func:`data_parallel_ranks` or torchrun): ``build_follower`` builds the trainer
-    and engine rank 0 has, from the config and spec rank 0 sends, sharded alike; they then make the calls rank 0's
+    and engine rank 0 has, from the run spec rank 0 sends, sharded alike; they then make the calls rank 0's
     trainer announces until the run ends."""
     with process_group(rank, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
-        config, spec = parallel.broadcast_run(None)
-        parallel.follow(*build_follower(OmegaConf.create(config), spec, parallel))
+        parallel.follow(*build_follower(parallel.broadcast_run(None), parallel))

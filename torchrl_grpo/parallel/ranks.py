@@ -17,7 +17,7 @@ probe, the checkpoint), with its arguments, and each follower makes the same cal
 (:meth:`DataParallel.follow`), so that every rank's collectives match; so does the transformers engine, which
 samples with the sharded policy (each rank a share of the rows: :meth:`TransformersEngine.sample_share`).
 ``grpo.py`` starts the followers itself (one machine), or ``torchrun`` starts every rank (:func:`torchrun_launch`,
-several machines); either way rank 0 sends them its config and run spec (:meth:`DataParallel.broadcast_run`).
+several machines); either way rank 0 sends them its run spec (:meth:`DataParallel.broadcast_run`).
 """
 from __future__ import annotations
 
@@ -31,6 +31,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.errors import RunError
 from torchrl_grpo.objective.loss import MAX_METRICS
 
@@ -66,10 +67,10 @@ class DataParallel:
             target = next(t for t in targets if getattr(getattr(type(t), call, None), "collective", False))
             getattr(target, call)(*args, **kwargs)
 
-    def broadcast_run(self, run: tuple | None) -> tuple:
-        """Rank 0's run config and spec (given there, ``None`` elsewhere) on every rank: the followers build the
-        same trainer, with the precisions rank 0 resolved, without composing a config of their own."""
-        box = [run]
+    def broadcast_run(self, spec: RunSpec | None) -> RunSpec:
+        """Rank 0's run spec (given there, ``None`` elsewhere) on every rank: the followers build the same
+        trainer, with the precisions rank 0 resolved, without composing a config of their own."""
+        box = [spec]
         dist.broadcast_object_list(box, src=0, device=self.device)
         return box[0]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo.collect.collector import Collector
-from torchrl_grpo.config.placement import torchrun_launch
+from torchrl_grpo.config.placement import adopt_torchrun_ranks, torchrun_launch
 from torchrl_grpo.config.precision import native_bf16
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
@@ -26,7 +26,6 @@ from torchrl_grpo.episodes.lengths import fit_prompts
 from torchrl_grpo.episodes.setup import build_episode_task
 from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.objective.loss import GRPOLoss
-from torchrl_grpo.parallel.launcher import adopt_torchrun_ranks
 from torchrl_grpo.parallel.ranks import DataParallel, shard_model
 from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.loop import Run
@@ -125,10 +124,10 @@ def build_loss(cfg: DictConfig, policy) -> GRPOLoss:
     )
 
 
-def build_eval_task(cfg: DictConfig) -> Task:
+def build_eval_task(spec: RunSpec) -> Task:
     """The task's evaluation split: ``env`` with ``env.eval`` merged over it (GSM8K's test split, another
     seed for generated tasks, reasoning-gym's held-out tasks)."""
-    return build_episode_task(eval_env_config(cfg.env))
+    return build_episode_task(eval_env_config(spec.task))
 
 
 def build_eval_engine(cfg: DictConfig, spec: RunSpec, task: Task):
@@ -137,15 +136,15 @@ def build_eval_engine(cfg: DictConfig, spec: RunSpec, task: Task):
     from torchrl_grpo.models.loading import load_policy, load_tokenizer
     from torchrl_grpo.models.sources import resolve_model
 
-    trust = bool(cfg.model.trust_remote_code)
-    model_path = resolve_model(str(cfg.model.name), trust)
+    trust = spec.model.trust_remote_code
+    model_path = resolve_model(spec.model.name, trust)
     tokenizer = load_tokenizer(model_path, trust)
-    fit_lengths(cfg, spec, model_path, tokenizer, None, task)
+    fit_lengths(spec, model_path, tokenizer, None, task)
     policy = None
     if spec.engine.backend == "transformers":
         policy = load_policy(model_path, dtype=spec.precision.engine, device=spec.placement.inference,
                              trainable=False, trust_remote_code=trust)
-    return build_engine(cfg, spec, model_path, policy, tokenizer, seed=int(cfg.train.seed)), tokenizer
+    return build_engine(cfg, spec, model_path, policy, tokenizer, seed=spec.train.seed), tokenizer
 
 
 def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: Path | None,
@@ -177,7 +176,7 @@ def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: 
                    torch.device(ref_on[0]) if ref_policy is not None else None, parallel)
 
 
-def build_follower(cfg: DictConfig, spec: RunSpec, parallel: DataParallel) -> tuple[Trainer, object]:
+def build_follower(spec: RunSpec, parallel: DataParallel) -> tuple[Trainer, object]:
     """What a data-parallel follower rank holds (:func:`torchrl_grpo.parallel.launcher.follow_rank`): the trainer
     rank 0 builds, sharded alike, and the transformers engine over its policy, for its share of what rank 0
     samples with the sharded policy (the transformers engine, async evaluation)."""
@@ -185,10 +184,10 @@ def build_follower(cfg: DictConfig, spec: RunSpec, parallel: DataParallel) -> tu
     from torchrl_grpo.models.loading import load_tokenizer
     from torchrl_grpo.models.sources import resolve_model
 
-    seed_everything(int(cfg.train.seed))
-    trust = bool(cfg.model.trust_remote_code)
-    model_path = resolve_model(str(cfg.model.name), trust)
-    trainer = build_trainer(cfg, spec, model_path, None, parallel)
+    seed_everything(spec.train.seed)
+    trust = spec.model.trust_remote_code
+    model_path = resolve_model(spec.model.name, trust)
+    trainer = build_trainer(OmegaConf.create(spec.config), spec, model_path, None, parallel)
     return trainer, policy_engine(trainer.policy, load_tokenizer(model_path, trust), parallel=parallel)
 
 
@@ -215,21 +214,20 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     if (launch := torchrun_launch()) is not None:
         adopt_torchrun_ranks(cfg, launch)
     spec = resolve_run(cfg)
-    seed_everything(int(cfg.train.seed))
-    state = RunState(cfg, run_dir)
-    task = build_episode_task(cfg.env)
-    eval_task = build_eval_task(cfg) if int(cfg.logging.eval_frequency) > 0 else None
+    seed_everything(spec.train.seed)
+    state = RunState(spec, run_dir)
+    task = build_episode_task(spec.task)
+    eval_task = build_eval_task(spec) if spec.eval.every > 0 else None
     from torchrl_grpo.models.loading import load_tokenizer
     from torchrl_grpo.models.sources import resolve_model
 
-    model_path = resolve_model(str(cfg.model.name), bool(cfg.model.trust_remote_code))
-    tokenizer = load_tokenizer(model_path, bool(cfg.model.trust_remote_code))
-    fit_lengths(cfg, spec, model_path, tokenizer, task, eval_task)
+    model_path = resolve_model(spec.model.name, spec.model.trust_remote_code)
+    tokenizer = load_tokenizer(model_path, spec.model.trust_remote_code)
+    fit_lengths(spec, model_path, tokenizer, task, eval_task)
     return Inputs(spec, state, task, eval_task, model_path, tokenizer)
 
 
-def fit_lengths(cfg: DictConfig, spec: RunSpec, model_path: str, tokenizer, task: Task | None,
-                eval_task: Task | None) -> None:
+def fit_lengths(spec: RunSpec, model_path: str, tokenizer, task: Task | None, eval_task: Task | None) -> None:
     """Before any engine starts: ``inference_model.max_model_len`` within the model's own context, and the rows
     of ``task`` (and ``eval_task``, with the evaluation's completion budget) whose prompt and completion cannot
     fit it left out with one warning line, or refused (``env.overlong_prompts``;
@@ -245,7 +243,7 @@ def fit_lengths(cfg: DictConfig, spec: RunSpec, model_path: str, tokenizer, task
                                                                               spec.eval.max_tokens)):
         if checked is None:
             continue
-        dropped = fit_prompts(checked, tokenizer, max_tokens, max_model_len, cfg.env.overlong_prompts, where)
+        dropped = fit_prompts(checked, tokenizer, max_tokens, max_model_len, spec.collect.overlong_prompts, where)
         if dropped is not None:
             print(dropped.message, file=sys.stderr, flush=True)
 
@@ -279,7 +277,7 @@ def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = 
     c = build_common(cfg, inputs, parallel)
     print(f"precision: {c.spec.precision.describe(cfg)}", flush=True)
     engine = build_engine(cfg, c.spec, c.model_path, c.trainer.policy, c.tokenizer,
-                          seed=int(cfg.train.seed) + c.state.step,
+                          seed=c.spec.train.seed + c.state.step,
                           engine_process="own" if parallel is not None else None, parallel=parallel)
     weights = EngineSync(c.trainer, engine, None if c.trainer.samples_with_policy(engine) else (
         build_weight_check(cfg, c.trainer, c.tokenizer, c.spec.precision.engine)))
@@ -287,10 +285,10 @@ def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = 
         weights.resume()
     if (line := weights.startup()) is not None:
         print(line, flush=True)
-    collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), int(cfg.env.seed)),
+    collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), c.spec.collect.prompt_seed),
                           c.spec.collect)
     source = LocalSource(collector, weights, overlap=not cfg.train.sync_iter)
-    return Run(source, c.trainer, c.state, c.spec.plan.total_steps, c.evaluator)
+    return Run(source, c.trainer, c.state, c.spec, c.evaluator)
 
 
 def build_async(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = None) -> Run:
@@ -300,6 +298,5 @@ def build_async(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None =
     print(f"precision: {c.spec.precision.describe(cfg)}", flush=True)
     engine_dtype = c.spec.precision.engine
     weights = ActorSync(c.trainer, build_weight_check(cfg, c.trainer, c.tokenizer, engine_dtype), engine_dtype)
-    source = ActorSource(c.spec, weights, c.tokenizer, c.task.reward_names, int(cfg.ray.num_actors),
-                         int(cfg.train.weight_update_frequency), int(cfg.train.max_staleness))
-    return Run(source, c.trainer, c.state, c.spec.plan.total_steps, c.evaluator)
+    source = ActorSource(c.spec, weights, c.tokenizer, c.task.reward_names)
+    return Run(source, c.trainer, c.state, c.spec, c.evaluator)

@@ -51,7 +51,7 @@ def train_sync(cfg: DictConfig, run_dir: Path) -> None:
     from torchrl_grpo.run.loop import run_loop
 
     inputs = read_inputs(cfg, run_dir)  # before any other rank starts
-    with data_parallel_ranks(cfg, inputs.spec, run_dir, build_follower) as parallel:  # rank 0; the others follow
+    with data_parallel_ranks(inputs.spec, run_dir, build_follower) as parallel:  # rank 0; the others follow
         run = build_sync(cfg, inputs, parallel)
         try:
             run_loop(run)
@@ -66,7 +66,7 @@ def train_async(cfg: DictConfig, run_dir: Path) -> None:
     from torchrl_grpo.run.loop import run_loop
 
     inputs = read_inputs(cfg, run_dir)  # before any other rank starts
-    with data_parallel_ranks(cfg, inputs.spec, run_dir, build_follower) as parallel:
+    with data_parallel_ranks(inputs.spec, run_dir, build_follower) as parallel:
         run_loop(build_async(cfg, inputs, parallel))
 
 
@@ -78,7 +78,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> None:
     from torchrl_grpo.run.evaluation import evaluate_with_engine, format_table, read_responses, score_responses
 
     spec = resolve_run(cfg, training=False)
-    task = build_eval_task(cfg)
+    task = build_eval_task(spec)
     if cfg.eval.responses:
         metrics, records = score_responses(task, *read_responses(cfg.eval.responses, task))
         source = str(cfg.eval.responses)

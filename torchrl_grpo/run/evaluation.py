@@ -20,7 +20,7 @@ from math import comb
 from pathlib import Path
 from typing import Any
 
-from torchrl_grpo.config.validate import EvalSettings
+from torchrl_grpo.config.settings import EvalSettings
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks import Task, per_task_means
 

@@ -15,6 +15,7 @@ import contextlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.files import NotWritten
 from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.state import RunState
@@ -76,8 +77,12 @@ class Run:
     source: BatchSource
     trainer: Trainer
     state: RunState
-    total_steps: int
+    spec: RunSpec
     evaluator: Evaluator | None = None  # logging.eval_frequency > 0
+
+    @property
+    def total_steps(self) -> int:
+        return self.spec.plan.total_steps
 
 
 def run_loop(run: Run) -> dict:
@@ -94,8 +99,8 @@ def run_loop(run: Run) -> dict:
             stack.enter_context(source.running(state, trainer, run.total_steps))
         except source.faults as cause:  # the source could not start
             raise stopped_by(cause, start, source.position) from None
-        telemetry = stack.enter_context(Telemetry(state.config, state.run_dir, run.total_steps, start,
-                                                  resumed=start > 0))
+        telemetry = stack.enter_context(Telemetry(run.spec.logging, run.spec.config, state.run_dir,
+                                                  run.total_steps, start, resumed=start > 0))
         stop = stack.enter_context(StopRequest())
         eval_engine = source.eval_engine(trainer) if evaluator is not None else None
         if start == 0 and evaluator is not None and evaluator.due(0):

@@ -100,12 +100,12 @@ class ActorSource:
     faults = (ActorFault,)
     exact_engine = None  # the actors sample while the trainer saves
 
-    def __init__(self, spec: RunSpec, weights: ActorSync, tokenizer, reward_names: list[str], num_actors: int,
-                 weight_update_frequency: int, max_staleness: int):
+    def __init__(self, spec: RunSpec, weights: ActorSync, tokenizer, reward_names: list[str]):
         self.spec, self.weights, self.tokenizer, self.reward_names = spec, weights, tokenizer, reward_names
-        self.num_actors, self.weight_update_frequency = num_actors, weight_update_frequency
-        self.max_staleness = max_staleness
-        self.progress = AsyncProgress(num_actors)
+        actors = spec.actors
+        self.num_actors, self.weight_update_frequency = actors.num_actors, actors.weight_update_frequency
+        self.max_staleness = actors.max_staleness
+        self.progress = AsyncProgress(self.num_actors)
         self.pool: ActorPool | None = None
         self.total_steps = 0
 
@@ -120,7 +120,7 @@ class ActorSource:
     def running(self, state: RunState, trainer, total_steps: int):
         self.total_steps = total_steps
         weights, probe = self.weights.resume() if state.resume_from is not None else (None, None)
-        with ActorPool(state.config, self.spec, self.progress.actor_samplers, state.step,
+        with ActorPool(self.spec, self.progress.actor_samplers, state.step,
                        self.progress.policy_version, weights, probe, log_dir=state.run_dir) as pool:
             self.pool = pool
             print(f"async: {self.num_actors} rollout actor(s) started in Ray ({pool.startup_time:.1f} s); weights "

@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
-
-from torchrl_grpo.config.placement import train_strategy
+from torchrl_grpo.config.settings import CheckpointSettings
+from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core import checkpoint
 from torchrl_grpo.core.errors import ConfigError, RunError
 
@@ -27,14 +26,15 @@ from torchrl_grpo.core.errors import ConfigError, RunError
 class RunState:
     """The checkpoint to resume from (read once, at start) and the saving of new ones."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path):
-        self.run_dir, self.config = run_dir, cfg
-        self.directory = run_dir / cfg.logging.checkpoint_dir
-        self.frequency, self.keep = int(cfg.logging.checkpoint_frequency), int(cfg.logging.keep_checkpoints)
-        self.resume_from = checkpoint.find_resume_point(cfg.train.resume, self.directory)
+    def __init__(self, spec: RunSpec, run_dir: Path):
+        settings = spec.checkpoint
+        self.run_dir, self.config = run_dir, spec.config
+        self.directory = run_dir / settings.directory
+        self.frequency, self.keep = settings.frequency, settings.keep
+        self.resume_from = checkpoint.find_resume_point(settings.resume, self.directory)
         self._saved = checkpoint.load_state(self.resume_from) if self.resume_from is not None else None
         if self._saved is not None:
-            check_world_size(cfg, self._saved, self.resume_from)
+            check_world_size(settings, self._saved, self.resume_from)
         self.step = int(self._saved["step"]) if self._saved is not None else 0  # the last finished step
 
     def restore(self, trainer, data, engine=None) -> None:
@@ -62,7 +62,7 @@ class RunState:
         self.step = step
         state = {"step": step, **trainer.state_dict(), "sampler": data.state_dict(), "rng": checkpoint.rng_state(),
                  "engine_rng": engine.sampling_state() if engine is not None else None,
-                 "config": OmegaConf.to_container(self.config, resolve=True)}
+                 "config": self.config}
         weights = sum(p.numel() * p.element_size() for p in trainer.policy.parameters())
         return checkpoint.save(self.directory, step, trainer, tokenizer, state, keep=self.keep, weights_bytes=weights)
 
@@ -92,13 +92,12 @@ class RunState:
         return f"continue with train.resume=auto hydra.run.dir={self.run_dir}"
 
 
-def check_world_size(cfg: DictConfig, saved: dict, resume_from: Path) -> None:
+def check_world_size(settings: CheckpointSettings, saved: dict, resume_from: Path) -> None:
     """A checkpoint resumes with the data-parallel ranks that wrote it (its optimizer state is in their shards;
     a one-process one holds it whole): else a one-line ConfigError, before anything heavy starts."""
-    written = int(saved.get("world_size", 1))
-    ranks = int(cfg.train_model.num_devices) if train_strategy(cfg) == "fsdp" else 1
+    written, ranks = int(saved.get("world_size", 1)), settings.ranks
     if written != ranks:
-        raise ConfigError(f"train.resume={cfg.train.resume}: {resume_from} was trained by {_ranks(written)} and "
+        raise ConfigError(f"train.resume={settings.resume}: {resume_from} was trained by {_ranks(written)} and "
                           f"this run has {_ranks(ranks)}; resume with train_model.num_devices={written}"
                           f"{' train.strategy=fsdp' if written > 1 else ''}, or start a new run from its weights "
                           f"with model.name={resume_from}")

@@ -47,14 +47,16 @@ def build_task(env_cfg: Any) -> Task:
     return task
 
 
-def eval_env_config(env_cfg: Any) -> Any:
-    """The env config of the task's evaluation split: ``env`` with its ``env.eval`` block merged over it
-    (e.g. ``{split: test}`` for GSM8K, another seed for generated tasks, held-out tasks for reasoning-gym)."""
+def eval_env_config(env_cfg: Any) -> dict:
+    """The env config of the task's evaluation split, as a plain dict: ``env`` with its ``env.eval`` block merged
+    over it (e.g. ``{split: test}`` for GSM8K, another seed for generated tasks, held-out tasks for
+    reasoning-gym)."""
     from omegaconf import OmegaConf
 
-    base = OmegaConf.create(OmegaConf.to_container(env_cfg, resolve=True)) if env_cfg is not None else OmegaConf.create()
+    plain = env_cfg if env_cfg is None or isinstance(env_cfg, dict) else OmegaConf.to_container(env_cfg, resolve=True)
+    base = OmegaConf.create(plain or {})
     overrides = base.pop("eval", None) or {}
-    return OmegaConf.merge(base, overrides)
+    return OmegaConf.to_container(OmegaConf.merge(base, overrides), resolve=True)
 
 
 def add_custom_rewards(task: Task, entries) -> Task:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from torchrl_grpo.config.settings import LoggingSettings
 from torchrl_grpo.core.files import append_whole, write_replacing
 
 CONSOLE_KEYS = (
@@ -89,16 +90,18 @@ class SamplesJSONL:
 
 
 class Telemetry:
-    def __init__(self, cfg, run_dir: Path, total_steps: int, start_step: int, resumed: bool):
+    def __init__(self, settings: LoggingSettings, config: dict, run_dir: Path, total_steps: int, start_step: int,
+                 resumed: bool):
+        """``config``: the run's resolved config, which wandb records."""
         self.csv = MetricsCSV(run_dir / "metrics.csv", resume_step=start_step if resumed else None)
         self.samples = SamplesJSONL(run_dir / "samples.jsonl", resume_step=start_step if resumed else None)
-        self.samples_frequency = int(cfg.logging.samples_frequency)
-        self.log_frequency = max(1, int(cfg.logging.log_frequency))
-        self.show_completions = int(cfg.logging.show_completions)
+        self.samples_frequency = settings.samples_frequency
+        self.log_frequency = settings.log_frequency
+        self.show_completions = settings.show_completions
         # a bar redraws with carriage returns: only on a terminal (a file, CI or `| tee` gets the step lines)
         self.bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step", dynamic_ncols=True,
-                        disable=not (cfg.logging.progress_bar and sys.stderr.isatty()), file=sys.stderr)
-        self.wandb = _start_wandb(cfg, run_dir) if cfg.logging.wandb.enabled else None
+                        disable=not (settings.progress_bar and sys.stderr.isatty()), file=sys.stderr)
+        self.wandb = _start_wandb(settings, config, run_dir) if settings.wandb else None
 
     def record(self, step: int, metrics: dict) -> dict:
         """Write ``metrics`` as the row of ``step`` (CSV, wandb) and print its evaluation line, if any; the
@@ -184,20 +187,18 @@ def _plain(value):
     return value
 
 
-def _start_wandb(cfg, run_dir: Path):
+def _start_wandb(settings: LoggingSettings, config: dict, run_dir: Path):
     import wandb
 
-    mode = cfg.logging.wandb.mode
+    mode = settings.wandb_mode
     if mode == "auto":
         mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
-    from omegaconf import OmegaConf
-
     return wandb.init(
-        project=cfg.logging.wandb.project,
-        name=cfg.logging.experiment_name or f"{cfg.train.exp_name}-{run_dir.name}",
+        project=settings.wandb_project,
+        name=settings.run_name or f"{settings.exp_name}-{run_dir.name}",
         dir=str(run_dir),
         mode=mode,
-        config=OmegaConf.to_container(cfg, resolve=True),
+        config=config,
     )
 
 

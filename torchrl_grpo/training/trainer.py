@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from torchrl_grpo.config.validate import TrainSettings
+from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.core.checkpoint import OPTIMIZER_SHARDS
 from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.engines.weight_stream import StreamedWeights

@@ -1,0 +1,198 @@
+"""The settings each part of a run takes from the config, in that part's own terms: the collector's, the
+engines', an evaluation's, the trainer's, the Ray actors', telemetry's and the checkpoints'. Each is built once,
+from the checked config, by :func:`torchrl_grpo.config.spec.resolve_run`; a comment names each field's key.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from torchrl_grpo.config.placement import Placement
+from torchrl_grpo.config.precision import Precision
+from torchrl_grpo.config.validate import BatchPlan
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    """Where the model comes from (``model.*``): a hub name, a folder or a packaged model's name."""
+
+    name: str                 # model.name
+    trust_remote_code: bool   # model.trust_remote_code
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> ModelSettings:
+        return cls(name=str(cfg.model.name), trust_remote_code=bool(cfg.model.trust_remote_code))
+
+
+@dataclass(frozen=True)
+class CollectSettings:
+    """What the collector needs, in its own terms (``env.*``, ``inference_model.*`` and the loss keys that act
+    on collection: DAPO's dynamic sampling and soft overlong penalty)."""
+
+    prompts_per_step: int        # env.num_envs
+    group_size: int              # env.repeats
+    max_tokens: int              # inference_model.max_tokens
+    temperature: float           # inference_model.temperature
+    top_p: float                 # inference_model.top_p
+    max_model_len: int           # inference_model.max_model_len: a multi-turn episode ends before passing it
+    dynamic_sampling: bool       # loss.dynamic_sampling
+    max_resample_rounds: int     # loss.max_resample_rounds
+    soft_overlong: bool          # loss.overlong == "soft"
+    overlong_buffer: int | None  # loss.overlong_buffer
+    prompt_seed: int             # env.seed: the prompt order (an actor's: env.seed + its index)
+    overlong_prompts: str        # env.overlong_prompts: drop | error the rows that cannot fit max_model_len
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> CollectSettings:
+        return cls(
+            prompts_per_step=plan.prompts_per_step, group_size=plan.group_size, max_tokens=plan.max_tokens,
+            temperature=float(cfg.inference_model.temperature), top_p=float(cfg.inference_model.top_p),
+            max_model_len=int(cfg.inference_model.max_model_len),
+            dynamic_sampling=bool(cfg.loss.dynamic_sampling), max_resample_rounds=int(cfg.loss.max_resample_rounds),
+            soft_overlong=cfg.loss.overlong == "soft", overlong_buffer=cfg.loss.overlong_buffer,
+            prompt_seed=int(cfg.env.seed), overlong_prompts=str(cfg.env.overlong_prompts),
+        )
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What builds a run's engines, the same for the sync engine, ``evaluate.py``'s and each rollout actor's
+    (``inference_model.*``; each caller adds its own dtype, devices and seed)."""
+
+    backend: str                    # inference_model.backend: vllm | transformers
+    gpu_memory_utilization: float   # inference_model.gpu_memory_utilization
+    max_model_len: int              # inference_model.max_model_len
+    engine_process: str             # inference_model.engine_process: same | own | auto
+    trust_remote_code: bool         # model.trust_remote_code
+    prompts_per_step: int           # env.num_envs: with the two below, what a step's KV cache must hold
+    completions_per_step: int       # env.num_envs x env.repeats
+    max_tokens: int                 # inference_model.max_tokens
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> EngineSettings:
+        inference = cfg.inference_model
+        return cls(backend=str(inference.backend), gpu_memory_utilization=float(inference.gpu_memory_utilization),
+                   max_model_len=int(inference.max_model_len), engine_process=str(inference.engine_process),
+                   trust_remote_code=bool(cfg.model.trust_remote_code), prompts_per_step=plan.prompts_per_step,
+                   completions_per_step=plan.completions_per_step, max_tokens=plan.max_tokens)
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What an evaluation needs (``eval.*``; the trainer's also ``logging.eval_frequency``)."""
+
+    num_prompts: int | None      # eval.num_prompts: the first N prompts of the evaluation split (None: all)
+    samples: int                 # eval.samples: completions per prompt (pass@k up to it)
+    temperature: float           # eval.temperature (0: greedy)
+    max_tokens: int              # eval.max_tokens, null resolved to inference_model.max_tokens
+    max_model_len: int           # inference_model.max_model_len: a multi-turn episode ends before passing it
+    every: int                   # logging.eval_frequency: the trainer evaluates every N steps (0: never)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> EvalSettings:
+        e = cfg.eval
+        return cls(num_prompts=None if e.num_prompts is None else int(e.num_prompts), samples=int(e.samples),
+                   temperature=float(e.temperature),
+                   max_tokens=plan.max_tokens if e.max_tokens is None else int(e.max_tokens),
+                   max_model_len=int(cfg.inference_model.max_model_len), every=int(cfg.logging.eval_frequency))
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """What the trainer needs besides its model, loss and optimizer, in its own terms."""
+
+    group_size: int                 # env.repeats: advantages are computed per group
+    micro_batch: int                # train.optim_batch_size
+    accumulation: int               # train.gradient_accumulation_steps
+    epochs: int                     # train.epochs
+    temperature: float              # inference_model.temperature: the log-probs' distribution
+    recompute_old_log_probs: bool   # loss.old_log_probs resolved (Precision.trainer_old_log_probs)
+    kl_in_reward_coeff: float       # train.kl_to_ref_coeff when train.kl_coef_in_loss is false, else 0
+    reward_scale: str               # loss.reward_scale
+    clip_grad_norm: float | None    # optimizer.clip_grad_norm
+    mixed_precision: bool           # train.mixed_precision resolved: bf16 autocast (Precision.autocast_bf16)
+    max_nonfinite_updates: int      # train.max_nonfinite_updates: skipped updates in a row that stop the run
+    seed: int                       # train.seed: the micro-batch shuffle
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, plan: BatchPlan, precision: Precision) -> TrainSettings:
+        clip = cfg.optimizer.clip_grad_norm
+        return cls(
+            group_size=plan.group_size, micro_batch=plan.micro_batch, accumulation=plan.accumulation,
+            epochs=plan.epochs, temperature=float(cfg.inference_model.temperature),
+            recompute_old_log_probs=precision.trainer_old_log_probs,
+            kl_in_reward_coeff=0.0 if cfg.train.kl_coef_in_loss else float(cfg.train.kl_to_ref_coeff),
+            reward_scale=cfg.loss.reward_scale, clip_grad_norm=None if not clip else float(clip),
+            mixed_precision=precision.autocast_bf16,
+            max_nonfinite_updates=int(cfg.train.max_nonfinite_updates), seed=int(cfg.train.seed),
+        )
+
+
+@dataclass(frozen=True)
+class ActorSettings:
+    """What the async run's Ray rollout actors need (``ray.*``, and the async ``train.*`` keys)."""
+
+    address: str | None             # ray.address: null starts a private local Ray
+    init: dict[str, Any]            # ray.init: extra ray.init keyword arguments
+    num_actors: int                 # ray.num_actors
+    actor_num_cpus: float           # ray.actor_num_cpus
+    actor_num_gpus: float           # ray.actor_num_gpus
+    collect_timeout_s: float        # ray.collect_timeout_s
+    max_actor_restarts: int         # ray.max_actor_restarts
+    weight_update_frequency: int    # train.weight_update_frequency
+    max_staleness: int              # train.max_staleness
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> ActorSettings:
+        ray = cfg.ray
+        return cls(address=None if ray.address is None else str(ray.address),
+                   init=OmegaConf.to_container(ray.init, resolve=True) if ray.init is not None else {},
+                   num_actors=int(ray.num_actors), actor_num_cpus=float(ray.actor_num_cpus),
+                   actor_num_gpus=float(ray.actor_num_gpus), collect_timeout_s=float(ray.collect_timeout_s),
+                   max_actor_restarts=int(ray.max_actor_restarts),
+                   weight_update_frequency=int(cfg.train.weight_update_frequency),
+                   max_staleness=int(cfg.train.max_staleness))
+
+
+@dataclass(frozen=True)
+class LoggingSettings:
+    """What the run's telemetry needs (``logging.*``): the console, ``metrics.csv``, ``samples.jsonl``, wandb."""
+
+    log_frequency: int          # logging.log_frequency (0 taken as 1)
+    samples_frequency: int      # logging.samples_frequency
+    show_completions: int       # logging.show_completions
+    progress_bar: bool          # logging.progress_bar
+    verbose: bool               # logging.verbose
+    wandb: bool                 # logging.wandb.enabled
+    wandb_mode: str             # logging.wandb.mode: auto | online | offline | disabled
+    wandb_project: str | None   # logging.wandb.project
+    run_name: str | None        # logging.experiment_name (None: train.exp_name and the run directory's name)
+    exp_name: str               # train.exp_name
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> LoggingSettings:
+        log, wandb = cfg.logging, cfg.logging.wandb
+        return cls(log_frequency=max(1, int(log.log_frequency)), samples_frequency=int(log.samples_frequency),
+                   show_completions=int(log.show_completions), progress_bar=bool(log.progress_bar),
+                   verbose=log.verbose is True, wandb=bool(wandb.enabled), wandb_mode=str(wandb.get("mode", "auto")),
+                   wandb_project=wandb.get("project"), run_name=log.experiment_name or None,
+                   exp_name=str(cfg.train.exp_name))
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """What saves and resumes checkpoints (``logging.checkpoint_*``, ``train.resume``)."""
+
+    directory: str      # logging.checkpoint_dir, relative to the run directory
+    frequency: int      # logging.checkpoint_frequency (0: at the end only)
+    keep: int           # logging.keep_checkpoints (0: all)
+    resume: Any         # train.resume: null | auto | a checkpoint's path
+    ranks: int          # the data-parallel ranks that write one (1: one process)
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig, placement: Placement) -> CheckpointSettings:
+        log = cfg.logging
+        return cls(directory=str(log.checkpoint_dir), frequency=int(log.checkpoint_frequency),
+                   keep=int(log.keep_checkpoints), resume=cfg.train.resume, ranks=placement.ranks)
