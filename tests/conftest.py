@@ -18,6 +18,14 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "needs(*modules): skip unless every module imports (probed once, lazily)")
 
 
+def pytest_collection_modifyitems(items):
+    """Under pytest-xdist (pytest.ini: two workers, --dist loadgroup) the tests that start Ray run one after the
+    other on one worker: each ends by checking that no Ray daemon is left on the machine."""
+    for item in items:
+        if any("ray" in mark.args for mark in item.iter_markers("needs")):
+            item.add_marker(pytest.mark.xdist_group("ray"))
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     for mark in item.iter_markers("needs"):
@@ -81,12 +89,11 @@ OWN_ENGINE_RUN = ["train.total_dialog_turns=16", "inference_model.engine_process
 @pytest.fixture(scope="session")
 def own_engine_run(tmp_path_factory):
     """Two steps of grpo.py (float32) with engine_process=own, its engine's sampling seeded per request; ``tag``
-    is in the environment of the run and of every process it starts, ``shm_before`` what /dev/shm held before."""
+    is in the environment of the run and of every process it starts."""
     cwd = tmp_path_factory.mktemp("own_engine_run")
     tag, args = uuid.uuid4().hex, [*SMALL, *FLOAT32, *OWN_ENGINE_RUN]
-    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     done = run([*args, f"hydra.run.dir={cwd / 'run'}"], cwd=cwd, env_extra={"TORCHRL_GRPO_TEST_RUN": tag})
-    return SimpleNamespace(args=args, cwd=cwd, run_dir=cwd / "run", done=done, tag=tag, shm_before=shm_before)
+    return SimpleNamespace(args=args, cwd=cwd, run_dir=cwd / "run", done=done, tag=tag)
 
 
 # ===================================================================================================

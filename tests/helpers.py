@@ -135,10 +135,20 @@ SCRIPT_ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def run(args, cwd, script="grpo.py", timeout=300, env_extra=None) -> subprocess.CompletedProcess:
-    """The repository's ``script`` run to its end, output captured."""
+    """The repository's ``script`` run to its end, output captured; ``.pid``: its process id (what names the
+    folders it makes in /dev/shm)."""
     env = {**os.environ, **SCRIPT_ENV, **(env_extra or {})}
-    return subprocess.run([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    with subprocess.Popen([sys.executable, str(ROOT / script), *args], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            raise
+    done = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+    done.pid = proc.pid
+    return done
 
 
 def run_async(args, cwd, timeout=240, env_extra=None) -> subprocess.CompletedProcess:

@@ -52,7 +52,8 @@ def assert_null_address_starts_a_private_ray(running: str) -> None:
     leaves it) starts a Ray of its own with the CPUs it asked for: a bare ``ray.init()`` would join the running
     one and refuse ``num_cpus`` (a leftover ``ray start`` failed every async test that way once)."""
     probe = ("import ray; from omegaconf import OmegaConf; from torchrl_grpo.collect.rollout_actors import ray_init_kwargs; "
-             "ray.init(**ray_init_kwargs(OmegaConf.load('config/mode/async.yaml'))); "
+             "from torchrl_grpo.config.settings import ActorSettings; "
+             "ray.init(**ray_init_kwargs(ActorSettings.from_config(OmegaConf.load('config/mode/async.yaml')))); "
              "print(ray.get_runtime_context().gcs_address, int(ray.cluster_resources()['CPU'])); ray.shutdown()")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**os.environ, "RAY_ADDRESS": running},
                          capture_output=True, text=True, timeout=180)

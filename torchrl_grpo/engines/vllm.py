@@ -79,6 +79,7 @@ def _visible_cuda_devices(devices: Sequence[torch.device]) -> Iterator[None]:
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 SHUTDOWN_GRACE_S = 30.0  # how long close() lets an engine process exit by itself
+PUSH_DIR_PREFIX = "torchrl_grpo_push_"  # + the pushing process id: a weight stream's folder in /dev/shm
 
 
 @contextlib.contextmanager
@@ -370,10 +371,11 @@ class VLLMEngine(Engine):
         self.llm.reset_prefix_cache()
 
     def _stream(self) -> WeightStream:
-        """This engine's weight stream (its buffer and FIFOs in a folder of /dev/shm), made at the first push."""
+        """This engine's weight stream (its buffer and FIFOs in a folder of /dev/shm named after this process),
+        made at the first push."""
         if self._weight_stream is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            push_dir = tempfile.mkdtemp(prefix="torchrl_grpo_push_", dir=shm)
+            push_dir = tempfile.mkdtemp(prefix=f"{PUSH_DIR_PREFIX}{os.getpid()}_", dir=shm)
             self._weight_stream = WeightStream(push_dir, workers=1 if self._on_cpu else len(self.devices))
         return self._weight_stream
 
