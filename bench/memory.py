@@ -92,7 +92,7 @@ def main() -> None:
     ledger.mark("engine (weights, KV cache)")
     check = build_weight_check(cfg, trainer, common.tokenizer, common.spec.precision.engine)
     collector = Collector(common.task, common.tokenizer, engine, PromptSampler(len(common.task.rows), 0),
-                          common.spec.collect)
+                          common.spec.collect, common.turns)
     try:
         for step in range(1, opts.steps + 1):
             batch, _, _ = collector.collect(step - 1, None)

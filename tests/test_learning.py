@@ -9,7 +9,7 @@ from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.episodes.trajectories import PromptSampler
-from torchrl_grpo.episodes.turn_envs import Reply, TurnEnv
+from torchrl_grpo.episodes.turn_envs import Reply, TurnEnv, Turns
 from torchrl_grpo.models.loading import load_tokenizer, merged_state_dict
 from torchrl_grpo.run.build import build_loss, build_optimizer, build_policy
 from torchrl_grpo.run.state import RunState
@@ -74,14 +74,14 @@ def test_a_reward_for_well_formed_tool_calls_rises_over_two_turn_episodes(tiny_m
                    "logging.checkpoint_frequency=0", "logging.keep_checkpoints=1")
     torch.manual_seed(0)
     rows = datasets.Dataset.from_dict({"question": [f"Call the tool, {i}." for i in range(32)], "answer": ["0"] * 32})
-    task = Task("calls", rows, system_prompt=None, rewards=[Reward("well_formed", digit_share)], max_turns=2,
-                turn_env=DigitTool())
+    task = Task("calls", rows, system_prompt=None, rewards=[Reward("well_formed", digit_share)])
     tokenizer = load_tokenizer(tiny_model_path)
     policy = build_policy(cfg, tiny_model_path, ["cpu"], None, torch.float32)
     original = {k: v.clone() for k, v in merged_state_dict(policy).items()}
     trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy),
                       resolve_run(cfg).train, torch.device("cpu"), None)
-    collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), resolve_run(cfg).collect)
+    collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(rows), 0), resolve_run(cfg).collect,
+                          Turns(2, DigitTool()))
     source = LocalSource(collector, EngineSync(trainer, collector.engine))
     run = Run(source, trainer, RunState(resolve_run(cfg), tmp_path), resolve_run(cfg))
     try:

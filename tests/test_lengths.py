@@ -20,9 +20,9 @@ def tokenizer(tiny_model_path):
     return load_tokenizer(tiny_model_path)
 
 
-def make_task(max_turns: int = 1) -> Task:
+def make_task() -> Task:
     return Task("lengths", datasets.Dataset.from_dict({"question": QUESTIONS, "answer": ["1"] * len(QUESTIONS)}),
-                "Answer briefly.", max_turns=max_turns)
+                "Answer briefly.")
 
 
 def templated_lengths(tokenizer) -> list[int]:
@@ -55,8 +55,8 @@ def test_every_row_fitting_leaves_the_task_as_it_was(tokenizer):
 
 def test_multi_turn_rows_need_room_for_every_turn(tokenizer):
     lengths = templated_lengths(tokenizer)
-    task = make_task(max_turns=3)
-    fit_prompts(task, tokenizer, max_tokens=10, max_model_len=max(lengths) + 29)  # 3 x 10 do not fit the longest
+    task = make_task()
+    fit_prompts(task, tokenizer, max_tokens=10, max_model_len=max(lengths) + 29, max_turns=3)  # 3 x 10 do not fit
     assert len(task.rows) == 4 and QUESTIONS[4] not in task.rows["question"]
 
 
@@ -69,8 +69,8 @@ def test_refused_when_asked_or_when_no_row_fits(tokenizer):
                               f"inference_model.max_model_len to at least {max(lengths) + 10}, or "
                               "env.overlong_prompts=drop to leave them out")
     with pytest.raises(ConfigError) as err:
-        fit_prompts(make_task(max_turns=2), tokenizer, max_tokens=10, max_model_len=min(lengths) + 19,
-                    where="env.eval")
+        fit_prompts(make_task(), tokenizer, max_tokens=10, max_model_len=min(lengths) + 19, where="env.eval",
+                    max_turns=2)
     assert str(err.value) == (f"no env.eval row fits inference_model.max_model_len={min(lengths) + 19}: the shortest "
                               f"prompt has {min(lengths)} tokens and a completion may take "
                               "inference_model.max_tokens=10 x env.max_steps=2 turns more; set "

@@ -16,7 +16,7 @@ from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.factory import make_engine
 from torchrl_grpo.episodes.setup import build_episode_task
 from torchrl_grpo.episodes.trajectories import PromptSampler
-from torchrl_grpo.episodes.turn_envs import PythonTool, RetryFeedback, python_call
+from torchrl_grpo.episodes.turn_envs import PythonTool, RetryFeedback, Turns, python_call
 from torchrl_grpo.objective.loss import token_log_probs
 from torchrl_grpo.tasks import Reward, Task
 
@@ -54,8 +54,9 @@ def collector(tokenizer, engine, turn_env, max_steps=3, max_model_len=2048):
     cfg = cfg_with("model=tiny", "env.num_envs=2", "env.repeats=2", "train.optim_batch_size=4",
                    "inference_model.max_tokens=16", f"inference_model.max_model_len={max_model_len}")
     rows = datasets.Dataset.from_dict({"question": ["What is 6 x 7?", "Six times seven?"], "answer": ["42", "42"]})
-    task = Task("x", rows, "Use the tool.", [Reward("accuracy", answer_42)], max_turns=max_steps, turn_env=turn_env)
-    return Collector(task, tokenizer, engine, PromptSampler(2, seed=0), resolve_run(cfg).collect)
+    task = Task("x", rows, "Use the tool.", [Reward("accuracy", answer_42)])
+    return Collector(task, tokenizer, engine, PromptSampler(2, seed=0), resolve_run(cfg).collect,
+                     Turns(max_steps, turn_env))
 
 
 def rendered(tokenizer, messages):

@@ -2,7 +2,6 @@
 the same completions, on every kind of task, and single-turn episodes, which skip the environment, are what it
 gives; a TorchRL transform plugged by import path answers between turns and its message enters the ids token by
 token; the upstream defect that makes us own the token insertion is pinned."""
-import dataclasses
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.episodes.play import play
 from torchrl_grpo.episodes.setup import build_episode_task
 from torchrl_grpo.episodes.task_env import TaskEnv, make_env
+from torchrl_grpo.episodes.turn_envs import Turns
 from torchrl_grpo.tasks import build_task
 
 
@@ -60,9 +60,9 @@ def test_single_turn_rewards_are_the_tasks_own_for_the_same_completions(name, to
     assert any(task.total(p.components) > 0 for p in played) or name == "ifeval"
     # single-turn episodes skip the environment: through it (a transform that changes nothing sends them
     # there) they are the same, id for id and field for field
-    through_env = dataclasses.replace(task, transforms=[{"_target_": "test_task_env.unchanged"}])
-    in_env, _ = play(FixedTexts(tokenizer, texts), tokenizer, through_env, rows, n=len(texts), max_tokens=32,
-                     temperature=1.0, top_p=1.0, max_model_len=None)
+    through_env = Turns(transforms=({"_target_": "test_task_env.unchanged"},))
+    in_env, _ = play(FixedTexts(tokenizer, texts), tokenizer, task, rows, n=len(texts), max_tokens=32,
+                     temperature=1.0, top_p=1.0, max_model_len=None, turns=through_env)
     assert in_env == played
 
 
@@ -84,12 +84,12 @@ CALL = '<tool>add\n{"a": 2, "b": 3}</tool>'
 
 
 def test_a_torchrl_tool_transform_plugged_by_import_path_answers_token_by_token(tokenizer):
-    task = build_episode_task({"dataset": "gsm_symbolic", "size": 4, "max_steps": 3,
-                       "transforms": [{"_target_": "test_task_env.calculator"}]})
-    assert task.turn_env is None and task.max_turns == 3
+    task, turns = build_episode_task({"dataset": "gsm_symbolic", "size": 4, "max_steps": 3,
+                                      "transforms": [{"_target_": "test_task_env.calculator"}]})
+    assert turns.env is None and turns.max_turns == 3
     policy = ScriptedPolicy(tokenizer, [CALL, "#### 5"])
     played, _ = play(policy, tokenizer, task, [task.rows[0]], n=2, max_tokens=32, temperature=1.0, top_p=1.0,
-                     max_model_len=None)
+                     max_model_len=None, turns=turns)
     p = played[0]
     assert [m["role"] for m in p.conversation][-3:] == ["assistant", "tool", "assistant"]
     assert "5" in p.conversation[-2]["content"] and p.ended == "answer" and p.episode.turns == 2
@@ -113,7 +113,7 @@ def test_the_task_env_is_a_torchrl_env_with_the_prompt_ids_and_the_conversation(
     from torchrl.envs import EnvBase
 
     task = build_task({"dataset": "gsm_symbolic", "size": 4, "system_prompt": "Be brief."})
-    env = make_env(task, tokenizer, max_tokens=8, max_model_len=None)
+    env = make_env(task, Turns(), tokenizer, max_tokens=8, max_model_len=None)
     assert isinstance(env.base_env, TaskEnv) and isinstance(env.base_env, EnvBase)
     from tensordict import NonTensorData
 

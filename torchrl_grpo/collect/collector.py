@@ -14,6 +14,7 @@ import torch
 from torchrl_grpo.config.settings import CollectSettings
 from torchrl_grpo.episodes.play import ENDINGS, Played, play
 from torchrl_grpo.episodes.trajectories import PromptSampler, build_batch, reward_tensors
+from torchrl_grpo.episodes.turn_envs import Turns
 from torchrl_grpo.objective.terms import overlong_penalty
 from torchrl_grpo.tasks import Task, per_task_means
 
@@ -30,12 +31,13 @@ class Group:
 
 class Collector:
     """Draws prompts from ``sampler``, plays ``group_size`` episodes of each with ``engine`` (one completion each
-    unless the task is multi-turn: :func:`torchrl_grpo.episodes.play.play`) and scores them with ``task``. The engine
-    is any :class:`torchrl_grpo.engines.base.Engine`."""
+    unless ``turns`` give an episode several: :func:`torchrl_grpo.episodes.play.play`) and scores them with
+    ``task``. The engine is any :class:`torchrl_grpo.engines.base.Engine`."""
 
-    def __init__(self, task: Task, tokenizer, engine, sampler: PromptSampler, settings: CollectSettings):
+    def __init__(self, task: Task, tokenizer, engine, sampler: PromptSampler, settings: CollectSettings,
+                 turns: Turns = Turns()):
         self.task, self.tokenizer, self.engine = task, tokenizer, engine
-        self.sampler, self.settings = sampler, settings
+        self.sampler, self.settings, self.turns = sampler, settings, turns
         self.envs = []  # the episodes' TorchRL environments, reused from step to step
 
     def sample_groups(self) -> tuple[list[Group], dict]:
@@ -50,7 +52,7 @@ class Collector:
             started = time.perf_counter()
             played, generating = play(self.engine, self.tokenizer, task, rows, n=s.group_size,
                                       max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                      max_model_len=s.max_model_len, envs=self.envs)
+                                      max_model_len=s.max_model_len, turns=self.turns, envs=self.envs)
             generation_time += generating
             play_time += time.perf_counter() - started
             started = time.perf_counter()
@@ -64,7 +66,7 @@ class Collector:
         dropped = len(spare)
         kept += spare[: s.prompts_per_step - len(kept)]
         stats = {"generation_time": generation_time, "score_time": score_time}
-        if task.max_turns > 1:
+        if self.turns.max_turns > 1:
             stats["env_time"] = play_time - generation_time
         if s.dynamic_sampling:
             stats.update({"dropped_group_fraction": dropped / sampled, "sampling_rounds": rounds})
@@ -96,9 +98,9 @@ class Collector:
             **per_task_means([g.row for g in groups for _ in g.episodes], components,
                              [self.task.total(c) for c in components]),
         })
-        if self.task.max_turns == 1:
+        if self.turns.max_turns == 1:
             return batch, metrics, [p.text for p in played]
-        metrics.update(turn_metrics(played, self.task.turn_env.counters if self.task.turn_env else ()))
+        metrics.update(turn_metrics(played, self.turns.env.counters if self.turns.env else ()))
         return batch, metrics, [self.tokenizer.decode(p.episode.tokens[p.prompt_length:]) for p in played]
 
     def _overlong(self, played: list[Played]) -> torch.Tensor:

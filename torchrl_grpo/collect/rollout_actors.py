@@ -81,9 +81,10 @@ class RolloutActor:
         trust = spec.model.trust_remote_code
         model_path = resolve_model(spec.model.name, trust)
         tokenizer = load_tokenizer(model_path, trust)
-        task, collect = build_episode_task(spec.task), spec.collect
+        (task, turns), collect = build_episode_task(spec.task), spec.collect
         # the rows the trainer kept, found again (the same check on the same rows; the trainer printed the warning)
-        fit_prompts(task, tokenizer, collect.max_tokens, collect.max_model_len, collect.overlong_prompts)
+        fit_prompts(task, tokenizer, collect.max_tokens, collect.max_model_len, collect.overlong_prompts,
+                    max_turns=turns.max_turns)
         dtype = str(spec.precision.engine).removeprefix("torch.")
         # the vLLM-only options: make_engine drops them for the transformers backend
         kwargs = {"dtype": dtype, "device": actor_devices(spec.actors), "seed": engine_seed,
@@ -92,7 +93,7 @@ class RolloutActor:
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
         engine = make_engine(spec.engine.backend, model_path, **kwargs)
-        self.collector = Collector(task, tokenizer, engine, sampler, collect)
+        self.collector = Collector(task, tokenizer, engine, sampler, collect, turns)
 
     def collect(self):
         """One scored batch at the current weights: (batch, metrics, first texts, sampler state)."""

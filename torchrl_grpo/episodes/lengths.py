@@ -28,19 +28,19 @@ class Overlong:
 
 
 def fit_prompts(task: Task, tokenizer, max_tokens: int, max_model_len: int, overlong: str = "drop",
-                where: str = "env") -> Overlong | None:
-    """Drop from ``task.rows`` (in place) the rows whose prompt + ``max_tokens`` x ``task.max_turns`` exceeds
+                where: str = "env", max_turns: int = 1) -> Overlong | None:
+    """Drop from ``task.rows`` (in place) the rows whose prompt + ``max_tokens`` x ``max_turns`` exceeds
     ``max_model_len``; what was dropped, or None when every row fits. A ConfigError (one line naming the keys)
     when no row fits, or when ``overlong`` is ``error`` and some do not. ``where``: the rows' key prefix in
     messages (``env``, ``env.eval``)."""
-    budget = max_tokens * task.max_turns
+    budget = max_tokens * max_turns
     lengths = [len(ids) for start in range(0, len(task.rows), _BATCH)
                for ids in prompt_token_ids(task, tokenizer, task.rows.select(range(start, min(start + _BATCH,
                                                                                                len(task.rows)))))]
     keep = [i for i, n in enumerate(lengths) if n + budget <= max_model_len]
     if len(keep) == len(lengths):
         return None
-    turns = f" x env.max_steps={task.max_turns} turns" if task.max_turns > 1 else ""
+    turns = f" x env.max_steps={max_turns} turns" if max_turns > 1 else ""
     completion = f"inference_model.max_tokens={max_tokens}{turns}"
     if not keep:
         shortest = min(lengths)

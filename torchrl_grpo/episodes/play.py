@@ -11,6 +11,7 @@ from tensordict import NonTensorData, TensorDict
 from torchrl_grpo.episodes.episode import Episode
 from torchrl_grpo.episodes.task_env import episode_state, make_env, messages_of
 from torchrl_grpo.episodes.trajectories import prompt_token_ids
+from torchrl_grpo.episodes.turn_envs import Turns
 
 ENDINGS = ("answer", "max_steps", "length", "context")  # why an episode ended: see Played
 
@@ -37,20 +38,20 @@ class Played:
 
 
 def play(engine, tokenizer, task, rows: list[dict], *, n: int, max_tokens: int, temperature: float, top_p: float,
-         max_model_len: int | None, envs: list | None = None) -> tuple[list[Played], float]:
+         max_model_len: int | None, turns: Turns = Turns(), envs: list | None = None) -> tuple[list[Played], float]:
     """``n`` episodes of each row (prompt-major, as ``Engine.generate``) and the seconds spent in the engine.
 
-    A single-turn episode (``task.max_turns == 1``, no ``env.transforms``) is one engine request per row, scored
+    A single-turn episode (``turns.single``: one turn, no ``env.transforms``) is one engine request per row, scored
     by the task's rewards. Otherwise each episode runs in its own TorchRL environment
     (:func:`torchrl_grpo.episodes.task_env.make_env`; ``envs``: ones to reuse, at least ``len(rows) * n``): the
     engine's turns go in as sampled ids and text, what the environment inserts between turns comes back as ids.
     The first turn of the ``n`` episodes of a row is one request (they share the prompt's cache); later turns are
     one request per episode still going."""
-    if task.max_turns == 1 and not task.transforms:
+    if turns.single:
         return _play_single_turn(engine, tokenizer, task, rows, n=n, max_tokens=max_tokens, temperature=temperature,
                                  top_p=top_p)
     count, envs = len(rows) * n, [] if envs is None else envs
-    envs.extend(make_env(task, tokenizer, max_tokens=max_tokens, max_model_len=max_model_len)
+    envs.extend(make_env(task, turns, tokenizer, max_tokens=max_tokens, max_model_len=max_model_len)
                 for _ in range(count - len(envs)))
     states = [env.reset(TensorDict({"row": NonTensorData(rows[i // n], batch_size=(1,))}, batch_size=(1,)))
               for i, env in enumerate(envs[:count])]

@@ -31,6 +31,7 @@ from torchrl.envs import Compose, EnvBase, Transform, TransformedEnv
 from torchrl_grpo.core.errors import ConfigError, import_target, one_line
 from torchrl_grpo.episodes.episode import inserted_ids
 from torchrl_grpo.episodes.trajectories import prompt_token_ids
+from torchrl_grpo.episodes.turn_envs import TurnEnv, Turns
 
 
 def _chat_history(messages: list[dict]):
@@ -68,9 +69,9 @@ class TaskEnv(EnvBase):
 
     input_mode = "history"  # TorchRL's tool transforms check it: they read and extend ("history", "prompt")
 
-    def __init__(self, task, tokenizer):
+    def __init__(self, task, turns: Turns, tokenizer):
         super().__init__(batch_size=(1,))
-        self.task, self.tokenizer = task, tokenizer
+        self.task, self.turns, self.tokenizer = task, turns, tokenizer
         ids = Unbounded(shape=(1, -1), dtype=torch.long)
         self.full_observation_spec = Composite(
             history=NonTensor(example_data=None, shape=(1,)), tokens=Composite(prompt=ids, shape=(1,)), shape=(1,))
@@ -94,11 +95,11 @@ class TaskEnv(EnvBase):
         row, text, finish_reason = _single(td["row"]), _single(td["text", "response"]), _single(td["finish_reason"])
         turns, counts, ended = _single(td["turns"]) + 1, dict(_single(td["counts"])), ""
         conversation = [*messages_of(td), {"role": "assistant", "content": text}]
-        done = turns >= self.task.max_turns
+        done = turns >= self.turns.max_turns
         if done:
             ended = "max_steps" if finish_reason == "stop" else "length"
-        elif self.task.turn_env is not None:
-            reply = self.task.turn_env.step(self.task, row, conversation)
+        elif self.turns.env is not None:
+            reply = self.turns.env.step(self.task, row, conversation)
             for name, count in reply.counts.items():
                 counts[name] = counts.get(name, 0) + int(count)
             if not reply.done:
@@ -162,19 +163,19 @@ class EpisodeReward(Transform):
     """At the end of an episode: its reward components under ``("rewards", name)`` (unweighted) and ``reward``,
     their weighted total (the task's weights)."""
 
-    def __init__(self, task):
+    def __init__(self, task, turn_env: TurnEnv | None = None):
         super().__init__()
-        self.task = task
+        self.task, self.turn_env = task, turn_env
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         if not bool(next_tensordict["done"].any()):
             return next_tensordict
         task, row, conversation = self.task, _single(next_tensordict["row"]), messages_of(next_tensordict)
         conversation = conversation[: _last_turn(conversation) + 1]
-        if task.turn_env is None:
+        if self.turn_env is None:
             components = task.score(conversation[-1]["content"], row)
         else:
-            components = task.turn_env.score(task, row, conversation, _single(next_tensordict["turns"]))
+            components = self.turn_env.score(task, row, conversation, _single(next_tensordict["turns"]))
         next_tensordict["reward"] = torch.tensor([[task.total(components)]])
         next_tensordict["rewards"] = TensorDict({k: torch.tensor([[float(v)]], dtype=torch.float64)  # exact
                                                  for k, v in components.items()},
@@ -204,7 +205,8 @@ def build_transforms(specs) -> list:
     return built
 
 
-def make_env(task, tokenizer, *, max_tokens: int, max_model_len: int | None) -> TransformedEnv:
-    """One episode's environment: :class:`TaskEnv` with the task's ``env.transforms``, then ours."""
-    return TransformedEnv(TaskEnv(task, tokenizer), Compose(
-        *build_transforms(task.transforms), InsertedTokens(tokenizer, max_tokens, max_model_len), EpisodeReward(task)))
+def make_env(task, turns: Turns, tokenizer, *, max_tokens: int, max_model_len: int | None) -> TransformedEnv:
+    """One episode's environment: :class:`TaskEnv` with the user's transforms (``env.transforms``), then ours."""
+    return TransformedEnv(TaskEnv(task, turns, tokenizer), Compose(
+        *build_transforms(turns.transforms), InsertedTokens(tokenizer, max_tokens, max_model_len),
+        EpisodeReward(task, turns.env)))

@@ -113,6 +113,21 @@ class RetryFeedback(TurnEnv):
         return {name: scale * value for name, value in task.score(conversation[-1]["content"], row).items()}
 
 
+@dataclass(frozen=True)
+class Turns:
+    """How an episode of a task goes (``env.max_steps``, ``env.turn_env``, ``env.transforms``): the engine turns
+    it may take, what answers between them, and the user's TorchRL transforms (their configs, built anew for each
+    episode's environment). One turn and no transforms is a single-turn episode, played without an environment."""
+
+    max_turns: int = 1
+    env: TurnEnv | None = None
+    transforms: tuple[Mapping[str, Any], ...] = ()
+
+    @property
+    def single(self) -> bool:
+        return self.max_turns == 1 and not self.transforms
+
+
 def build_turn_env(env_cfg, transforms: bool = False) -> TurnEnv | None:
     """``env.turn_env`` built (``{_target_: import.path, **kwargs}``; null: none), checked against
     ``env.max_steps`` (``transforms``: env.transforms are set, which may answer instead): one-line ConfigErrors

@@ -25,6 +25,7 @@ from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.episodes.lengths import fit_prompts
 from torchrl_grpo.episodes.setup import build_episode_task
 from torchrl_grpo.episodes.trajectories import PromptSampler
+from torchrl_grpo.episodes.turn_envs import Turns
 from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.parallel.ranks import DataParallel, shard_model
 from torchrl_grpo.run.evaluation import Evaluator
@@ -124,13 +125,13 @@ def build_loss(cfg: DictConfig, policy) -> GRPOLoss:
     )
 
 
-def build_eval_task(spec: RunSpec) -> Task:
-    """The task's evaluation split: ``env`` with ``env.eval`` merged over it (GSM8K's test split, another
-    seed for generated tasks, reasoning-gym's held-out tasks)."""
+def build_eval_task(spec: RunSpec) -> tuple[Task, Turns]:
+    """The task's evaluation split and its episodes' turns: ``env`` with ``env.eval`` merged over it (GSM8K's test
+    split, another seed for generated tasks, reasoning-gym's held-out tasks)."""
     return build_episode_task(eval_env_config(spec.task))
 
 
-def build_eval_engine(cfg: DictConfig, spec: RunSpec, task: Task):
+def build_eval_engine(cfg: DictConfig, spec: RunSpec, task: Task, turns: Turns):
     """(engine, tokenizer) for ``evaluate.py``: the configured backend on ``model.name``, no trainer; the rows of
     the evaluation ``task`` that cannot fit the engine's context left out first (:func:`fit_lengths`)."""
     from torchrl_grpo.models.loading import load_policy, load_tokenizer
@@ -139,7 +140,7 @@ def build_eval_engine(cfg: DictConfig, spec: RunSpec, task: Task):
     trust = spec.model.trust_remote_code
     model_path = resolve_model(spec.model.name, trust)
     tokenizer = load_tokenizer(model_path, trust)
-    fit_lengths(spec, model_path, tokenizer, None, task)
+    fit_lengths(spec, model_path, tokenizer, None, (task, turns))
     policy = None
     if spec.engine.backend == "transformers":
         policy = load_policy(model_path, dtype=spec.precision.engine, device=spec.placement.inference,
@@ -199,7 +200,8 @@ class Inputs:
     spec: RunSpec
     state: RunState
     task: Task
-    eval_task: Task | None
+    turns: Turns
+    eval_task: tuple[Task, Turns] | None
     model_path: str
     tokenizer: object
 
@@ -216,18 +218,19 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     spec = resolve_run(cfg)
     seed_everything(spec.train.seed)
     state = RunState(spec, run_dir)
-    task = build_episode_task(spec.task)
+    task, turns = build_episode_task(spec.task)
     eval_task = build_eval_task(spec) if spec.eval.every > 0 else None
     from torchrl_grpo.models.loading import load_tokenizer
     from torchrl_grpo.models.sources import resolve_model
 
     model_path = resolve_model(spec.model.name, spec.model.trust_remote_code)
     tokenizer = load_tokenizer(model_path, spec.model.trust_remote_code)
-    fit_lengths(spec, model_path, tokenizer, task, eval_task)
-    return Inputs(spec, state, task, eval_task, model_path, tokenizer)
+    fit_lengths(spec, model_path, tokenizer, (task, turns), eval_task)
+    return Inputs(spec, state, task, turns, eval_task, model_path, tokenizer)
 
 
-def fit_lengths(spec: RunSpec, model_path: str, tokenizer, task: Task | None, eval_task: Task | None) -> None:
+def fit_lengths(spec: RunSpec, model_path: str, tokenizer, task: tuple[Task, Turns] | None,
+                eval_task: tuple[Task, Turns] | None) -> None:
     """Before any engine starts: ``inference_model.max_model_len`` within the model's own context, and the rows
     of ``task`` (and ``eval_task``, with the evaluation's completion budget) whose prompt and completion cannot
     fit it left out with one warning line, or refused (``env.overlong_prompts``;
@@ -243,7 +246,9 @@ def fit_lengths(spec: RunSpec, model_path: str, tokenizer, task: Task | None, ev
                                                                               spec.eval.max_tokens)):
         if checked is None:
             continue
-        dropped = fit_prompts(checked, tokenizer, max_tokens, max_model_len, spec.collect.overlong_prompts, where)
+        rows, turns = checked
+        dropped = fit_prompts(rows, tokenizer, max_tokens, max_model_len, spec.collect.overlong_prompts, where,
+                              turns.max_turns)
         if dropped is not None:
             print(dropped.message, file=sys.stderr, flush=True)
 
@@ -255,6 +260,7 @@ class Common:
     spec: RunSpec
     state: RunState
     task: Task
+    turns: Turns
     tokenizer: object
     model_path: str
     trainer: Trainer
@@ -266,9 +272,12 @@ def build_common(cfg: DictConfig, i: Inputs, parallel: DataParallel | None = Non
     plan = i.spec.plan
     print(f"batch plan:\n{plan.table()}\nplacement: {i.spec.placement.describe()}\nallocator: "
           f"{describe_allocator()}", flush=True)
-    evaluator = None if i.eval_task is None else Evaluator(i.eval_task, i.tokenizer, i.spec.eval, plan.total_steps)
+    evaluator = None
+    if i.eval_task is not None:
+        eval_task, eval_turns = i.eval_task
+        evaluator = Evaluator(eval_task, i.tokenizer, i.spec.eval, plan.total_steps, eval_turns)
     trainer = build_trainer(cfg, i.spec, i.model_path, i.state.resume_from, parallel)
-    return Common(i.spec, i.state, i.task, i.tokenizer, i.model_path, trainer, evaluator)
+    return Common(i.spec, i.state, i.task, i.turns, i.tokenizer, i.model_path, trainer, evaluator)
 
 
 def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = None) -> Run:
@@ -286,7 +295,7 @@ def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = 
     if (line := weights.startup()) is not None:
         print(line, flush=True)
     collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), c.spec.collect.prompt_seed),
-                          c.spec.collect)
+                          c.spec.collect, c.turns)
     source = LocalSource(collector, weights, overlap=not cfg.train.sync_iter)
     return Run(source, c.trainer, c.state, c.spec, c.evaluator)
 

@@ -78,14 +78,14 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> None:
     from torchrl_grpo.run.evaluation import evaluate_with_engine, format_table, read_responses, score_responses
 
     spec = resolve_run(cfg, training=False)
-    task = build_eval_task(spec)
+    task, turns = build_eval_task(spec)
     if cfg.eval.responses:
         metrics, records = score_responses(task, *read_responses(cfg.eval.responses, task))
         source = str(cfg.eval.responses)
     else:
-        engine, tokenizer = build_eval_engine(cfg, spec, task)
+        engine, tokenizer = build_eval_engine(cfg, spec, task, turns)
         try:
-            metrics, records = evaluate_with_engine(engine, task, tokenizer, spec.eval)
+            metrics, records = evaluate_with_engine(engine, task, tokenizer, spec.eval, turns)
         finally:
             engine.close()
         source = str(cfg.model.name)

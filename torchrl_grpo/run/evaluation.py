@@ -22,6 +22,7 @@ from typing import Any
 
 from torchrl_grpo.config.settings import EvalSettings
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.episodes.turn_envs import Turns
 from torchrl_grpo.tasks import Task, per_task_means
 
 
@@ -76,15 +77,16 @@ def score_responses(task: Task, rows: Sequence[Mapping[str, Any]], responses: Se
 
 
 def generate_responses(engine, task: Task, tokenizer, rows: Sequence[Mapping[str, Any]], *, samples: int,
-                       max_tokens: int, temperature: float, top_p: float = 1.0,
-                       max_model_len: int | None = None) -> list[list[str]]:
+                       max_tokens: int, temperature: float, top_p: float = 1.0, max_model_len: int | None = None,
+                       turns: Turns = Turns()) -> list[list[str]]:
     """``samples`` completions of each row's prompt from ``engine`` (greedy when ``temperature`` is 0); for a
-    multi-turn task, ``samples`` episodes each and their last assistant turn (what the rewards judge)."""
+    multi-turn task (``turns``), ``samples`` episodes each and their last assistant turn (what the rewards judge)."""
     from torchrl_grpo.episodes.play import play
 
     rows = list(rows)
     played, _ = play(engine, tokenizer, task, rows, n=samples,
-                     max_tokens=max_tokens, temperature=temperature, top_p=top_p, max_model_len=max_model_len)
+                     max_tokens=max_tokens, temperature=temperature, top_p=top_p, max_model_len=max_model_len,
+                     turns=turns)
     return [[p.text for p in played[i * samples: (i + 1) * samples]] for i in range(len(rows))]
 
 
@@ -94,14 +96,15 @@ def eval_rows(task: Task, num_prompts: int | None) -> list[dict]:
     return [task.rows[i] for i in range(count)]
 
 
-def evaluate_with_engine(engine, task: Task, tokenizer, settings: EvalSettings) -> tuple[dict, list[dict]]:
+def evaluate_with_engine(engine, task: Task, tokenizer, settings: EvalSettings,
+                         turns: Turns = Turns()) -> tuple[dict, list[dict]]:
     """Generate on the evaluation split as ``settings`` say (num_prompts, samples, temperature, max_tokens; a
-    multi-turn episode ends before ``max_model_len``) and score; what the trainer logs under ``eval/`` and
-    ``evaluate.py`` prints."""
+    multi-turn episode, as ``turns`` say, ends before ``max_model_len``) and score; what the trainer logs under
+    ``eval/`` and ``evaluate.py`` prints."""
     rows = eval_rows(task, settings.num_prompts)
     responses = generate_responses(engine, task, tokenizer, rows, samples=settings.samples,
                                    max_tokens=settings.max_tokens, temperature=settings.temperature,
-                                   max_model_len=settings.max_model_len)
+                                   max_model_len=settings.max_model_len, turns=turns)
     return score_responses(task, rows, responses)
 
 
@@ -193,8 +196,8 @@ class Evaluator:
     evaluation split before the first step (step 0), every N steps and after the last one; metrics under
     ``eval/`` and the time it took."""
 
-    def __init__(self, task: Task, tokenizer, settings: EvalSettings, total_steps: int):
-        self.task, self.tokenizer, self.settings = task, tokenizer, settings
+    def __init__(self, task: Task, tokenizer, settings: EvalSettings, total_steps: int, turns: Turns = Turns()):
+        self.task, self.tokenizer, self.settings, self.turns = task, tokenizer, settings, turns
         self.every, self.total_steps = settings.every, total_steps
 
     def due(self, step: int) -> bool:
@@ -205,5 +208,5 @@ class Evaluator:
         import time
 
         started = time.perf_counter()
-        metrics, _ = evaluate_with_engine(engine, self.task, self.tokenizer, self.settings)
+        metrics, _ = evaluate_with_engine(engine, self.task, self.tokenizer, self.settings, self.turns)
         return {**{f"eval/{k}": v for k, v in metrics.items()}, "eval_time": time.perf_counter() - started}

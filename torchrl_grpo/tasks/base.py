@@ -43,10 +43,6 @@ class Task:
     # components that are the share of a row's checks passed (IFEval: its instructions): name -> the row's
     # number of checks; evaluation also counts them pooled over all checks (IFEval's instruction-level accuracy)
     pooled: dict[str, Callable[[Mapping[str, Any]], int]] = field(default_factory=dict)
-    # the episodes (torchrl_grpo/episodes/task_env.py): engine turns per episode (env.max_steps), what answers in between
-    max_turns: int = 1
-    turn_env: Any = None  # env.turn_env: a torchrl_grpo.episodes.turn_envs.TurnEnv, or None
-    transforms: list = field(default_factory=list)  # env.transforms: TorchRL transforms' configs ({_target_: ...})
 
     def __post_init__(self):
         names = [r.name for r in self.rewards]
