@@ -4,6 +4,12 @@ import uuid
 from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here; set before transformers/huggingface_hub are imported
+if worker := os.environ.get("PYTEST_XDIST_WORKER"):  # pytest.ini: one worker per core
+    # one OpenMP thread per process, and each worker's vLLM engines on a core of their own: torch's threads
+    # spinning on the core the other worker computes on made compute-bound tests up to six times slower
+    cores = sorted(os.sched_getaffinity(0))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker.removeprefix("gw")) % len(cores)]))
 
 import pytest
 
