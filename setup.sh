@@ -20,7 +20,7 @@ fetch_tcmalloc() {
   local dest=.venv/lib/tcmalloc tmp
   [ -f "$dest/libtcmalloc_minimal.so.4" ] && return 0
   if ! command -v apt-get >/dev/null || ! command -v dpkg-deb >/dev/null; then
-    echo "setup: no apt-get here; install tcmalloc (gperftools) for ~25% faster CPU steps (README Speed)" >&2
+    echo "setup: no apt-get here; install tcmalloc (gperftools) for ~25% faster CPU steps (docs/benchmarks.md)" >&2
     return 0
   fi
   tmp="$(mktemp -d)"

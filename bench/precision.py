@@ -1,6 +1,6 @@
 """Training-step time of SmolLM2-135M-Instruct in float32, with ``train.mixed_precision`` (bf16 autocast over
 float32 master weights) and with pure bf16 weights (``train_model.torch_dtype=bfloat16``), on the shape of
-the README workloads: 16 completions of 24 tokens after a 56-token prompt, one micro-batch, AdamW. Times the
+the workloads of docs/benchmarks.md: 16 completions of 24 tokens after a 56-token prompt, one micro-batch, AdamW. Times the
 trainer's own ``prepare`` + ``optimize`` (log-probs recomputed, forward, backward, optimizer step); prints the
 median over the steps after a warm-up, and each mode's first-step loss and gradient norm against float32.
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# README "See it learn": `--config-name grpo_arithmetic` over several seeds (train.seed and env.seed), then
+# docs/see-it-learn.md: `--config-name grpo_arithmetic` over several seeds (train.seed and env.seed), then
 # the base model and each run's final checkpoint evaluated by sampling as in training (temperature 1, 8
 # completions per test question: accuracy = pass@1). Prints, per seed: wall time, the greedy evaluation
 # accuracy before / after (from the run), the sampled one before / after.

@@ -1,6 +1,6 @@
 """Where a step's time goes, against two ceilings (issue "Performance", point 5). Not a test.
 
-Runs ``grpo.py`` on the comparison workload of README "Speed" (GSM8K train questions from
+Runs ``grpo.py`` on the comparison workload of docs/benchmarks.md (GSM8K train questions from
 ``env.data_path``, 2 prompts x 8 completions x 24 tokens, SmolLM2-135M-Instruct, lr 2e-5, no KL), then reads
 its ``metrics.csv`` and prints the completions per second and the median split of a step (steps after the
 first) into generate, score, log-probs (``prepare``), forward+backward, optimizer, weight push, weight check and

@@ -1,5 +1,5 @@
 r"""Hugging Face TRL 1.16.0's GRPOTrainer on our comparison workload (issue "Performance", point 7: our trainer
-against TRL's best on the same workload; README "Against TRL"). Not a test.
+against TRL's best on the same workload; docs/benchmarks.md). Not a test.
 
 The workload of ``bench/step_breakdown.py``: SmolLM2-135M-Instruct (float32; the folder ``model.name=
 smollm2-135m-instruct`` resolves to), the first 20 GSM8K train questions of ``../shared/data/gsm8k/train.jsonl`` in

@@ -87,6 +87,14 @@ def test_a_plotting_failure_is_one_warning_not_an_exception(tmp_path, capsys):
     assert captured.err.count("\n") == 1
 
 
+def test_an_evaluation_over_several_tasks_gets_its_per_task_accuracy_panel():
+    """The columns an evaluation of reasoning-gym's tasks writes (run/evaluation.py: eval/<task>/<component>)."""
+    columns = ["step", "reward", "eval/accuracy", "eval/pass@1", "eval/reward", "eval/reward/accuracy",
+               "eval/products/accuracy", "eval/products/reward", "eval/chain_sum/accuracy"]
+    [per_task] = [p for p in plots.figures(columns)["eval"] if p.title == "evaluation: accuracy per task"]
+    assert per_task.columns == ("eval/products/accuracy", "eval/chain_sum/accuracy")
+
+
 def test_ema_is_an_unbiased_running_mean():
     assert plots.ema([2.0] * 30) == [2.0] * 30  # no pull towards zero at the start
     smoothed = plots.ema([0.0] * 10 + [1.0] * 10)

@@ -65,9 +65,14 @@ class Collector:
             rounds, sampled = rounds + 1, sampled + len(rows)
         dropped = len(spare)
         kept += spare[: s.prompts_per_step - len(kept)]
+        # what play spent outside the engine: a single-turn episode's rewards; a multi-turn episode's environment
+        # (its turns and, at the end, its rewards)
+        outside_engine = play_time - generation_time
         stats = {"generation_time": generation_time, "score_time": score_time}
         if self.turns.max_turns > 1:
-            stats["env_time"] = play_time - generation_time
+            stats["env_time"] = outside_engine
+        else:
+            stats["score_time"] += outside_engine
         if s.dynamic_sampling:
             stats.update({"dropped_group_fraction": dropped / sampled, "sampling_rounds": rounds})
         return kept, stats

@@ -1,16 +1,16 @@
 """What ``auto`` means for the precision keys, decided in one place.
 
 bf16 is used where the hardware runs it natively: a GPU, or a CPU with AVX-512 BF16 or AMX. There it trains
-about twice as fast as float32 and learned at least as well on ``grpo_arithmetic`` over three seeds (README,
-"Speed"). On other CPUs torch emulates bf16, slower than float32, so ``auto`` stays float32 there. When the
-trainer computes in bf16:
+about twice as fast as float32 and learned at least as well on ``grpo_arithmetic`` over three seeds
+(docs/benchmarks.md). On other CPUs torch emulates bf16, slower than float32, so ``auto`` stays float32 there.
+When the trainer computes in bf16:
 
 * ``inference_model.torch_dtype=auto`` samples in bf16 too: on the CPU, a float32 engine would be the slow
   half of a step, and it would not sample the policy the trainer scores;
 * ``loss.old_log_probs=auto`` is ``trainer``: the ratio's denominator is the trainer's own bf16 log-probs
   (``Trainer.prepare``), so that a ratio is 1 where the policy has not moved. The engine's kernels differ from
   the trainer's by more than one update moves the policy: with the engine's log-probs as the denominator, bf16
-  training collapsed (README, "Speed").
+  training collapsed (docs/benchmarks.md).
 """
 from __future__ import annotations
 

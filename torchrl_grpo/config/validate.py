@@ -2,7 +2,7 @@
 trainer's terms: :class:`BatchPlan` (the other settings are :mod:`torchrl_grpo.config.settings`'). Each key's
 kind and range is :mod:`torchrl_grpo.config.schema`'s; here are the checks that involve several keys.
 
-The batch vocabulary (see README.md):
+The batch vocabulary (see docs/usage.md):
 
 * a *step* collects ``env.num_envs`` prompts x ``env.repeats`` completions (= ``train.dialog_turns_per_batch``);
 * the step's completions are cut into micro-batches of ``train.optim_batch_size`` completions;

@@ -2,7 +2,7 @@
 and bounded oneDNN kernel caches.
 
 glibc keeps the freed activations of one micro-batch in pieces that the next micro-batches do not reuse, so its
-heap grows while a gigabyte of it lies free. On the comparison workload (README "Speed") tcmalloc makes a step
+heap grows while a gigabyte of it lies free. On the comparison workload (docs/benchmarks.md) tcmalloc makes a step
 about 25% faster and its peak resident set about 0.4 GiB lower (``bench/step_breakdown.py`` with each). PyTorch's
 and vLLM's CPU guides advise it too. A running process cannot change its malloc, so each entry point calls
 :func:`apply_memory_settings` before anything else. It re-executes the very command (same process id, arguments
@@ -89,4 +89,4 @@ def describe_allocator() -> str:
     if find_tcmalloc() is not None:
         return "glibc malloc (tcmalloc is preloaded by grpo.py, grpo-async.py and evaluate.py; not by this program)"
     return ("glibc malloc: tcmalloc not found (./setup.sh fetches it on Debian, or `apt install "
-            "libtcmalloc-minimal4`): on the CPU a step is ~25% slower and peaks ~0.4 GiB higher (README Speed)")
+            "libtcmalloc-minimal4`): on the CPU a step is ~25% slower and peaks ~0.4 GiB higher (docs/benchmarks.md)")

@@ -2,7 +2,7 @@
 GSM8K is (the last number of the completion, whatever the format, see :mod:`torchrl_grpo.tasks.gsm8k`).
 
 Why it exists: it is the task where SmolLM2-135M-Instruct starts above the floor, so a CPU run shows its
-accuracy rise and not only its answer format (README, "See it learn"). Measured here on 200 held-out
+accuracy rise and not only its answer format (docs/see-it-learn.md). Measured here on 200 held-out
 problems: single-digit products 0.64 greedy / 0.21 sampled at temperature 1; single-digit sums and
 differences 0.39 / 0.14; GSM8K-style word problems (``gsm_symbolic``) 0.00 / 0.004.
 

@@ -74,7 +74,9 @@ def figures(columns) -> dict[str, list[Panel]]:
     columns = list(columns)
     components = [c for c in columns if c.startswith("reward/")]
     pass_at = sorted((c for c in columns if c.startswith("eval/pass@")), key=lambda c: int(c.split("@")[1]))
-    task_accuracy = [c for c in columns if c.startswith("eval/task/") and c.endswith("/accuracy")]
+    # an evaluation over several tasks (reasoning-gym) writes eval/<task>/accuracy; eval/reward/<component> is not one
+    task_accuracy = [c for c in columns if c.startswith("eval/") and c.endswith("/accuracy") and c.count("/") == 2
+                     and not c.startswith("eval/reward/")]
     return {
         "reward": [Panel("total reward (weighted sum)", "reward, mean over completions", ("reward",))] + [
             Panel(f"reward component: {c.removeprefix('reward/')}", "reward, mean over completions", (c,))
