@@ -1,10 +1,13 @@
 """The config schema (torchrl_grpo/config/schema.py) against the real config tree: the YAML and the schema name the
-same keys, every key says what it means, null only where allowed (bad values: tests/test_bad_inputs.py)."""
+same keys, every key says what it means, null only where allowed (bad values: tests/test_bad_inputs.py), and
+docs/config-reference.md is what the schema and the defaults give."""
 from dataclasses import fields
 
 import pytest
 
+from helpers import ROOT
 from helpers import cfg_with as composed
+from torchrl_grpo.config.reference import reference_markdown
 from torchrl_grpo.config.schema import ASYNC_SECTIONS, SECTIONS, check_schema, section_keys
 from torchrl_grpo.config.validate import validate
 from torchrl_grpo.core.errors import ConfigError
@@ -45,3 +48,13 @@ def test_async_keys_are_checked_in_async_mode_only(override, message):
     assert str(err.value).startswith(message)
     validate(composed("mode=async"))
     validate(composed())  # sync mode has no ray: block and needs none
+
+
+def test_the_configuration_reference_is_the_schema_and_the_defaults():
+    """A key added, dropped, re-documented or given another default without regenerating the page fails here."""
+    page = (ROOT / "docs" / "config-reference.md").read_text()
+    assert page == reference_markdown(), (
+        "docs/config-reference.md is stale: python -m torchrl_grpo.config.reference > docs/config-reference.md")
+    for section, schema in SECTIONS + ASYNC_SECTIONS:
+        for name, _ in section_keys(section, schema):
+            assert f"| `{section}.{name}` |" in page
