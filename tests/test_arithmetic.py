@@ -1,9 +1,11 @@
 """env=arithmetic: reasoning-gym's numeric problems checked as GSM8K is, with a test split of questions that
 training never sees."""
+import shlex
+
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import cfg_with, metric_rows, needs_vllm, run
+from helpers import FIRST_COMMAND, cfg_with, metric_rows, needs_vllm, run
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks import build_task, eval_env_config
 from torchrl_grpo.tasks.arithmetic import split_of
@@ -75,7 +77,7 @@ def test_the_readme_first_command_runs_with_the_tiny_model(tmp_path):
     """`grpo.py --config-name grpo_arithmetic` (the README's first command) end to end, the model swapped for the
     tiny one and the run cut to 2 steps: per-task metrics, the greedy evaluation on the 70 test questions
     before and after, the step timings, and the figures."""
-    out = run(["--config-name", "grpo_arithmetic", "model=tiny", "train.total_dialog_turns=32",
+    out = run([*shlex.split(FIRST_COMMAND)[2:], "model=tiny", "train.total_dialog_turns=32",
                "logging.progress_bar=false", f"hydra.run.dir={tmp_path / 'run'}"], tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     table = metric_rows(tmp_path / "run")
