@@ -1,5 +1,6 @@
 """The documentation stays true: the site builds with no broken link or anchor, the README's and the home
-page's commands are the ones the tests run, and the Python the pages show runs."""
+page's commands are the ones the tests run, the Python the pages show runs, and the tests the reliability page
+names exist."""
 import re
 import shlex
 import subprocess
@@ -66,3 +67,16 @@ def test_the_environment_example_of_the_tasks_page_plugs_in_by_import_path(tmp_p
     from mypkg.envs import calculator
 
     assert with_tool.transforms and isinstance(calculator(), Transform)
+
+
+def test_every_test_the_reliability_page_names_exists():
+    """docs/reliability.md holds each guarantee to a test by name: a renamed or dropped test fails here."""
+    page = (ROOT / "docs" / "reliability.md").read_text()
+    named = re.findall(r"`(test_\w+\.py)(?:::(test_\w+))?`|`::(test_\w+)`", page)
+    assert len(named) > 20
+    current = None
+    for module, test, same_module_test in named:
+        current = module or current
+        source = (ROOT / "tests" / current).read_text()
+        for name in (test, same_module_test):
+            assert not name or re.search(rf"^def {name}\(", source, flags=re.M), f"{current}::{name}"

@@ -1,4 +1,4 @@
-"""Run model-written Python in a separate, limited process: the sandbox of a Python tool (issue 12, point 3).
+"""Run model-written Python in a separate, limited process: the sandbox of a Python tool.
 
 `run_python(code)` starts a fresh `python -I` (not a fork of the trainer) in its own session, with its cwd a new
 temporary folder (removed afterwards) and an environment holding only PATH, HOME/TMPDIR (the folder) and the
