@@ -34,33 +34,36 @@ EVAL_CONSOLE_KEYS = ("accuracy", "reward")
 
 class MetricsCSV:
     """One row per step; the header grows when a new metric appears (the file is rewritten then). A row is
-    written whole or not at all (:mod:`torchrl_grpo.core.files`)."""
+    written whole or not at all (:mod:`torchrl_grpo.core.files`). The rows live in the file only: held in memory,
+    a long run's grew with every step (``bench/soak.py``)."""
 
     def __init__(self, path: Path, resume_step: int | None = None):
         self.path = path
         self.header: list[str] = []
-        self.rows: list[dict] = []
         if path.exists() and resume_step is not None:
-            with open(path, newline="") as f:
-                reader = csv.DictReader(f)
-                self.header = list(reader.fieldnames or [])
-                # rows logged after the checkpoint we resume from will be produced again
-                self.rows = [r for r in reader if int(float(r["step"])) <= resume_step]
-            self._rewrite()
+            # rows logged after the checkpoint we resume from will be produced again
+            kept = [r for r in self.rows() if int(float(r["step"])) <= resume_step]
+            write_replacing(path, self._text(kept, header=True))
         elif path.exists():
             path.unlink()
 
+    def rows(self) -> list[dict]:
+        """The rows written so far, read back from the file (values as text); sets the header to the file's."""
+        if not self.path.exists():
+            return []
+        with open(self.path, newline="") as f:
+            reader = csv.DictReader(f)
+            self.header = list(reader.fieldnames or [])
+            return list(reader)
+
     def write(self, row: dict) -> None:
-        self.rows.append(row)
         new = [k for k in row if k not in self.header]
         if new or not self.path.exists():
-            self.header += new
-            self._rewrite()
+            rows = [*self.rows(), row]
+            self.header += [k for k in row if k not in self.header]
+            write_replacing(self.path, self._text(rows, header=True))
             return
         append_whole(self.path, self._text([row], header=False))
-
-    def _rewrite(self) -> None:
-        write_replacing(self.path, self._text(self.rows, header=True))
 
     def _text(self, rows: list[dict], header: bool) -> str:
         out = io.StringIO(newline="")
@@ -165,12 +168,13 @@ class Telemetry:
         first and the last steps; and the first vs the last evaluation, when there were several. Then the
         run's figures."""
         window = max(1, min(5, total_steps // 4))
-        trends = summarize(self.csv.rows, ["reward"] + [f"reward/{n}" for n in reward_names], window)
+        rows = self.csv.rows()
+        trends = summarize(rows, ["reward"] + [f"reward/{n}" for n in reward_names], window)
         width = max([len(key) for key in trends] + [8])
         self.print(f"{'summary:':<{width + 2}} {'first step':>12} {f'first {window} mean':>14} {f'last {window} mean':>14}")
         for key, trend in trends.items():
             self.print(f"  {key:<{width}} {trend.first_step:>12.3f} {trend.first_mean:>14.3f} {trend.last_mean:>14.3f}")
-        evaluated = [r for r in self.csv.rows if r.get("eval/accuracy") not in (None, "")]
+        evaluated = [r for r in rows if r.get("eval/accuracy") not in (None, "")]
         if len(evaluated) > 1:  # before vs after training, on the held-out evaluation split
             first, last = evaluated[0], evaluated[-1]
             self.print(f"  eval, step {int(first['step'])} -> step {int(last['step'])}: " + " | ".join(
