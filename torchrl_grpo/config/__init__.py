@@ -1,3 +1,6 @@
 """The composed config checked and resolved: the schema (every key, kind, range), the batch plan, the
 placement of models on devices, the precision choices, the run spec that holds them resolved once, the command
 line. Imports core and objective (the names of its registered terms)."""
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"  # the shipped config tree (Hydra's search path)

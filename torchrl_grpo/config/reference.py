@@ -8,14 +8,12 @@ generated, never edited by hand: ``python -m torchrl_grpo.config.reference > doc
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from torchrl_grpo.config import CONFIG_DIR
 from torchrl_grpo.config.schema import ASYNC_SECTIONS, SECTIONS, section_keys
-
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"
 
 KINDS = {  # schema kind -> what a reader is told
     "int": "integer", "int>0": "integer > 0", "int>=0": "integer >= 0", "num>0": "number > 0",

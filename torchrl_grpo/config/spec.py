@@ -32,11 +32,15 @@ class RunSpec:
     train: TrainSettings        # what the trainer needs besides its model, loss and optimizer
     eval: EvalSettings          # what an evaluation needs
     model: ModelSettings        # where the model comes from
-    task: dict[str, Any]        # the env section: what builds the task (the trainer's and each actor's)
     actors: ActorSettings | None  # the async run's Ray actors (None: a sync run)
     logging: LoggingSettings    # what the telemetry needs
     checkpoint: CheckpointSettings  # what saves and resumes checkpoints
     config: dict[str, Any]      # the whole config, resolved: what checkpoints and wandb record
+
+    @property
+    def task(self) -> dict[str, Any]:
+        """The env section: what builds the task (the trainer's and each actor's)."""
+        return self.config["env"]
 
 
 def resolve_run(cfg: DictConfig, training: bool = True) -> RunSpec:
@@ -52,7 +56,6 @@ def resolve_run(cfg: DictConfig, training: bool = True) -> RunSpec:
     return RunSpec(plan, placement, precision, EngineSettings.from_config(cfg, plan),
                    CollectSettings.from_config(cfg, plan), TrainSettings.from_config(cfg, plan, precision),
                    EvalSettings.from_config(cfg, plan), ModelSettings.from_config(cfg),
-                   OmegaConf.to_container(cfg.env, resolve=True),
                    ActorSettings.from_config(cfg) if cfg.get("mode") == "async" else None,
                    LoggingSettings.from_config(cfg), CheckpointSettings.from_config(cfg, placement),
                    OmegaConf.to_container(cfg, resolve=True))

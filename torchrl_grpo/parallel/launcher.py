@@ -32,10 +32,10 @@ def data_parallel_ranks(spec: RunSpec, run_dir: Path, build_follower: BuildFollo
     ranks and starts the others (:func:`follow_rank` with ``build_follower``), or of the ranks ``torchrun`` started
     (:func:`torchrun_follower` runs the others); yields rank 0's :class:`DataParallel` (None for the other strategies).
     The config was checked and resolved into ``spec`` first (torchrun's world taken as ``train_model.num_devices``:
-    :func:`~torchrl_grpo.config.placement.adopt_torchrun_ranks`), so a bad one fails in one line before any rank starts; the followers get it. The
-    followers stop when rank 0's run ends; those it started are killed if it fails. A follower that dies stops the run
-    in one line (its collective fails at once, or after ``RANK_TIMEOUT_S``), saying how to resume from ``run_dir``'s
-    last checkpoint."""
+    :func:`~torchrl_grpo.config.placement.adopt_torchrun_ranks`), so a bad one fails in one line before any rank
+    starts; the followers get it. The followers stop when rank 0's run ends; those it started are killed if it
+    fails. A follower that dies stops the run in one line (its collective fails at once, or after
+    ``RANK_TIMEOUT_S``), saying how to resume from ``run_dir``'s last checkpoint."""
     launch = torchrun_launch()
     if spec.placement.strategy != "fsdp":
         yield None

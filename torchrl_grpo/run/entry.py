@@ -15,11 +15,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from torchrl_grpo.config import CONFIG_DIR
 from torchrl_grpo.config.command_line import checked_command_line
 from torchrl_grpo.core.console import quiet_libraries
 from torchrl_grpo.core.errors import exit_with_one_line
 
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "config")
 DEFAULT_CONFIG = "grpo_gsm8k"
 
 
@@ -32,8 +32,8 @@ def entry_point(main: Callable[[DictConfig, Path], None]) -> Callable[[], None]:
         quiet_libraries(cfg.logging.verbose is True)
         main(cfg, Path(HydraConfig.get().runtime.output_dir))
 
-    hydra_main = hydra.main(config_path=CONFIG_DIR, config_name=DEFAULT_CONFIG, version_base="1.3")
-    return checked_command_line(CONFIG_DIR, DEFAULT_CONFIG)(hydra_main(exit_with_one_line(task)))
+    hydra_main = hydra.main(config_path=str(CONFIG_DIR), config_name=DEFAULT_CONFIG, version_base="1.3")
+    return checked_command_line(str(CONFIG_DIR), DEFAULT_CONFIG)(hydra_main(exit_with_one_line(task)))
 
 
 def torchrun_follower() -> bool:
