@@ -12,18 +12,9 @@ prompt), scores with the task's rewards, writes ``eval_responses.jsonl`` (re-sco
 ``eval_metrics.json`` to the run directory, prints a table, and prints the metrics as one JSON object on
 the last line of stdout. Metrics: torchrl_grpo/run/evaluation.py.
 """
-from torchrl_grpo.core.allocator import apply_memory_settings
+import sys
+
+from torchrl_grpo.run.cli import main
 
 if __name__ == "__main__":
-    apply_memory_settings()  # first, before torch is imported: kernel caches bounded, tcmalloc preloaded
-
-from torchrl_grpo.run.entry import entry_point, evaluate  # noqa: E402
-
-
-@entry_point
-def main(cfg, run_dir):
-    evaluate(cfg, run_dir)
-
-
-if __name__ == "__main__":
-    main()
+    main(["eval", *sys.argv[1:]])  # = torchrl-grpo eval ...

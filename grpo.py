@@ -6,18 +6,9 @@
     python grpo.py train.strategy=fsdp train_model.num_devices=2  # two data-parallel ranks (gloo on the CPU)
     torchrun --nnodes 2 --nproc-per-node 1 ... grpo.py            # data-parallel ranks torchrun starts
 """
-from torchrl_grpo.core.allocator import apply_memory_settings
+import sys
+
+from torchrl_grpo.run.cli import main
 
 if __name__ == "__main__":
-    apply_memory_settings()  # first, before torch is imported: kernel caches bounded, tcmalloc preloaded
-
-from torchrl_grpo.run.entry import entry_point, torchrun_follower, train_sync  # noqa: E402
-
-
-@entry_point
-def main(cfg, run_dir):
-    train_sync(cfg, run_dir)
-
-
-if __name__ == "__main__" and not torchrun_follower():  # under torchrun the ranks above 0 follow rank 0
-    main()
+    main(["train", *sys.argv[1:]])  # = torchrl-grpo train ...

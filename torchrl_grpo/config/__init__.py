@@ -3,4 +3,4 @@ placement of models on devices, the precision choices, the run spec that holds t
 line. Imports core and objective (the names of its registered terms)."""
 from pathlib import Path
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "config"  # the shipped config tree (Hydra's search path)
+CONFIG_DIR = Path(__file__).resolve().parent / "recipes"  # the shipped config tree (Hydra's search path; ./config links here)

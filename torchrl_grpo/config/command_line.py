@@ -6,6 +6,7 @@ first (a sweep with the first value of each swept key), which costs a fraction o
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 from torchrl_grpo.core.errors import ConfigError, exit_with_one_line
@@ -29,8 +30,9 @@ def check_overrides(config_dir: str, config_name: str, argv: list[str]) -> None:
                     else o.input_line for o in parsed]
     GlobalHydra.instance().clear()
     try:
-        with initialize_config_dir(config_dir=args.config_dir or config_dir, version_base="1.3"):
-            compose(config_name=args.config_name or config_name, overrides=first_values)
+        with initialize_config_dir(config_dir=args.config_path or config_dir, version_base="1.3"):
+            extra = [f"hydra.searchpath=[file://{os.path.abspath(args.config_dir)}]"] if args.config_dir else []
+            compose(config_name=args.config_name or config_name, overrides=first_values + extra)
     except Exception as err:  # a key or a group option that is not there
         message = _lines(err)
         if message.startswith("Could not override"):  # a new key is refused later anyway: most are typos

