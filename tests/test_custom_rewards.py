@@ -64,7 +64,7 @@ def test_a_reward_that_raises_names_itself_and_the_row_or_scores_zero(caplog):
         task.score("#### 1", row)
     message = str(err.value)
     assert message.startswith("reward 'broken' (test_custom_rewards.broken) raised KeyError: 'missing' on the row "
-                              f"whose question starts {row['question'][:60]!r}; fix the function, or set "
+                              f"whose prompt starts {row['question'][:60]!r}; fix the function, or set "
                               "env.reward_errors=zero")
     assert "\n" not in message
     task = build_task({**env, "reward_errors": "zero"})
@@ -84,7 +84,7 @@ def test_a_reward_that_raises_stops_the_run_after_a_checkpoint(tmp_path):
     assert out.returncode == 1, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: reward 'fails_on_the_twelfth_call' (test_custom_rewards.fails_on_the_twelfth_"
-                                "call) raised ZeroDivisionError: division by zero on the row whose question starts")
+                                "call) raised ZeroDivisionError: division by zero on the row whose prompt starts")
     assert f"stopped (checkpoint of step 1 saved in {run_dir / 'checkpoints'}" in lines[-1]
     assert (run_dir / "checkpoints" / "step_000001" / "trainer_state.pt").is_file()
     assert [int(float(r["step"])) for r in metric_rows(run_dir)] == [1]

@@ -95,7 +95,7 @@ class Collector:
             metrics["reward_errors"] = self.task.reward_error_count  # so far in this process
         lengths = batch["completion_mask"].sum(-1).float()
         metrics.update({
-            **{f"reward/{k}": v.float().mean().item() for k, v in batch["rewards"].items()},
+            **{f"reward/{k}": v.float().nanmean().item() for k, v in batch["rewards"].items()},  # over those it applies to
             "completion_length": lengths.mean().item(),
             "completion_length_max": lengths.max().item(),
             "truncated_fraction": batch["truncated"].float().mean().item(),

@@ -42,6 +42,20 @@ def check_overrides(config_dir: str, config_name: str, argv: list[str]) -> None:
         GlobalHydra.instance().clear()
 
 
+def compose_config(config_dir: str, config_name: str, overrides: list[str]):
+    """The config as the command line composes it (after :func:`check_overrides` said it does), outside Hydra's
+    entry point (the Python API)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+            return compose(config_name=config_name, overrides=overrides)
+    finally:
+        GlobalHydra.instance().clear()
+
+
 def _lines(err: Exception) -> str:
     """Hydra's message on one line: the items listed after a line ending in ':' joined by commas, the config
     search path and the stack-trace hint dropped."""

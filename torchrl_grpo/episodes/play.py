@@ -98,12 +98,13 @@ def _play_single_turn(engine, tokenizer, task, rows: list[dict], *, n: int, max_
     completions = engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
     generating = time.perf_counter() - started
     played = []
-    for c in completions:
+    scores = task.score_batch([c.text for c in completions], [rows[c.prompt_index] for c in completions],
+                              [c.token_ids for c in completions])
+    for c, components in zip(completions, scores):
         prompt, row = prompts[c.prompt_index], rows[c.prompt_index]
         episode = Episode.start(prompt)
         episode.add_sampled(list(c.token_ids), list(c.log_probs))
         ended = "max_steps" if c.finish_reason == "stop" else "length"
-        components = {k: float(v) for k, v in task.score(c.text, row).items()}
         played.append(Played(episode, len(prompt), [*task.messages(row), {"role": "assistant", "content": c.text}],
                              c.finish_reason, ended, {}, components))
     return played, generating

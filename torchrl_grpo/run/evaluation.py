@@ -24,6 +24,7 @@ from torchrl_grpo.config.settings import EvalSettings
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.episodes.turn_envs import Turns
 from torchrl_grpo.tasks import Task, per_task_means
+from torchrl_grpo.tasks.scoring import nan_mean
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -50,11 +51,13 @@ def score_responses(task: Task, rows: Sequence[Mapping[str, Any]], responses: Se
     if not rows or len(rows) != len(responses) or min(len(r) for r in responses) == 0:
         raise ValueError("score_responses needs one or more responses for each of one or more rows")
     success = task.success_reward
+    scores = iter(task.score_batch([text for outs in responses for text in outs],
+                                   [row for row, outs in zip(rows, responses) for _ in outs]))
     records, solved = [], []
     for row, outs in zip(rows, responses):
         solved.append(0)
         for text in outs:
-            components = task.score(text, row)
+            components = next(scores)
             solved[-1] += components[success] >= 1
             records.append({**row, "response": text, "scores": {**components, "reward": task.total(components)}})
     counts = [len(outs) for outs in responses]
@@ -62,7 +65,7 @@ def score_responses(task: Task, rows: Sequence[Mapping[str, Any]], responses: Se
         "prompts": float(len(rows)), "responses": float(len(records)),
         "solved": float(sum(solved)), "accuracy": sum(solved) / len(records),
         **{f"pass@{k}": sum(pass_at_k(n, c, k) for n, c in zip(counts, solved)) / len(rows) for k in ks_for(min(counts))},
-        **{f"reward{'' if key == 'reward' else '/' + key}": sum(r["scores"][key] for r in records) / len(records)
+        **{f"reward{'' if key == 'reward' else '/' + key}": nan_mean(r["scores"][key] for r in records)
            for key in ["reward", *task.reward_names]},
     }
     flat_rows = [row for row, outs in zip(rows, responses) for _ in outs]
@@ -167,7 +170,7 @@ def _find_rows(path: Path, numbers: list[int], records: list[dict], task: Task) 
                               f"rows ({', '.join(task.rows.column_names)}) nor a \"question\" or \"prompt\" to find "
                               f"its row by")
         prompts.append(prompt)
-    found = match_rows(prompts, list(task.rows["question"]))
+    found = match_rows(prompts, [task.prompt_text(row) for row in task.rows])
     for number, prompt, i in zip(numbers, prompts, found):
         if i is None:
             raise ConfigError(

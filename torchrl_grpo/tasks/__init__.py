@@ -11,6 +11,7 @@ from torchrl_grpo.tasks.competition_math import HUB_DATASET as MATH_HUB
 from torchrl_grpo.tasks.competition_math import build_math_task
 from torchrl_grpo.tasks.gsm8k import build_gsm8k_task
 from torchrl_grpo.tasks.ifeval import build_ifeval_task
+from torchrl_grpo.tasks.prompts import build_prompts_task
 from torchrl_grpo.tasks.reasoning_gym_tasks import build_reasoning_gym_task
 
 # env.dataset -> builder(env_cfg) -> Task. New tasks add themselves with register_task.
@@ -25,8 +26,11 @@ TASK_BUILDERS: dict[str, Callable[[Any], Task]] = {
     "math": build_math_task,
     MATH_HUB: build_math_task,
     "HuggingFaceH4/MATH-500": build_math_task,
+    "prompts": build_prompts_task,
 }
 DEFAULT_DATASET = "openai/gsm8k"
+# reward callables handed over as Python objects (the Python API's reward_funcs), by their env.rewards _target_
+REGISTERED_REWARDS: dict[str, RewardFn] = {}
 
 
 def register_task(dataset: str, builder: Callable[[Any], Task]) -> None:
@@ -43,8 +47,25 @@ def build_task(env_cfg: Any) -> Task:
     if builder is None:
         raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(TASK_BUILDERS)}")
     task = add_custom_rewards(builder(env_cfg), env_cfg.get("rewards") or [])
+    if not task.rewards:
+        raise ConfigError(f"env.rewards: env.dataset={dataset} has no reward of its own; list yours, e.g. "
+                          "env.rewards=[{_target_: mypkg.rewards.reward_len}] (docs/tasks.md)")
     task.reward_errors = env_cfg.get("reward_errors") or "raise"
     return task
+
+
+def register_reward(fn: RewardFn) -> dict:
+    """An ``env.rewards`` entry for a callable: its import path as ``_target_`` (which this process resolves to
+    ``fn`` itself, and other processes import), its name (a lambda's is ``reward_<n>``)."""
+    if not callable(fn):
+        raise ConfigError(f"reward_funcs: {fn!r} is not callable; give functions")
+    name = getattr(fn, "__name__", type(fn).__name__)
+    target = f"{getattr(fn, '__module__', None) or '__main__'}.{getattr(fn, '__qualname__', name)}"
+    base, n = target, 2
+    while REGISTERED_REWARDS.get(target, fn) is not fn:  # two lambdas, or two functions of one name
+        target, n = f"{base}_{n}", n + 1
+    REGISTERED_REWARDS[target] = fn
+    return {"_target_": target, "name": f"reward_{len(REGISTERED_REWARDS)}" if name == "<lambda>" else name}
 
 
 def eval_env_config(env_cfg: Any) -> dict:
@@ -60,13 +81,19 @@ def eval_env_config(env_cfg: Any) -> dict:
 
 
 def add_custom_rewards(task: Task, entries) -> Task:
-    """Append the rewards of ``env.rewards``: each entry names a function ``fn(completion, row) -> float``
-    by its import path (``_target_``), with a ``weight`` (default 1) and a ``name`` (default: the
+    """Append the rewards of ``env.rewards``: each entry names a function, ``fn(completion, row) -> float`` or
+    TRL's ``fn(completions, **kwargs) -> list`` (:mod:`torchrl_grpo.tasks.scoring`), by its import path
+    (``_target_``; or one :func:`register_reward` made), with a ``weight`` (default 1) and a ``name`` (default: the
     function's), e.g. ``{_target_: my_rewards.length, weight: 0.5}``. Each is logged apart."""
     for i, entry in enumerate(entries):
         key = f"env.rewards[{i}]"
-        fn = import_target(entry, key, "reward function", "mypkg.rewards.length")
-        target = entry["_target_"]
+        target = entry.get("_target_") if hasattr(entry, "get") else None
+        fn = REGISTERED_REWARDS.get(target) if isinstance(target, str) else None
+        if fn is None and isinstance(target, str) and (target.startswith("__main__.") or "<" in target):
+            raise ConfigError(f"{key}._target_={target}: a function of the script or notebook that started the run "
+                              "(train(reward_funcs=...)) cannot be imported by the processes it starts (Ray actors, "
+                              "data-parallel ranks); define it in a module on PYTHONPATH")
+        fn = fn or import_target(entry, key, "reward function", "mypkg.rewards.length")
         weight = entry.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ConfigError(f"{key}.weight={weight!r}: must be a number")
@@ -77,5 +104,5 @@ def add_custom_rewards(task: Task, entries) -> Task:
     return task
 
 
-__all__ = ["Reward", "RewardFn", "Task", "TASK_BUILDERS", "add_custom_rewards", "build_task", "eval_env_config",
-           "per_task_means", "register_task"]
+__all__ = ["REGISTERED_REWARDS", "Reward", "RewardFn", "Task", "TASK_BUILDERS", "add_custom_rewards", "build_task",
+           "eval_env_config", "per_task_means", "register_reward", "register_task"]

@@ -1,30 +1,33 @@
 """The Task abstraction the trainer uses: prompts (a ``datasets.Dataset``) plus pluggable reward functions.
 
 A task is a dataset of rows (each with at least ``question`` and ``answer``), an optional system prompt and
-a list of :class:`Reward` s. Each reward is a named ``fn(completion, row) -> float`` with a weight; the
-trainer logs every component apart and optimises ``total = sum(weight * component)``. New rewards or new
-tasks (IFEval, reasoning-gym, ...) plug in by building a ``Task`` with other rewards; the trainer only calls
-:meth:`Task.messages`, :meth:`Task.score` and :meth:`Task.total`.
+a list of :class:`Reward` s. Each reward is a named function with a weight, ``fn(completion, row) -> float`` or
+TRL's batched signature (:mod:`torchrl_grpo.tasks.scoring`); the trainer logs every component apart and
+optimises ``total = sum(weight * component)`` over the components that apply (a reward may say ``None``). New
+rewards or new tasks (IFEval, reasoning-gym, ...) plug in by building a ``Task`` with other rewards; the trainer
+only calls :meth:`Task.messages`, :meth:`Task.score_batch` (or :meth:`Task.score`) and :meth:`Task.total`.
 """
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
 
 from torchrl_grpo.core.errors import ConfigError, RunError, one_line
+from torchrl_grpo.tasks.scoring import as_component, call_rewards, nan_mean
 
 log = logging.getLogger(__name__)
 
-RewardFn = Callable[[str, Mapping[str, Any]], float]
+RewardFn = Callable[..., Any]  # fn(completion, row) -> float | None, or TRL's fn(completions, **kw) -> list
 
 
 @dataclass(frozen=True)
 class Reward:
-    """One reward component: ``fn(completion, row) -> float`` (unweighted) and its weight in the total."""
+    """One reward component: its function (unweighted values; either signature) and its weight in the total."""
 
     name: str
     fn: RewardFn
@@ -43,6 +46,7 @@ class Task:
     # components that are the share of a row's checks passed (IFEval: its instructions): name -> the row's
     # number of checks; evaluation also counts them pooled over all checks (IFEval's instruction-level accuracy)
     pooled: dict[str, Callable[[Mapping[str, Any]], int]] = field(default_factory=dict)
+    conversational: bool = False  # TRL-style rewards get prompts and completions as chat messages
 
     def __post_init__(self):
         names = [r.name for r in self.rewards]
@@ -97,32 +101,54 @@ class Task:
         msgs.append({"role": "user", "content": row["question"]})
         return msgs
 
-    def score(self, completion: str, row: Mapping[str, Any]) -> dict[str, float]:
-        """Every reward component of ``completion`` for ``row``, unweighted, in reward order. A reward function
-        that raises is a :class:`RunError` naming it and the row, or (``reward_errors="zero"``) scores 0,
-        counted in ``reward_error_count``, the first traceback logged once."""
-        return {r.name: self._call(r, completion, row) for r in self.rewards}
+    def prompt_text(self, row: Mapping[str, Any]) -> str:
+        """The row's prompt as one string (evaluation finds rows by it; errors quote it)."""
+        return str(row.get("question", ""))
 
-    def _call(self, reward: Reward, completion: str, row: Mapping[str, Any]) -> float:
-        try:
-            return float(reward.fn(completion, row))
-        except ConfigError:  # the reward's own one-line verdict on the input (e.g. a row it cannot score)
-            raise
-        except Exception as err:
-            where = (f"reward {reward.name!r} ({getattr(reward.fn, '__module__', '?')}."
-                     f"{getattr(reward.fn, '__qualname__', reward.fn)}) raised {one_line(err)} on the row whose "
-                     f"question starts {str(row.get('question', ''))[:60]!r}")
-            if self.reward_errors != "zero":
-                raise RunError(f"{where}; fix the function, or set env.reward_errors=zero to score such "
-                               "completions 0 (counted in reward_errors)") from None
-            if self.reward_error_count == 0:
-                log.warning("%s; scored 0 (env.reward_errors=zero), further errors only counted", where, exc_info=True)
-            self.reward_error_count += 1
-            return 0.0
+    def reward_prompt(self, row: Mapping[str, Any]) -> Any:
+        """The row's prompt as TRL-style rewards get it: its text, or its messages for a conversational task."""
+        return self.messages(row) if self.conversational else self.prompt_text(row)
+
+    def score(self, completion: str, row: Mapping[str, Any]) -> dict[str, float]:
+        """Every reward component of one completion (:meth:`score_batch` of one)."""
+        return self.score_batch([completion], [row])[0]
+
+    def score_batch(self, completions: Sequence[str], rows: Sequence[Mapping[str, Any]],
+                    completion_ids: Sequence[Sequence[int]] | None = None) -> list[dict[str, float]]:
+        """Every reward component of each completion (``rows[i]`` is the row ``completions[i]`` answers),
+        unweighted, in reward order; NaN where a reward said ``None`` (not applicable). A reward function that
+        raises is a :class:`RunError` naming it and the row, or (``reward_errors="zero"``) scores 0, counted in
+        ``reward_error_count``, the first error logged once."""
+        raw = call_rewards(self.rewards, completions, rows, [self.reward_prompt(r) for r in rows], completion_ids,
+                           self.conversational)
+        return [{r.name: self._component(r, raw[r.name][i], rows[i]) for r in self.rewards}
+                for i in range(len(completions))]
+
+    def _component(self, reward: Reward, value: Any, row: Mapping[str, Any]) -> float:
+        if isinstance(value, ConfigError):  # the reward's own one-line verdict on the input (a row it cannot score)
+            raise value
+        if not isinstance(value, Exception):
+            try:
+                return as_component(value)
+            except (TypeError, ValueError) as err:
+                value = TypeError(f"returned {value!r}, not a number ({one_line(err)})")
+        where = (f"reward {reward.name!r} ({getattr(reward.fn, '__module__', '?')}."
+                 f"{getattr(reward.fn, '__qualname__', reward.fn)}) raised {one_line(value)} on the row whose "
+                 f"prompt starts {self.prompt_text(row)[:60]!r}")
+        if self.reward_errors != "zero":
+            raise RunError(f"{where}; fix the function, or set env.reward_errors=zero to score such "
+                           "completions 0 (counted in reward_errors)") from None
+        if self.reward_error_count == 0:
+            log.warning("%s; scored 0 (env.reward_errors=zero), further errors only counted", where,
+                        exc_info=(type(value), value, value.__traceback__))
+        self.reward_error_count += 1
+        return 0.0
 
     def total(self, components: Mapping[str, float]) -> float:
-        """``sum(weight * component)`` over this task's rewards (components not in the task are ignored)."""
-        return float(sum(r.weight * float(components[r.name]) for r in self.rewards))
+        """``sum(weight * component)`` over this task's rewards that apply (NaN components are left out, as
+        TRL's ``nansum``; components not in the task are ignored)."""
+        return float(sum(r.weight * float(components[r.name]) for r in self.rewards
+                         if not math.isnan(float(components[r.name]))))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -139,6 +165,6 @@ def per_task_means(rows: list[Mapping[str, Any]], components: list[Mapping[str, 
     for name in dict.fromkeys(names):
         mine = [i for i, n in enumerate(names) if n == name]
         for key in components[0]:
-            out[f"{prefix}{name}/{key}"] = sum(float(components[i][key]) for i in mine) / len(mine)
+            out[f"{prefix}{name}/{key}"] = nan_mean(components[i][key] for i in mine)
         out[f"{prefix}{name}/reward"] = sum(totals[i] for i in mine) / len(mine)
     return out

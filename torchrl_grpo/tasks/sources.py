@@ -20,7 +20,7 @@ def env_value(cfg: Any, key: str, default: Any = None) -> Any:
 
 
 def _local_files(path: Path, folder_patterns: Sequence[tuple[str, str]], expected: str) -> tuple[str, list[str]]:
-    """(datasets builder, files): ``path`` itself if it is a .jsonl/.json/.parquet file, else the files of the
+    """(datasets builder, files): ``path`` itself if it is a .jsonl/.json/.parquet/.csv file, else the files of the
     first ``(builder, glob)`` of ``folder_patterns`` that matches in the folder."""
     shown = f"env.data_path={path}"
     if not path.exists():
@@ -29,9 +29,10 @@ def _local_files(path: Path, folder_patterns: Sequence[tuple[str, str]], expecte
         suffix = path.suffix.lower()
         if suffix in (".jsonl", ".json"):
             return "json", [str(path)]
-        if suffix == ".parquet":
-            return "parquet", [str(path)]
-        raise ConfigError(f"{shown}: unsupported file type {suffix!r}; use a .jsonl or .parquet file, or a folder")
+        if suffix in (".parquet", ".csv"):
+            return suffix[1:], [str(path)]
+        raise ConfigError(f"{shown}: unsupported file type {suffix!r}; use a .jsonl, .parquet or .csv file, or a "
+                          "folder")
     for builder, pattern in folder_patterns:
         files = sorted(str(p) for p in path.glob(pattern))
         if files:
