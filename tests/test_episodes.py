@@ -91,3 +91,35 @@ def test_mismatched_log_probs_and_a_conversation_not_ending_with_the_assistant_a
         Episode.start([1]).add_sampled([2, 3], [-1.0])
     with pytest.raises(ValueError, match="must end with the assistant's turn"):
         inserted_ids(chatml, [{"role": "user", "content": "Q"}], [FEEDBACK], [])
+
+
+# Qwen3's switch, on a ChatML template: `enable_thinking=false` opens each assistant turn with an empty think block
+THINKING_SWITCH = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}")
+
+
+def test_chat_template_kwargs_reach_the_template_of_prompts_and_inserted_turns():
+    """env.chat_template_kwargs on the task, passed wherever a prompt or a turn is rendered (the rollout, the
+    length check and evaluation take prompt_token_ids; multi-turn episodes inserted_ids)."""
+    from torchrl_grpo.core.errors import ConfigError
+    from torchrl_grpo.episodes.trajectories import prompt_token_ids
+    from torchrl_grpo.tasks import build_task
+
+    tokenizer = load_tokenizer(resolve_model("tiny"))
+    tokenizer.chat_template = THINKING_SWITCH
+    env = {"dataset": "gsm_symbolic", "size": 4, "system_prompt": ""}
+    plain, switched = build_task(env), build_task({**env, "chat_template_kwargs": {"enable_thinking": False}})
+    assert plain.chat_template_kwargs == {} and switched.chat_template_kwargs == {"enable_thinking": False}
+    row = plain.rows[0]
+    question = f"<|im_start|>user\n{row['question']}<|im_end|>\n<|im_start|>assistant\n"
+    assert prompt_token_ids(plain, tokenizer, [row]) == [ids(tokenizer, question)]
+    assert prompt_token_ids(switched, tokenizer, [row]) == [ids(tokenizer, question + "<think>\n\n</think>\n\n")]
+    conversation = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    tail = inserted_ids(tokenizer, conversation, [FEEDBACK], [im_end], switched.chat_template_kwargs)
+    assert tokenizer.decode(tail).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not tokenizer.decode(inserted_ids(tokenizer, conversation, [FEEDBACK], [im_end])).endswith("</think>\n\n")
+    with pytest.raises(ConfigError, match=r"^env.chat_template_kwargs=\['x'\]: give a mapping"):
+        build_task({**env, "chat_template_kwargs": ["x"]})

@@ -12,7 +12,7 @@ import pytest
 
 from helpers import SCRIPT_ENV, metric_rows
 from torchrl_grpo.core.errors import ConfigError, RunError
-from torchrl_grpo.tasks import Reward, Task, build_task, register_reward
+from torchrl_grpo.tasks import build_task, register_reward
 from torchrl_grpo.tasks.prompts import _held_out
 
 ROWS = [{"prompt": f"Summarize post {i}.", "topic": t, "target": n}

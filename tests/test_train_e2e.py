@@ -1,9 +1,11 @@
 """grpo.py as users run it: a real subprocess, real Hydra, the tiny model, the real vLLM CPU engine."""
+import math
 import os
 import signal
 import subprocess
 from pathlib import Path
 
+import pytest
 from omegaconf import OmegaConf
 
 from helpers import SMALL, finite, metric_rows, needs_vllm, run, start, wait_until
@@ -20,7 +22,8 @@ def test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint(tmp_path):
     alone is checked for what a user sees (console, grpo.log, plots, metrics, checkpoints), the resumed one asked
     for the progress bar with stderr a pipe."""
     run_dir, whole_dir = tmp_path / "run", tmp_path / "whole"
-    args = [*SMALL, "train.total_dialog_turns=48", "logging.checkpoint_frequency=1", "train.kl_to_ref_coeff=0.05"]
+    args = [*SMALL, "train.total_dialog_turns=48", "logging.checkpoint_frequency=1", "train.kl_to_ref_coeff=0.05",
+            "optimizer.scheduler=cosine", "optimizer.warmup_steps=2"]  # the schedule resumes where it was, too
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     proc = start([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
                  stderr=subprocess.DEVNULL)
@@ -57,6 +60,9 @@ def test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint(tmp_path):
     assert timing and "reward" in alone[0] and "grad_norm" in alone[0]
     for mine, theirs in zip(resumed, alone, strict=True):
         assert {k: v for k, v in mine.items() if k not in timing} == {k: v for k, v in theirs.items() if k not in timing}
+    # 6 optimizer steps: linear warmup over 2 from 0, then cosine to 0 (SMALL: optimizer.lr=1e-3)
+    expected = [1e-3 * k / 2 if k < 2 else 1e-3 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 4)) for k in range(6)]
+    assert [float(r["lr"]) for r in alone] == pytest.approx(expected, rel=1e-6, abs=1e-12)
 
     out = whole.stdout
     assert "completions per step" in out and "summary:" in out

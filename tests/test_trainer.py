@@ -224,3 +224,43 @@ def test_adam_runs_torchs_fused_kernel_on_cpu_with_the_per_tensor_loops_update(n
     for a, b in zip(fused_model.parameters(), loop_model.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     assert (fused_model.weight - initial).abs().min() > 1e-3  # every weight took the three steps
+
+
+@pytest.mark.parametrize("schedule", ["constant", "linear", "cosine"])
+def test_the_learning_rate_follows_its_schedule_skips_with_an_update_and_resumes(schedule):
+    """Each optimize call here is one optimizer step; 6 in the run, 2 of warmup from 0 (TRL's and the HF
+    Trainer's formulas, computed by hand). A skipped update leaves the schedule where it was; a trainer built
+    afresh from the state_dict goes on with the same rates."""
+    import math
+    from types import SimpleNamespace
+
+    from helpers import cfg_with
+
+    from torchrl_grpo.run.build import build_scheduler
+
+    def after_warmup(k):  # k: optimizer steps done, >= 2
+        t = (k - 2) / 4
+        return {"constant": 1.0, "linear": 1 - t, "cosine": 0.5 * (1 + math.cos(math.pi * t))}[schedule]
+
+    expected = [0.1 * (k / 2 if k < 2 else after_warmup(k)) for k in range(6)]
+    cfg = cfg_with(f"optimizer.scheduler={schedule}", "optimizer.warmup_steps=2")
+    plan = SimpleNamespace(total_steps=3, optimizer_steps_per_step=2)
+    settings = dataclasses.replace(SETTINGS, micro_batch=4)
+
+    def trainer(policy, loss):
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+        return Trainer(policy, None, loss, optimizer, settings, torch.device("cpu"), None,
+                       scheduler=build_scheduler(cfg, optimizer, plan))
+
+    policy = TableLM(1)
+    loss = PoisonedLoss(policy)
+    first = trainer(policy, loss)
+    rates = []
+    for k in range(3):
+        loss.poisoned = k == 1
+        metrics = first.optimize(make_batch())
+        rates += [] if metrics["skipped_updates"] else [metrics["lr"]]
+    resumed = trainer(policy, loss)
+    resumed.load_state_dict(first.state_dict())
+    rates += [resumed.optimize(make_batch())["lr"] for _ in range(4)]
+    assert rates == pytest.approx(expected, rel=1e-12, abs=1e-15)

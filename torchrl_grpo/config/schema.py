@@ -82,6 +82,8 @@ class Env:
     overlong_prompts: str = key("choice", "rows whose prompt + inference_model.max_tokens (x env.max_steps) exceeds "
                                 "inference_model.max_model_len: drop (one warning line) | error (refuse the run)",
                                 choices=("drop", "error"))
+    chat_template_kwargs: dict = key("any", "keyword arguments of the tokenizer's chat template wherever a prompt or "
+                                     "turn is rendered, e.g. {enable_thinking: false} for Qwen3")
 
 
 @dataclass
@@ -159,6 +161,10 @@ class Optimizer:
     clip_grad_norm: float = key("num>0", "max gradient norm", null=True,
                                 hint="must be > 0, or null for no clipping")
     weight_decay: float = key("num>=0", "decoupled weight decay (AdamW), L2 otherwise")
+    scheduler: str = key("choice", "learning-rate schedule over the run's optimizer steps, after the warmup: "
+                         "constant, linear (to 0) or cosine (to 0), as transformers' get_scheduler",
+                         choices=("constant", "linear", "cosine"))
+    warmup_steps: int = key("int>=0", "optimizer steps of linear warmup from 0 to optimizer.lr")
 
 
 @dataclass

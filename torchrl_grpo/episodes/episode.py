@@ -49,10 +49,12 @@ class Episode:
         self.log_probs += [0.0] * len(ids)
 
 
-def inserted_ids(tokenizer, conversation: list[dict], added: list[dict], sampled: list[int]) -> list[int]:
+def inserted_ids(tokenizer, conversation: list[dict], added: list[dict], sampled: list[int],
+                 template_kwargs: dict | None = None) -> list[int]:
     """The ids the chat template puts after the assistant's last turn of ``conversation`` (whose ids the engine
     ``sampled``) when the messages ``added`` follow and a new assistant turn starts: that turn's end (unless
-    the engine sampled it as its last id), ``added`` and the generation prompt, tokenized on their own.
+    the engine sampled it as its last id), ``added`` and the generation prompt, tokenized on their own
+    (``template_kwargs``: the chat template's keyword arguments, as the prompt was rendered with).
 
     Tokenized alone they are what the whole rendered conversation tokenizes to at its end when the template's
     end of turn is an added token (ChatML's ``<|im_end|>``: SmolLM2, Qwen): BPE never merges across it. A
@@ -60,7 +62,7 @@ def inserted_ids(tokenizer, conversation: list[dict], added: list[dict], sampled
     if not conversation or conversation[-1].get("role") != "assistant":
         raise ValueError("the conversation must end with the assistant's turn")
     messages = [*conversation[:-1], {**conversation[-1], "content": _CONTENT}, *added]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
     at = text.rfind(_CONTENT)
     if at < 0:
         raise RunError("the chat template drops the assistant's text of the last turn; multi-turn episodes need a "

@@ -143,7 +143,8 @@ class InsertedTokens(Transform):
             cut = _single(tensordict["finish_reason"]) == "length"
             return _end(next_tensordict, "length" if cut else "answer")
         tokens = next_tensordict["tokens", "prompt"]
-        ids = inserted_ids(self.tokenizer, conversation[: last + 1], added, tokens[0, -1:].tolist())
+        ids = inserted_ids(self.tokenizer, conversation[: last + 1], added, tokens[0, -1:].tolist(),
+                           self.task.chat_template_kwargs)
         if self.max_model_len is not None and tokens.shape[-1] + len(ids) + self.max_tokens > self.max_model_len:
             return _end(next_tensordict, "context")
         next_tensordict["tokens", "prompt"] = torch.cat([tokens, torch.tensor([ids], dtype=tokens.dtype)], -1)

@@ -44,8 +44,10 @@ class PromptSampler:
 
 
 def prompt_token_ids(task: Task, tokenizer, rows: list[dict]) -> list[list[int]]:
-    """Chat-templated prompt ids (the template's own special tokens, none added on top)."""
-    texts = [tokenizer.apply_chat_template(task.messages(r), tokenize=False, add_generation_prompt=True) for r in rows]
+    """Chat-templated prompt ids (the template's own special tokens, none added on top; the task's
+    ``chat_template_kwargs`` passed to the template)."""
+    texts = [tokenizer.apply_chat_template(task.messages(r), tokenize=False, add_generation_prompt=True,
+                                           **task.chat_template_kwargs) for r in rows]
     return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
 
 

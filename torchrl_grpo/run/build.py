@@ -113,6 +113,17 @@ def build_optimizer(cfg: DictConfig, policy) -> torch.optim.Optimizer:
     return cls(params, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, fused=fused)
 
 
+def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, plan) -> torch.optim.lr_scheduler.LRScheduler:
+    """``optimizer.scheduler`` with ``optimizer.warmup_steps``: transformers' schedules (TRL's and the HF
+    Trainer's), over the run's optimizer steps (``total steps x optimizer steps per step``)."""
+    from transformers import get_scheduler
+
+    opt = cfg.optimizer
+    name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[opt.scheduler]
+    return get_scheduler(name, optimizer, num_warmup_steps=int(opt.warmup_steps),
+                         num_training_steps=plan.total_steps * plan.optimizer_steps_per_step)
+
+
 def build_loss(cfg: DictConfig, policy) -> GRPOLoss:
     return GRPOLoss.from_config(
         policy,
@@ -172,9 +183,10 @@ def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: 
     if mixed and not native_bf16(train_on[0]):
         print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
               "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)
-    return Trainer(policy, ref_policy, build_loss(cfg, policy), build_optimizer(cfg, policy), spec.train,
-                   torch.device(train_on[0]),
-                   torch.device(ref_on[0]) if ref_policy is not None else None, parallel)
+    optimizer = build_optimizer(cfg, policy)
+    return Trainer(policy, ref_policy, build_loss(cfg, policy), optimizer, spec.train, torch.device(train_on[0]),
+                   torch.device(ref_on[0]) if ref_policy is not None else None, parallel,
+                   build_scheduler(cfg, optimizer, spec.plan))
 
 
 def build_follower(spec: RunSpec, parallel: DataParallel) -> tuple[Trainer, object]:

@@ -51,6 +51,11 @@ def build_task(env_cfg: Any) -> Task:
         raise ConfigError(f"env.rewards: env.dataset={dataset} has no reward of its own; list yours, e.g. "
                           "env.rewards=[{_target_: mypkg.rewards.reward_len}] (docs/tasks.md)")
     task.reward_errors = env_cfg.get("reward_errors") or "raise"
+    template_kwargs = env_cfg.get("chat_template_kwargs") or {}
+    if not hasattr(template_kwargs, "items"):
+        raise ConfigError(f"env.chat_template_kwargs={template_kwargs!r}: give a mapping, e.g. "
+                          "'{enable_thinking: false}'")
+    task.chat_template_kwargs = dict(template_kwargs)
     return task
 
 

@@ -47,6 +47,7 @@ class Task:
     # number of checks; evaluation also counts them pooled over all checks (IFEval's instruction-level accuracy)
     pooled: dict[str, Callable[[Mapping[str, Any]], int]] = field(default_factory=dict)
     conversational: bool = False  # TRL-style rewards get prompts and completions as chat messages
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # env.chat_template_kwargs
 
     def __post_init__(self):
         names = [r.name for r in self.rewards]

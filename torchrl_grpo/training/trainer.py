@@ -34,8 +34,10 @@ from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, g
 class Trainer:
     def __init__(self, policy: torch.nn.Module, ref_policy: torch.nn.Module | None, loss: GRPOLoss,
                  optimizer: torch.optim.Optimizer, settings: TrainSettings, device: torch.device,
-                 ref_device: torch.device | None, parallel: DataParallel | None = None):
+                 ref_device: torch.device | None, parallel: DataParallel | None = None,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
         self.policy, self.ref_policy, self.loss, self.optimizer = policy, ref_policy, loss, optimizer
+        self.scheduler = scheduler  # the learning rate of each optimizer step; None: optimizer.lr throughout
         self.settings, self.device, self.ref_device = settings, device, ref_device
         self.parallel = parallel  # None: one process
         self.shuffle = torch.Generator().manual_seed(settings.seed)  # micro-batch order, saved for exact resume
@@ -123,8 +125,11 @@ class Trainer:
                     trained_tokens += int(mb["attention_mask"].sum())
                 step_started = time.perf_counter()
                 grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm or math.inf))
+                lr = self.optimizer.param_groups[0]["lr"]  # this update's
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
+                    if self.scheduler is not None:  # a skipped update leaves the schedule where it is
+                        self.scheduler.step()
                     self.nonfinite_streak = 0
                 else:  # a NaN/inf gradient would poison the weights: drop this update, say so in the metrics
                     skipped += 1
@@ -141,7 +146,7 @@ class Trainer:
         metrics["loss"] = sum(metrics[k] for k in metrics if k.startswith("loss_"))
         metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
         metrics.update({key: max(history[key]) for key in MAX_METRICS if key in history})
-        metrics.update({"skipped_updates": skipped, "lr": self.optimizer.param_groups[0]["lr"],
+        metrics.update({"skipped_updates": skipped, "lr": lr,
                         "train_time": elapsed, "optimizer_time": optimizer_time, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
         return metrics
 
@@ -221,9 +226,11 @@ class Trainer:
     def state_dict(self) -> dict:
         """The optimizer and the micro-batch shuffle: what a checkpoint needs besides the weights. Data-parallel:
         the world size instead of the optimizer, whose shards :meth:`save_pretrained` writes."""
+        common = {"shuffle_rng": self.shuffle.get_state(),
+                  "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
         if self.parallel is None:
-            return {"optimizer": self.optimizer.state_dict(), "shuffle_rng": self.shuffle.get_state()}
-        return {"optimizer": None, "world_size": self.parallel.world_size, "shuffle_rng": self.shuffle.get_state()}
+            return {"optimizer": self.optimizer.state_dict(), **common}
+        return {"optimizer": None, "world_size": self.parallel.world_size, **common}
 
     @collective
     def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
@@ -234,6 +241,8 @@ class Trainer:
         else:
             load_optimizer(self.policy, self.optimizer, Path(checkpoint_dir) / OPTIMIZER_SHARDS)
         self.shuffle.set_state(state["shuffle_rng"])
+        if self.scheduler is not None and state.get("scheduler") is not None:  # older checkpoints have none
+            self.scheduler.load_state_dict(state["scheduler"])
 
 
 def by_length(rows: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
