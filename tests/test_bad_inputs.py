@@ -93,6 +93,10 @@ ROWS = [
     (["train.optim_batch_size=4", "train.gradient_accumulation_steps=3"], r"train.gradient_accumulation_steps=3"),
     (["train.dialog_turns_per_batch=10"], r"train.dialog_turns_per_batch=10"),
     (["inference_model.top_p=0.9", "loss.old_log_probs=engine"], r"inference_model.top_p=0.9 with loss.old_log_probs=engine: "),
+    (["inference_model.top_k=20", "loss.old_log_probs=engine"], r"inference_model.top_k=20 with loss.old_log_probs=engine: "
+                                                                 r".*set loss.old_log_probs=trainer \(or top_k=0\)"),
+    (["inference_model.min_p=0.1", "loss.old_log_probs=engine"], r"inference_model.min_p=0.1 with loss.old_log_probs=engine"),
+    (["inference_model.top_k=-1"], r"inference_model.top_k=-1: must be an integer >= 0"),
     (["env.max_steps=2"], r"env.max_steps=2 without env.turn_env: nothing answers between turns"),
     (["env=gsm_symbolic_python", "env.turn_env.memory_mb=-1"], r"env.turn_env.memory_mb=-1: must be a number > 0"),
     (["env=arithmetic", "env.split=valid"], r"env.split='valid': choose train or test"),

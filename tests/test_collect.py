@@ -19,7 +19,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer):
         self.tokenizer, self.calls = tokenizer, []
 
-    def generate(self, prompts, *, n, max_tokens, temperature, top_p):
+    def generate(self, prompts, *, n, max_tokens, temperature, top_p, top_k=0, min_p=0.0):
         self.calls.append(len(prompts))
         out = []
         for i, ids in enumerate(prompts):

@@ -31,7 +31,7 @@ class ScriptedPolicy:
         self.tokenizer, self.script, self.cut, self.calls = tokenizer, script, set(cut), []
         self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
 
-    def generate(self, prompts, *, n, max_tokens, temperature, top_p):
+    def generate(self, prompts, *, n, max_tokens, temperature, top_p, top_k=0, min_p=0.0):
         self.calls.append((len(prompts), n))
         out = []
         for i, ids in enumerate(prompts):

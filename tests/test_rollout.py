@@ -68,6 +68,40 @@ def test_vllm_top_p_reports_renormalised_nucleus(vllm_engine, tiny_model_path, p
         assert excess.min() > -LOGPROB_TOL and excess.max() < -math.log(top_p) + LOGPROB_TOL
 
 
+def truncated_by_hand(model, prompt, completion, temperature, top_k, min_p):
+    """Log-probs of ``completion`` under the distribution min_p then top_k leave (vLLM's order), written out: the
+    tokens below min_p x the top probability dropped, then all but the k largest logits, then renormalised."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float() / temperature
+    keep = torch.ones_like(logits, dtype=torch.bool)
+    if min_p:
+        probs = logits.softmax(-1)
+        keep &= probs >= min_p * probs.max(-1, keepdim=True).values
+    if top_k:
+        ranks = (logits.masked_fill(~keep, -math.inf)[:, :, None] < logits.masked_fill(~keep, -math.inf)[:, None, :])
+        keep &= ranks.sum(-1) < top_k  # fewer than k kept logits above it
+    kept = logits.masked_fill(~keep, -math.inf)
+    return (kept - kept.logsumexp(-1, keepdim=True)).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+TRUNCATIONS = [{"top_k": 5}, {"min_p": 0.5}, {"top_k": 20, "min_p": 0.3}]
+
+
+def assert_truncated_log_probs(model, prompts, completions, temperature, cut):
+    for c in completions:
+        expected = truncated_by_hand(model, prompts[c.prompt_index], c.token_ids, temperature, cut.get("top_k", 0),
+                                     cut.get("min_p", 0.0))
+        assert torch.isfinite(expected).all()  # every sampled token is inside what the truncation keeps
+        assert (torch.tensor(c.log_probs) - expected).abs().max() < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("cut", TRUNCATIONS, ids=str)
+def test_vllm_top_k_and_min_p_report_the_truncated_distribution(vllm_engine, tiny_model_path, prompts, cut):
+    completions = vllm_engine.generate(prompts, n=2, max_tokens=8, temperature=0.7, **cut)
+    assert_truncated_log_probs(_policy(tiny_model_path), prompts, completions, 0.7, cut)
+
+
 def test_vllm_generate_leaves_caller_rng_alone(vllm_engine, prompts):
     torch.manual_seed(3)
     expected = torch.rand(4)
@@ -248,6 +282,13 @@ def test_transformers_top_p_reports_renormalised_nucleus(tiny_model_path, tokeni
     model, top_p = _policy(tiny_model_path), 0.9
     completions = TransformersEngine(model, tokenizer).generate(prompts, n=2, max_tokens=10, top_p=top_p)
     assert max_logprob_gap(model, prompts, completions, 1.0, top_p) < LOGPROB_TOL
+
+
+@pytest.mark.parametrize("cut", TRUNCATIONS, ids=str)
+def test_transformers_top_k_and_min_p_report_the_truncated_distribution(tiny_model_path, tokenizer, prompts, cut):
+    model = _policy(tiny_model_path)
+    completions = TransformersEngine(model, tokenizer).generate(prompts, n=2, max_tokens=8, temperature=0.7, **cut)
+    assert_truncated_log_probs(model, prompts, completions, 0.7, cut)
 
 
 def test_transformers_stops_at_eos(tiny_model_path, tokenizer, prompts):

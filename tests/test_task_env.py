@@ -25,7 +25,7 @@ class FixedTexts:
     def __init__(self, tokenizer, texts):
         self.tokenizer, self.texts = tokenizer, texts
 
-    def generate(self, prompts, *, n, max_tokens, temperature, top_p):
+    def generate(self, prompts, *, n, max_tokens, temperature, top_p, top_k=0, min_p=0.0):
         end = self.tokenizer.convert_tokens_to_ids("<|im_end|>")
         ids = [self.tokenizer(t, add_special_tokens=False)["input_ids"] + [end] for t in self.texts[:n]]
         return [Completion(i, ids[j], [-1.0] * len(ids[j]), "stop", t)

@@ -52,7 +52,8 @@ class Collector:
             started = time.perf_counter()
             played, generating = play(self.engine, self.tokenizer, task, rows, n=s.group_size,
                                       max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p,
-                                      max_model_len=s.max_model_len, turns=self.turns, envs=self.envs)
+                                      top_k=s.top_k, min_p=s.min_p, max_model_len=s.max_model_len, turns=self.turns,
+                                      envs=self.envs)
             generation_time += generating
             play_time += time.perf_counter() - started
             started = time.perf_counter()

@@ -83,18 +83,21 @@ def resolve_dtype(name: str | None, device: str) -> torch.dtype:
 
 
 def _check_old_log_probs(cfg: DictConfig, precision: Precision) -> None:
-    """Nucleus sampling and TIS need the trainer's old log-probs: refused, naming the keys, with the engine's."""
+    """Truncated sampling (top_p, top_k, min_p) and TIS need the trainer's old log-probs: refused, naming the
+    keys, with the engine's."""
     if precision.trainer_old_log_probs:
         return
     old_log_probs = f"loss.old_log_probs={cfg.loss.old_log_probs}"
     if cfg.loss.old_log_probs == "auto":
         old_log_probs += " (the engine's, as training runs in float32 here)"
-    top_p = cfg.inference_model.top_p
-    if top_p < 1:
-        raise ConfigError(
-            f"inference_model.top_p={top_p} with {old_log_probs}: the engine's log-probs are then renormalised "
-            "over the nucleus and the ratio is biased; set loss.old_log_probs=trainer (or top_p=1)"
-        )
+    inference = cfg.inference_model
+    for name, value, off in (("top_p", inference.top_p, 1), ("top_k", inference.top_k, 0),
+                             ("min_p", inference.min_p, 0)):
+        if value != off:
+            raise ConfigError(
+                f"inference_model.{name}={value} with {old_log_probs}: the engine's log-probs are then of the "
+                f"truncated distribution and the ratio is biased; set loss.old_log_probs=trainer (or {name}={off})"
+            )
     tis_cap = cfg.loss.get("tis_cap")
     if tis_cap is not None:
         raise ConfigError(

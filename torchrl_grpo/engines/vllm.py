@@ -308,6 +308,8 @@ class VLLMEngine(Engine):
         max_tokens: int,
         temperature: float = 1.0,
         top_p: float = 1.0,
+        top_k: int = 0,
+        min_p: float = 0.0,
     ) -> list[Completion]:
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate after close()")
@@ -315,7 +317,8 @@ class VLLMEngine(Engine):
         # holds back a trailing incomplete UTF-8 sequence, so its text can differ from decode(ids))
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
         params = [self._sampling_params_cls(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                                            logprobs=0, detokenize=False, seed=seed)
+                                            top_k=top_k if top_k > 0 else 0, min_p=min_p, logprobs=0,
+                                            detokenize=False, seed=seed)
                   for seed in self._request_seeds(len(prompts))]
         with self._engine_rng():
             outputs = self.llm.generate(prompts, params, use_tqdm=False)

@@ -38,7 +38,8 @@ class Played:
 
 
 def play(engine, tokenizer, task, rows: list[dict], *, n: int, max_tokens: int, temperature: float, top_p: float,
-         max_model_len: int | None, turns: Turns = Turns(), envs: list | None = None) -> tuple[list[Played], float]:
+         max_model_len: int | None, turns: Turns = Turns(), envs: list | None = None, top_k: int = 0,
+         min_p: float = 0.0) -> tuple[list[Played], float]:
     """``n`` episodes of each row (prompt-major, as ``Engine.generate``) and the seconds spent in the engine.
 
     A single-turn episode (``turns.single``: one turn, no ``env.transforms``) is one engine request per row, scored
@@ -49,7 +50,7 @@ def play(engine, tokenizer, task, rows: list[dict], *, n: int, max_tokens: int, 
     one request per episode still going."""
     if turns.single:
         return _play_single_turn(engine, tokenizer, task, rows, n=n, max_tokens=max_tokens, temperature=temperature,
-                                 top_p=top_p)
+                                 top_p=top_p, top_k=top_k, min_p=min_p)
     count, envs = len(rows) * n, [] if envs is None else envs
     envs.extend(make_env(task, turns, tokenizer, max_tokens=max_tokens, max_model_len=max_model_len)
                 for _ in range(count - len(envs)))
@@ -64,10 +65,11 @@ def play(engine, tokenizer, task, rows: list[dict], *, n: int, max_tokens: int, 
         started = time.perf_counter()
         if played[0].episode.turns == 0:  # the first turn
             prompts = [played[i * n].episode.tokens for i in range(len(rows))]
-            completions = engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+            completions = engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                          top_k=top_k, min_p=min_p)
         else:
             completions = engine.generate([played[i].episode.tokens for i in going], n=1, max_tokens=max_tokens,
-                                          temperature=temperature, top_p=top_p)
+                                          temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p)
         generating += time.perf_counter() - started
         still = []
         for i, c in zip(going, completions):
@@ -90,12 +92,13 @@ def play(engine, tokenizer, task, rows: list[dict], *, n: int, max_tokens: int, 
 
 
 def _play_single_turn(engine, tokenizer, task, rows: list[dict], *, n: int, max_tokens: int, temperature: float,
-                      top_p: float) -> tuple[list[Played], float]:
+                      top_p: float, top_k: int, min_p: float) -> tuple[list[Played], float]:
     """One engine turn per episode, no environment: what :class:`~torchrl_grpo.episodes.task_env.TaskEnv` gives
     for such an episode (the same prompt ids, conversation, ending and reward components), without it."""
     prompts = prompt_token_ids(task, tokenizer, rows)
     started = time.perf_counter()
-    completions = engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p)
+    completions = engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                                  top_k=top_k, min_p=min_p)
     generating = time.perf_counter() - started
     played = []
     scores = task.score_batch([c.text for c in completions], [rows[c.prompt_index] for c in completions],

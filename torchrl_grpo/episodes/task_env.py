@@ -129,9 +129,10 @@ class InsertedTokens(Transform):
     end of that turn unless sampled, the messages, the generation prompt), tokenized on their own; ends the
     episode when there are none or when the next turn (``max_tokens`` more) would not fit ``max_model_len``."""
 
-    def __init__(self, tokenizer, max_tokens: int, max_model_len: int | None):
+    def __init__(self, tokenizer, max_tokens: int, max_model_len: int | None, template_kwargs: dict | None = None):
         super().__init__()
         self.tokenizer, self.max_tokens, self.max_model_len = tokenizer, max_tokens, max_model_len
+        self.template_kwargs = template_kwargs or {}  # the task's chat_template_kwargs, as its prompts had them
 
     def _step(self, tensordict: TensorDictBase, next_tensordict: TensorDictBase) -> TensorDictBase:
         if bool(next_tensordict["done"].any()):
@@ -144,7 +145,7 @@ class InsertedTokens(Transform):
             return _end(next_tensordict, "length" if cut else "answer")
         tokens = next_tensordict["tokens", "prompt"]
         ids = inserted_ids(self.tokenizer, conversation[: last + 1], added, tokens[0, -1:].tolist(),
-                           self.task.chat_template_kwargs)
+                           self.template_kwargs)
         if self.max_model_len is not None and tokens.shape[-1] + len(ids) + self.max_tokens > self.max_model_len:
             return _end(next_tensordict, "context")
         next_tensordict["tokens", "prompt"] = torch.cat([tokens, torch.tensor([ids], dtype=tokens.dtype)], -1)
@@ -209,5 +210,6 @@ def build_transforms(specs) -> list:
 def make_env(task, turns: Turns, tokenizer, *, max_tokens: int, max_model_len: int | None) -> TransformedEnv:
     """One episode's environment: :class:`TaskEnv` with the user's transforms (``env.transforms``), then ours."""
     return TransformedEnv(TaskEnv(task, turns, tokenizer), Compose(
-        *build_transforms(turns.transforms), InsertedTokens(tokenizer, max_tokens, max_model_len),
+        *build_transforms(turns.transforms),
+        InsertedTokens(tokenizer, max_tokens, max_model_len, task.chat_template_kwargs),
         EpisodeReward(task, turns.env)))
