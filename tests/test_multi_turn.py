@@ -68,7 +68,8 @@ def test_a_tool_call_episode_holds_the_sampled_and_inserted_ids_exactly(tokenize
     policy = ScriptedPolicy(tokenizer, [CALL, "#### 42"])
     c = collector(tokenizer, policy, PythonTool())
     groups, stats = c.sample_groups()
-    batch, metrics, texts = c.collect(0, (groups, stats))
+    batch, metrics, samples = c.collect(0, (groups, stats))
+    texts = [s["completion"] for s in samples]
     played = groups[0].episodes[0]
     assert played.conversation[-2] == {"role": "tool", "content": "42"}
     assert [m["role"] for m in played.conversation] == ["system", "user", "assistant", "tool", "assistant"]
@@ -117,7 +118,9 @@ def test_episodes_end_at_max_steps_at_a_cut_turn_and_before_the_context_is_full(
 
 def test_retry_feedback_rewards_by_the_turn_that_got_it_right(tokenizer):
     c = collector(tokenizer, ScriptedPolicy(tokenizer, ["#### 41", "#### 40", "#### 42"]), RetryFeedback(discount=0.5))
-    batch, metrics, texts = c.collect(version=0)
+    batch, metrics, samples = c.collect(version=0)
+    texts = [s["completion"] for s in samples]
+    assert {s["prompt"] for s in samples} <= set(c.task.rows["question"])  # the row's prompt, each completion
     assert batch["reward"].tolist() == [0.25] * 4 and metrics["reward/accuracy"] == 0.25
     assert metrics["turns/retries"] == 2 and metrics["turns/engine_turns"] == 3
     assert texts[0].count("Wrong, try again.") == 2
@@ -128,8 +131,8 @@ def test_retry_feedback_rewards_by_the_turn_that_got_it_right(tokenizer):
     batch, metrics, _ = never.collect(version=0)
     assert batch["reward"].tolist() == [0.0] * 4 and metrics["turns/ended_max_steps"] == 1
     cut = collector(tokenizer, ScriptedPolicy(tokenizer, ["#### 4", "#### 42"], cut=[0]), RetryFeedback())
-    batch, metrics, texts = cut.collect(version=0)  # a cut answer is a wrong one: the end of its turn is inserted
-    assert batch["reward"].tolist() == [0.5] * 4 and texts[0].startswith("#### 4<|im_end|>\n<|im_start|>user\nWrong")
+    batch, metrics, samples = cut.collect(version=0)  # a cut answer is a wrong one: the end of its turn is inserted
+    assert batch["reward"].tolist() == [0.5] * 4 and samples[0]["completion"].startswith("#### 4<|im_end|>\n<|im_start|>user\nWrong")
 
 
 def test_the_python_tool_reports_errors_and_timeouts_to_the_model():

@@ -217,6 +217,14 @@ def test_trl_quick_start_trains_from_a_plain_script_and_its_reward_rises(tmp_pat
     assert last > first + 0.5, (first, last)
     assert (run_dir / "grpo.log").exists() and (run_dir / "prompts.jsonl").exists()
     assert "_target_: __main__.reward_len" in (run_dir / ".hydra" / "config.yaml").read_text()
+    # the samples file: each completion with its prompt, reward (TRL's formula, recomputed here), its component
+    # and the advantage (zero-mean over each prompt's 8 completions)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    prompts = {json.loads(line)["prompt"] for line in (tmp_path / "tldr.jsonl").read_text().splitlines()}
+    assert samples and {s["prompt"] for s in samples} <= prompts
+    assert all(s["reward"] == s["reward/reward_len"] == -abs(20 - len(s["completion"])) for s in samples)
+    for group in (samples[i:i + 8] for i in range(0, len(samples), 8)):
+        assert len({s["prompt"] for s in group}) == 1 and abs(sum(s["advantage"] for s in group)) < 1e-4
     metrics = json.loads((eval_dir / "eval_metrics.json").read_text())
     assert metrics["prompts"] == 8.0 and -20 <= metrics["reward/reward_len"] <= 0
     assert "BAD ConfigError optimizer.lr=" in out.stdout  # raised, not exit(2), with the command's one line

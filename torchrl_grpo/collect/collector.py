@@ -79,9 +79,10 @@ class Collector:
         return kept, stats
 
     def collect(self, version: int, sampled: tuple[list[Group], dict] | None = None):
-        """One step's scored batch, sampled by policy ``version``: ``(batch, metrics, texts)``, ``texts`` the
-        completions' text in batch order (a multi-turn episode's: everything after its prompt). ``sampled``: the
-        step's :meth:`sample_groups` already generated (by the sync loop's prefetch), else generated here."""
+        """One step's scored batch, sampled by policy ``version``: ``(batch, metrics, samples)``, ``samples`` each
+        completion's ``{"prompt", "completion"}`` text in batch order (the row's prompt; a multi-turn episode's
+        completion is everything after its prompt). ``sampled``: the step's :meth:`sample_groups` already
+        generated (by the sync loop's prefetch), else generated here."""
         groups, metrics = sampled or self.sample_groups()
         played = [p for group in groups for p in group.episodes]
         batch = build_batch(played, self.settings.group_size, self.tokenizer.pad_token_id, version)
@@ -104,10 +105,13 @@ class Collector:
             **per_task_means([g.row for g in groups for _ in g.episodes], components,
                              [self.task.total(c) for c in components]),
         })
+        prompts = [self.task.prompt_text(g.row) for g in groups for _ in g.episodes]
         if self.turns.max_turns == 1:
-            return batch, metrics, [p.text for p in played]
-        metrics.update(turn_metrics(played, self.turns.env.counters if self.turns.env else ()))
-        return batch, metrics, [self.tokenizer.decode(p.episode.tokens[p.prompt_length:]) for p in played]
+            texts = [p.text for p in played]
+        else:
+            metrics.update(turn_metrics(played, self.turns.env.counters if self.turns.env else ()))
+            texts = [self.tokenizer.decode(p.episode.tokens[p.prompt_length:]) for p in played]
+        return batch, metrics, [{"prompt": q, "completion": t} for q, t in zip(prompts, texts)]
 
     def _overlong(self, played: list[Played]) -> torch.Tensor:
         """DAPO's soft overlong penalty per completion (``loss.overlong=soft``; single-turn only), else zeros."""

@@ -96,9 +96,10 @@ class RolloutActor:
         self.collector = Collector(task, tokenizer, engine, sampler, collect, turns)
 
     def collect(self):
-        """One scored batch at the current weights: (batch, metrics, first texts, sampler state)."""
-        batch, metrics, texts = self.collector.collect(version=self.version)
-        return batch, metrics, texts[:4], self.collector.sampler.state_dict()
+        """One scored batch at the current weights: (batch, metrics, its samples (prompt and completion texts),
+        sampler state)."""
+        batch, metrics, samples = self.collector.collect(version=self.version)
+        return batch, metrics, samples, self.collector.sampler.state_dict()
 
     def push_weights(self, arrays: dict, version: int, probe: Probe | None = None) -> float | None:
         """New weights (:func:`as_arrays`) into the engine; the version changes only once they are in. With

@@ -24,14 +24,25 @@ from torchrl_grpo.telemetry.recorder import Telemetry
 from torchrl_grpo.training.trainer import Trainer
 
 
+def scored_samples(delivery: Delivery) -> list[dict]:
+    """Each completion of the step for the samples file: its prompt and completion texts, total reward, advantage
+    and each reward component (NaN where it did not apply)."""
+    batch = delivery.batch
+    columns = {"reward": batch["reward"].tolist(), "advantage": batch["advantage"].tolist(),
+               **{f"reward/{name}": values.tolist() for name, values in batch["rewards"].items()}}
+    return [{**sample, **{key: values[i] for key, values in columns.items()}}
+            for i, sample in enumerate(delivery.samples)]
+
+
 @dataclass
 class Delivery:
-    """A batch from a source: the scored batch, its collection metrics, the completions' texts, the policy
-    version that sampled it, when the step's clock started, and what the source keeps for :meth:`finish`."""
+    """A batch from a source: the scored batch, its collection metrics, each completion's prompt and completion
+    texts, the policy version that sampled it, when the step's clock started, and what the source keeps for
+    :meth:`finish`."""
 
     batch: object
     metrics: dict
-    texts: list[str]
+    samples: list[dict]
     version: int
     started: float
     extra: dict = field(default_factory=dict)
@@ -125,7 +136,7 @@ def run_loop(run: Run) -> dict:
                         metrics.update(evaluator(eval_engine))
                 except source.faults as cause:  # the trainer holds this step's update
                     raise stopped_by(cause, step, source.position) from None
-                telemetry.log(step, metrics, list(zip(delivery.texts, delivery.batch["reward"].tolist())))
+                telemetry.log(step, metrics, scored_samples(delivery))
                 stopped = state.after_step(step, run.total_steps, trainer, source.tokenizer, source.position,
                                            stop.requested, source.exact_engine, source.fault)
                 if stopped:

@@ -74,8 +74,8 @@ class LocalSource:
     def take(self, step: int) -> Delivery:
         started = time.perf_counter()
         version, sampled = self.prefetch.next(more=step < self.total_steps) if self.prefetch else (step - 1, None)
-        batch, metrics, texts = self.collector.collect(version, sampled)
-        return Delivery(batch, metrics, texts, version, started)
+        batch, metrics, samples = self.collector.collect(version, sampled)
+        return Delivery(batch, metrics, samples, version, started)
 
     def finish(self, step: int, delivery: Delivery) -> dict:
         metrics = {}
@@ -143,12 +143,12 @@ class ActorSource:
     def take(self, step: int) -> Delivery:
         progress = self.progress
         while True:
-            actor, (batch, metrics, texts, sampler_state), wait_time = self.pool.next_batch()
+            actor, (batch, metrics, samples, sampler_state), wait_time = self.pool.next_batch()
             progress.actor_samplers[actor] = sampler_state
             version = int(batch["policy_version"][0])
             staleness = progress.policy_version - version
             if staleness <= self.max_staleness:
-                return Delivery(batch, metrics, texts, version, time.perf_counter(),
+                return Delivery(batch, metrics, samples, version, time.perf_counter(),
                                 {"actor": actor, "staleness": staleness, "wait_time": wait_time})
             progress.stale_dropped += 1
 

@@ -75,9 +75,10 @@ class MetricsCSV:
 
 
 class SamplesJSONL:
-    """Completions with their rewards, one JSON object per line (``samples.jsonl``): what the model actually
-    wrote, to read beside the curves. On resume the lines of steps after the checkpoint are dropped (they
-    are produced again)."""
+    """Completions, one JSON object per line (``samples.jsonl``): the step, the prompt, what the model actually
+    wrote, its total reward, advantage and each reward component (``reward/<name>``; null where a reward did not
+    apply), to read beside the curves. On resume the lines of steps after the checkpoint are dropped (they are
+    produced again)."""
 
     def __init__(self, path: Path, resume_step: int | None = None):
         self.path = path
@@ -87,9 +88,14 @@ class SamplesJSONL:
         elif path.exists():
             path.unlink()
 
-    def write(self, step: int, samples: list[tuple[str, float]]) -> None:
-        append_whole(self.path, "".join(json.dumps({"step": step, "reward": reward, "completion": text},
-                                                   ensure_ascii=False) + "\n" for text, reward in samples))
+    def write(self, step: int, samples: list[dict]) -> None:
+        append_whole(self.path, "".join(json.dumps({"step": step, **{k: _json_value(v) for k, v in sample.items()}},
+                                                   ensure_ascii=False) + "\n" for sample in samples))
+
+
+def _json_value(value):
+    """NaN (a reward that did not apply) as null: JSON has no NaN."""
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 class Telemetry:
@@ -119,17 +125,19 @@ class Telemetry:
                 f"{key} {value:.4g}" for key, value in shown if isinstance(value, float)))
         return row
 
-    def log(self, step: int, metrics: dict, samples: list[tuple[str, float]]) -> None:
+    def log(self, step: int, metrics: dict, samples: list[dict]) -> None:
         """One training step: its row, the progress bar, a console line every ``logging.log_frequency`` steps,
-        its (completion, reward) ``samples`` in samples.jsonl (and wandb) every ``logging.samples_frequency``."""
+        its ``samples`` (:func:`torchrl_grpo.run.loop.scored_samples`) in samples.jsonl (and wandb's table) every
+        ``logging.samples_frequency``."""
         row = self.record(step, metrics)
         if self.samples_frequency and step % self.samples_frequency == 0:
             self.samples.write(step, samples)
-            if self.wandb is not None:
+            if self.wandb is not None and samples:
                 import wandb
 
-                self.wandb.log({"samples": wandb.Table(columns=["step", "reward", "completion"],
-                                                       data=[[step, r, t] for t, r in samples])}, step=step)
+                columns = ["step", *samples[0]]
+                self.wandb.log({"samples": wandb.Table(columns=columns, data=[[step, *s.values()] for s in samples])},
+                               step=step)
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{row.get('reward', float('nan')):.3f}")
         if step % self.log_frequency == 0:
@@ -137,8 +145,8 @@ class Telemetry:
                 f"{short} {row[key]:.4g}" for key, short in CONSOLE_KEYS if isinstance(row.get(key), float)
             ]
             self.print(" | ".join(parts))
-            for text, reward in samples[: self.show_completions]:
-                self.print(f"    sample (reward {reward:.2f}): {text.strip()[:200]!r}")
+            for sample in samples[: self.show_completions]:
+                self.print(f"    sample (reward {sample['reward']:.2f}): {sample['completion'].strip()[:200]!r}")
 
     def print(self, line: str) -> None:
         self.bar.write(line, file=sys.stdout)
