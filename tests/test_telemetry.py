@@ -59,3 +59,52 @@ def test_metrics_rows_live_in_the_file_not_in_memory(tmp_path):
     rows = metrics.rows()
     assert [int(r["step"]) for r in rows] == list(range(401)) and float(rows[400]["reward"]) == 400 / 3
     assert summarize(rows, ["reward"], 2)["reward"].last_mean == (399 / 3 + 400 / 3) / 2
+
+
+def test_tensorboard_and_mlflow_get_each_step_once_across_a_resume(tmp_path):
+    """Both trackers on, as a run writes them: steps 1-4, then a run resumed from the checkpoint of step 2 writes
+    steps 3-4 again. TensorBoard keeps the resumed values only (purge_step); MLflow (a SQLite store in the run
+    directory, read back with its own client) has the first run's four steps and the resumed run's two."""
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    settings = LoggingSettings.from_config(cfg_with("logging.tensorboard=true", "logging.mlflow.enabled=true",
+                                                    "logging.progress_bar=false", "train.exp_name=tracked"))
+    config = {"optimizer": {"lr": 1e-5}, "env": {"dataset": "gsm_symbolic"}}
+    with Telemetry(settings, config, tmp_path, total_steps=4, start_step=0, resumed=False) as telemetry:
+        for step in range(1, 5):
+            telemetry.log(step, {"reward": step / 10, "eval/pass@1": 0.5, "loss_objective": math.nan}, [])
+    with Telemetry(settings, config, tmp_path, total_steps=4, start_step=2, resumed=True) as telemetry:
+        for step in (3, 4):
+            telemetry.log(step, {"reward": step, "eval/pass@1": 0.5, "loss_objective": math.nan}, [])
+
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 6)) for e in events.Scalars("reward")] == [(1, 0.1), (2, 0.2), (3, 3.0), (4, 4.0)]
+    assert "loss_objective" not in events.Tags()["scalars"]  # a NaN is not a point
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("tracked")
+    first, resumed = sorted(client.search_runs([experiment.experiment_id]), key=lambda r: r.info.start_time)
+    history = {run: [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "reward")]
+               for run in (first, resumed)}
+    assert sorted(history[first]) == [(1, 0.1), (2, 0.2), (3, 0.3), (4, 0.4)]
+    assert sorted(history[resumed]) == [(3, 3.0), (4, 4.0)]
+    assert first.data.params["optimizer.lr"] == "1e-05" and first.data.tags["run_dir"] == str(tmp_path)
+    assert "eval/pass_1" in first.data.metrics  # '@' is not allowed in MLflow's names
+
+
+def test_a_tracker_without_its_package_is_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    import pytest
+
+    from torchrl_grpo.config.validate import validate
+    from torchrl_grpo.core.errors import ConfigError
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else find_spec(name, *a))
+    validate(cfg_with("logging.tensorboard=true"))  # installed here
+    with pytest.raises(ConfigError, match=r'^logging.mlflow.enabled=true: the mlflow package is not installed; pip '
+                                          r'install -e "\.\[trackers\]" \(or set logging.mlflow.enabled=false\)$'):
+        validate(cfg_with("logging.mlflow.enabled=true"))

@@ -23,7 +23,8 @@ def test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint(tmp_path):
     for the progress bar with stderr a pipe."""
     run_dir, whole_dir = tmp_path / "run", tmp_path / "whole"
     args = [*SMALL, "train.total_dialog_turns=48", "logging.checkpoint_frequency=1", "train.kl_to_ref_coeff=0.05",
-            "optimizer.scheduler=cosine", "optimizer.warmup_steps=2"]  # the schedule resumes where it was, too
+            "optimizer.scheduler=cosine", "optimizer.warmup_steps=2",  # the schedule resumes where it was, too
+            "logging.tensorboard=true"]
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     proc = start([*args, f"hydra.run.dir={run_dir}"], cwd=tmp_path, stdout=subprocess.DEVNULL,
                  stderr=subprocess.DEVNULL)
@@ -63,6 +64,13 @@ def test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint(tmp_path):
     # 6 optimizer steps: linear warmup over 2 from 0, then cosine to 0 (SMALL: optimizer.lr=1e-3)
     expected = [1e-3 * k / 2 if k < 2 else 1e-3 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 4)) for k in range(6)]
     assert [float(r["lr"]) for r in alone] == pytest.approx(expected, rel=1e-6, abs=1e-12)
+    # TensorBoard: each step once, with the resumed run's values (the killed run's steps after the checkpoint purged)
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("reward")] == [
+        (int(float(r["step"])), pytest.approx(float(r["reward"]), rel=1e-6, abs=1e-7)) for r in resumed]
 
     out = whole.stdout
     assert "completions per step" in out and "summary:" in out

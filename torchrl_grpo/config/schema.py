@@ -181,9 +181,12 @@ class Logging:
     show_completions: int = key("int>=0", "sample completions printed per log line")
     progress_bar: bool = key("bool", "a progress bar with ETA on stderr, when stderr is a terminal")
     verbose: bool = key("bool", "library warnings and progress bars on the console too (always in grpo.log)")
-    samples_frequency: int = key("int>=0", "steps between writes of the step's completions and rewards to "
-                                 "samples.jsonl (0: never)")
+    samples_frequency: int = key("int>=0", "steps between writes of the step's completions, their prompts, rewards "
+                                 "and advantages to samples.jsonl (0: never)")
     wandb: dict = key("any", "enabled, project, mode (auto = online with a WANDB_API_KEY)")
+    tensorboard: bool = key("bool", "TensorBoard event files in <run dir>/tensorboard (tensorboard --logdir outputs)")
+    mlflow: dict = key("any", "enabled, tracking_uri (null = sqlite:///<run dir>/mlflow.db, a local store), "
+                       "experiment (null = train.exp_name)")
 
 
 @dataclass

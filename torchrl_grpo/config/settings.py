@@ -161,7 +161,8 @@ class ActorSettings:
 
 @dataclass(frozen=True)
 class LoggingSettings:
-    """What the run's telemetry needs (``logging.*``): the console, ``metrics.csv``, ``samples.jsonl``, wandb."""
+    """What the run's telemetry needs (``logging.*``): the console, ``metrics.csv``, ``samples.jsonl``, wandb,
+    TensorBoard, MLflow."""
 
     log_frequency: int          # logging.log_frequency (0 taken as 1)
     samples_frequency: int      # logging.samples_frequency
@@ -173,15 +174,21 @@ class LoggingSettings:
     wandb_project: str | None   # logging.wandb.project
     run_name: str | None        # logging.experiment_name (None: train.exp_name and the run directory's name)
     exp_name: str               # train.exp_name
+    tensorboard: bool = False   # logging.tensorboard
+    mlflow: bool = False        # logging.mlflow.enabled
+    mlflow_tracking_uri: str | None = None  # logging.mlflow.tracking_uri (None: a SQLite file in the run directory)
+    mlflow_experiment: str | None = None    # logging.mlflow.experiment (None: train.exp_name)
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> LoggingSettings:
-        log, wandb = cfg.logging, cfg.logging.wandb
+        log, wandb, mlflow = cfg.logging, cfg.logging.wandb, cfg.logging.get("mlflow") or {}
         return cls(log_frequency=max(1, int(log.log_frequency)), samples_frequency=int(log.samples_frequency),
                    show_completions=int(log.show_completions), progress_bar=bool(log.progress_bar),
                    verbose=log.verbose is True, wandb=bool(wandb.enabled), wandb_mode=str(wandb.get("mode", "auto")),
                    wandb_project=wandb.get("project"), run_name=log.experiment_name or None,
-                   exp_name=str(cfg.train.exp_name))
+                   exp_name=str(cfg.train.exp_name), tensorboard=bool(log.get("tensorboard", False)),
+                   mlflow=bool(mlflow.get("enabled", False)), mlflow_tracking_uri=mlflow.get("tracking_uri"),
+                   mlflow_experiment=mlflow.get("experiment"))
 
 
 @dataclass(frozen=True)

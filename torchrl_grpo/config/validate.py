@@ -133,6 +133,19 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
                           "forever; use auto or own")
 
 
+def _check_trackers(cfg: DictConfig) -> None:
+    """A tracker asked for whose package is not installed: one line naming the key and the extra to install."""
+    import importlib.util
+
+    mlflow = _get(cfg, "logging.mlflow")
+    asked = [("logging.tensorboard=true", "tensorboard", _get(cfg, "logging.tensorboard")),
+             ("logging.mlflow.enabled=true", "mlflow", hasattr(mlflow, "get") and mlflow.get("enabled"))]
+    for key, module, on in asked:
+        if on and importlib.util.find_spec(module) is None:
+            raise ConfigError(f"{key}: the {module} package is not installed; pip install -e \".[trackers]\" (or set "
+                              f"{key.split('=')[0]}=false)")
+
+
 def validate(cfg: DictConfig) -> BatchPlan:
     """Check every key the trainer reads before anything heavy starts, once: each key's kind and range
     (:mod:`torchrl_grpo.config.schema`), then the batch arithmetic and the combinations that need each other;
@@ -140,6 +153,7 @@ def validate(cfg: DictConfig) -> BatchPlan:
     as it is resolved (:func:`torchrl_grpo.config.spec.resolve_run`)."""
     check_schema(cfg)
     plan = batch_plan(cfg)
+    _check_trackers(cfg)
     lora = _get(cfg, "train_model.lora")
     if hasattr(lora, "get") and lora.get("enabled"):
         check_lora(lora)

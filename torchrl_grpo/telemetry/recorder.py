@@ -1,6 +1,6 @@
 """Metrics out of the trainer: a CSV in the run directory (always), sample completions in a JSONL file,
-console lines with a progress bar and ETA, wandb when asked (offline mode when no API key is set), and the
-run's figures at its end (plots.py)."""
+console lines with a progress bar and ETA, wandb when asked (offline mode when no API key is set), TensorBoard and
+MLflow when asked (trackers.py), and the run's figures at its end (plots.py)."""
 from __future__ import annotations
 
 import csv
@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from torchrl_grpo.config.settings import LoggingSettings
 from torchrl_grpo.core.files import append_whole, write_replacing
+from torchrl_grpo.telemetry.trackers import start_trackers
 
 CONSOLE_KEYS = (
     ("reward", "reward"),
@@ -111,6 +112,7 @@ class Telemetry:
         self.bar = tqdm(total=total_steps, initial=start_step, desc="GRPO", unit="step", dynamic_ncols=True,
                         disable=not (settings.progress_bar and sys.stderr.isatty()), file=sys.stderr)
         self.wandb = _start_wandb(settings, config, run_dir) if settings.wandb else None
+        self.trackers = start_trackers(settings, config, run_dir, start_step if resumed else None)
 
     def record(self, step: int, metrics: dict) -> dict:
         """Write ``metrics`` as the row of ``step`` (CSV, wandb) and print its evaluation line, if any; the
@@ -119,6 +121,8 @@ class Telemetry:
         self.csv.write(row)
         if self.wandb is not None:
             self.wandb.log(row, step=step)
+        for tracker in self.trackers:
+            tracker.log(step, row)
         shown = [(key, row.get(f"eval/{key}")) for key in EVAL_CONSOLE_KEYS]
         if any(isinstance(value, float) for _, value in shown):
             self.print(f"eval at step {step}: " + " | ".join(
@@ -156,6 +160,8 @@ class Telemetry:
         self.bar.close()
         if self.wandb is not None:
             self.wandb.finish()
+        for tracker in self.trackers:
+            tracker.close()
 
     def __enter__(self) -> Telemetry:
         return self
