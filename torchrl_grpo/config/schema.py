@@ -83,6 +83,11 @@ class Env:
     overlong_prompts: str = key("choice", "rows whose prompt + inference_model.max_tokens (x env.max_steps) exceeds "
                                 "inference_model.max_model_len: drop (one warning line) | error (refuse the run)",
                                 choices=("drop", "error"))
+    reward_model: dict = key("any", "a sequence-classification reward model as a reward: {path, device (auto), "
+                             "batch_size, max_length, torch_dtype, label, name, weight} (docs/tasks.md)", null=True)
+    judge: dict = key("any", "an LLM judge on an OpenAI-compatible endpoint as a reward: {base_url, model, "
+                      "template, score_pattern, scale, max_concurrency, timeout_s, max_retries, api_key_env, name, "
+                      "weight} (docs/tasks.md)", null=True)
     chat_template_kwargs: dict = key("any", "keyword arguments of the tokenizer's chat template wherever a prompt or "
                                      "turn is rendered, e.g. {enable_thinking: false} for Qwen3")
 

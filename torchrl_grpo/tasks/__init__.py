@@ -47,6 +47,7 @@ def build_task(env_cfg: Any) -> Task:
     if builder is None:
         raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(TASK_BUILDERS)}")
     task = add_custom_rewards(builder(env_cfg), env_cfg.get("rewards") or [])
+    add_scorers(task, env_cfg)
     if not task.rewards:
         raise ConfigError(f"env.rewards: env.dataset={dataset} has no reward of its own; list yours, e.g. "
                           "env.rewards=[{_target_: mypkg.rewards.reward_len}] (docs/tasks.md)")
@@ -71,6 +72,24 @@ def register_reward(fn: RewardFn) -> dict:
         target, n = f"{base}_{n}", n + 1
     REGISTERED_REWARDS[target] = fn
     return {"_target_": target, "name": f"reward_{len(REGISTERED_REWARDS)}" if name == "<lambda>" else name}
+
+
+def add_scorers(task: Task, env_cfg: Any) -> Task:
+    """Append the reward model (``env.reward_model``) and the LLM judge (``env.judge``) the config asks for."""
+    from torchrl_grpo.tasks.judge import judge_entry
+    from torchrl_grpo.tasks.reward_model import reward_model_entry
+
+    for key in ("reward_model", "judge"):
+        spec = env_cfg.get(key)
+        if not spec:
+            continue
+        spec = dict(spec.items()) if hasattr(spec, "items") else spec
+        entry = reward_model_entry(spec) if key == "reward_model" else judge_entry(spec, task.rows.column_names)
+        if entry["name"] in task.reward_names:
+            raise ConfigError(f"env.{key}.name={entry['name']!r}: the task already has a reward of that name; give "
+                              "another name")
+        task.add_reward(entry["name"], entry["fn"], entry["weight"])
+    return task
 
 
 def eval_env_config(env_cfg: Any) -> dict:

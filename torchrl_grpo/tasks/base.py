@@ -133,8 +133,9 @@ class Task:
                 return as_component(value)
             except (TypeError, ValueError) as err:
                 value = TypeError(f"returned {value!r}, not a number ({one_line(err)})")
-        where = (f"reward {reward.name!r} ({getattr(reward.fn, '__module__', '?')}."
-                 f"{getattr(reward.fn, '__qualname__', reward.fn)}) raised {one_line(value)} on the row whose "
+        fn = reward.fn if hasattr(reward.fn, "__qualname__") else type(reward.fn)  # a function, or a scorer object
+        where = (f"reward {reward.name!r} ({getattr(fn, '__module__', '?')}.{fn.__qualname__}) raised "
+                 f"{one_line(value)} on the row whose "
                  f"prompt starts {self.prompt_text(row)[:60]!r}")
         if self.reward_errors != "zero":
             raise RunError(f"{where}; fix the function, or set env.reward_errors=zero to score such "
