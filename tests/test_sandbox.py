@@ -33,7 +33,7 @@ def own_tmp(tmp_path, monkeypatch):
 def test_ok_output_and_plain_data():
     r = run_python("import sys\nprint(6 * 7)\nprint('to stderr', file=sys.stderr)")
     assert (r.status, r.exit_code, r.output) == ("ok", 0, "42\nto stderr\n")
-    assert pickle.loads(pickle.dumps(r)) == r and 0 < r.seconds < 2
+    assert pickle.loads(pickle.dumps(r)) == r and r.seconds > 0
 
 
 def test_exception_traceback_comes_back():
@@ -68,10 +68,12 @@ def test_endless_loop_times_out_and_its_children_are_killed():
 
 
 def test_cpu_time_limit():
+    """The CPU limit, not the wall clock, ends a busy loop (a wall clock limit far above it: a loaded machine
+    gives the loop its second of CPU late)."""
     r = run_python("import resource\nprint(resource.getrlimit(resource.RLIMIT_CPU))\n"
-                   "resource.setrlimit(resource.RLIMIT_CPU, (1, 2))\nwhile True:\n    pass\n", timeout_s=3.0)
-    assert r.output.startswith("(4, 5)\n")  # ceil(3) + 1, and SIGKILL a second later
-    assert (r.status, r.exit_code) == ("timeout", -24) and "CPU time limit" in r.output and r.seconds < 2.5
+                   "resource.setrlimit(resource.RLIMIT_CPU, (1, 2))\nwhile True:\n    pass\n", timeout_s=60.0)
+    assert r.output.startswith("(61, 62)\n")  # ceil(60) + 1, and SIGKILL a second later
+    assert (r.status, r.exit_code) == ("timeout", -24) and "CPU time limit" in r.output
 
 
 def test_huge_allocation_is_a_memory_error():
@@ -82,8 +84,9 @@ def test_huge_allocation_is_a_memory_error():
 
 
 def test_output_flood_is_truncated():
-    r = run_python("while True:\n    print('y' * 99)", max_output_bytes=1000)
-    assert (r.status, r.exit_code) == ("output_truncated", None) and r.seconds < 2
+    """Killed when its output passes the cap, not when the (far later) wall clock limit comes."""
+    r = run_python("while True:\n    print('y' * 99)", max_output_bytes=1000, timeout_s=60.0)
+    assert (r.status, r.exit_code) == ("output_truncated", None)
     assert r.output == "y" * 99 + "\n" + ("y" * 99 + "\n") * 9 + "[sandbox: output truncated at 1000 bytes; killed]"
 
 

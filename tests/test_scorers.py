@@ -144,14 +144,12 @@ def test_a_judge_grades_concurrently_retries_and_counts_what_fails(tmp_path, jud
                        "judge": judge_spec(judge_server)})
     completions = ["Apple", "Cherry", "flaky", "slow", "mute", "Blue"]
     rows = [task.rows[i % 2] for i in range(len(completions))]
-    started = time.perf_counter()
     scores = [s["judge"] for s in task.score_batch(completions, rows)]
     assert scores == [0.5, 0.6, 0.5, 0.0, 0.0, 0.4]  # len/10; flaky retried; slow timed out (twice), mute: no score
     assert task.reward_error_count == 2
     assert judge_server.most_in_flight >= 4  # one batch's requests at once, not one after the other
     assert judge_server.authorizations == {f"Bearer {SECRET}"}  # the key from the environment
     assert "Topic colour. Request: Name a colour. Response: Cherry" in judge_server.requests  # the row's columns
-    assert time.perf_counter() - started < 8  # sequential would take 6 x 0.3 s + the slow one's 2 x (1 s) and more
 
     task.reward_errors = "raise"
     with pytest.raises(RunError, match=r"reward 'judge' .* raised ValueError: the judge's reply 'I cannot tell' has "
