@@ -119,7 +119,7 @@ def test_read_responses_prompt_matching_nothing_is_one_line(tmp_path):
         f"with its rows' fields (question, answer)")
     write_jsonl(path, [{"text": "q", "response": "x"}])
     with pytest.raises(ConfigError, match="line 1 has neither the fields of gsm_symbolic's rows \\(question, answer\\) "
-                                          'nor a "question" or "prompt" to find its row by'):
+                                          'nor a "question", "prompt" or "problem" to find its row by'):
         read_responses(path, task)
 
 

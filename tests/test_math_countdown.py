@@ -2,6 +2,7 @@
 files here) and env=countdown (reasoning-gym's Countdown, offline), with their whole configs grpo_math and
 grpo_countdown; grpo.py end to end on local MATH files."""
 import json
+import math
 
 import pytest
 from omegaconf import OmegaConf
@@ -53,7 +54,7 @@ def test_equivalent_answers(predicted, gold):
 
 @pytest.mark.parametrize("predicted, gold", [
     ("\\frac{1}{3}", "0.33"), ("(1,2)", "(2,1)"), ("2", "3"), ("1,2", "12"), ("x^2", "x^3"),
-    ("\\sqrt{8}", "2\\sqrt{2}"),  # symbolic equivalence is not attempted (module docstring)
+    ("\\sqrt{8}", "2\\sqrt{2}"),  # the fallback attempts no symbolic equivalence (math-verify does)
     ("1/0", "0"), ("\\frac{1}{0}", "\\frac{2}{0}"),  # no value: compared as text only
 ])
 def test_different_answers(predicted, gold):
@@ -77,10 +78,11 @@ def test_local_math_rows_and_rewards(tmp_path):
     assert task.rows["task"] == ["Prealgebra", "Algebra", "Algebra"] and task.rows["level"][2] == "Level 2"
     assert "\\boxed{}" in task.system_prompt and task.success_reward == "accuracy"
     row = task.rows[1]
-    assert task.score("Halve both: $\\boxed{0.5}$", row) == {"accuracy": 1.0, "answer_format": 1.0}
-    assert task.score("\\boxed{0.5} no, \\boxed{2}", row) == {"accuracy": 0.0, "answer_format": 1.0}
-    assert task.score("it is 1/2", row) == {"accuracy": 0.0, "answer_format": 0.0}
-    assert task.total({"accuracy": 1.0, "answer_format": 1.0}) == pytest.approx(1.2)
+    assert task.score("Halve both: $\\boxed{0.5}$", row) == {"accuracy": 1.0, "answer_format": 1.0, "math_verify": 1.0}
+    assert task.score("\\boxed{0.5} no, \\boxed{2}", row) == {"accuracy": 0.0, "answer_format": 1.0, "math_verify": 1.0}
+    unanswered = task.score("it is 1/2", row)  # no answer: math-verify decided nothing (not applicable)
+    assert unanswered["accuracy"] == unanswered["answer_format"] == 0.0 and math.isnan(unanswered["math_verify"])
+    assert task.total({"accuracy": 1.0, "answer_format": 1.0, "math_verify": 1.0}) == pytest.approx(1.2)
 
 
 def test_math_500_layout_takes_its_answer_column(tmp_path):

@@ -125,10 +125,13 @@ def match_rows(prompts: Sequence[str], questions: Sequence[str]) -> list[int | N
     return list(range(len(prompts))) if lined_up else found
 
 
+PROMPT_FIELDS = ("question", "prompt", "problem")  # ours, IFEval's, MATH's: how a response names its prompt
+
+
 def read_responses(path: str | Path, task: Task) -> tuple[list[dict], list[list[str]]]:
     """Rows and their responses from a JSONL of ``{<dataset fields>, "response": str}`` (what ``evaluate.py``
-    writes as ``eval_responses.jsonl``; its ``scores`` are ignored) or of ``{"question" or "prompt": str,
-    "response": str}`` (IFEval's published responses), whose rows are found in ``task`` by :func:`match_rows`;
+    writes as ``eval_responses.jsonl``; its ``scores`` are ignored) or of ``{"question", "prompt" or "problem": str,
+    "response": str}`` (IFEval's published responses, MATH's own fields), whose rows are found in ``task`` by :func:`match_rows`;
     responses with the same row are the responses to one prompt."""
     path = Path(path).expanduser()
     if not path.is_file():
@@ -164,11 +167,11 @@ def _find_rows(path: Path, numbers: list[int], records: list[dict], task: Task) 
     ConfigError for the first record with no prompt text or one that finds no row."""
     prompts = []
     for number, record in zip(numbers, records):
-        prompt = next((record[k] for k in ("question", "prompt") if isinstance(record.get(k), str)), None)
+        prompt = next((record[k] for k in PROMPT_FIELDS if isinstance(record.get(k), str)), None)
         if prompt is None:
             raise ConfigError(f"eval.responses={path}: line {number} has neither the fields of {task.name}'s "
-                              f"rows ({', '.join(task.rows.column_names)}) nor a \"question\" or \"prompt\" to find "
-                              f"its row by")
+                              f"rows ({', '.join(task.rows.column_names)}) nor a \"question\", \"prompt\" or "
+                              "\"problem\" to find its row by")
         prompts.append(prompt)
     found = match_rows(prompts, [task.prompt_text(row) for row in task.rows])
     for number, prompt, i in zip(numbers, prompts, found):

@@ -6,13 +6,15 @@ that metrics are also logged per subject as ``task/<subject>/<component>``).
 
 Rewards (each in [0, 1], logged apart):
 
-* ``accuracy``: the last ``\\boxed{...}`` of the completion is the gold answer: equal after
-  :func:`normalize_answer` (which removes what does not change a value: spacing commands, ``\\left``/``\\right``,
-  ``\\dfrac`` for ``\\frac``, degrees, dollars, percent signs, a trailing unit in ``\\text{ ...}``, a leading
-  ``x =``), or both plain numbers of the same value (``0.5``, ``\\frac{1}{2}``, ``1/2``, ``1{,}000``);
-* ``answer_format``: the completion has a ``\\boxed{...}``.
-
-What it does not do: symbolic equivalence (``\\sqrt{8}`` against ``2\\sqrt{2}``); such answers count as wrong.
+* ``accuracy``: the last ``\\boxed{...}`` of the completion is the gold answer, by math-verify
+  (:mod:`torchrl_grpo.tasks.symbolic`: symbolic equivalence, ``\\sqrt{8}`` = ``2\\sqrt{2}``, sets, intervals,
+  units); where math-verify parses either side to nothing, by the fallback: equal after :func:`normalize_answer`
+  (which removes what does not change a value: spacing commands, ``\\left``/``\\right``, ``\\dfrac`` for
+  ``\\frac``, degrees, dollars, percent signs, a trailing unit in ``\\text{ ...}``, a leading ``x =``), or both
+  plain numbers of the same value (``0.5``, ``\\frac{1}{2}``, ``1/2``, ``1{,}000``);
+* ``answer_format``: the completion has a ``\\boxed{...}``;
+* ``math_verify`` (weight 0, logged): 1 where math-verify decided the accuracy, 0 where the fallback did, not
+  applicable (null) without an answer: its mean is the share math-verify decided.
 """
 from __future__ import annotations
 
@@ -26,11 +28,12 @@ import datasets
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
 from torchrl_grpo.tasks.sources import env_value, load_rows
+from torchrl_grpo.tasks.symbolic import math_verify_equal, require_math_verify
 
 HUB_DATASET = "DigitalLearningGmbH/MATH-lighteval"  # the 12,500 problems, train/test, with subject and level
 HUB_SPLITS = ("train", "test")
 SYSTEM_PROMPT = "Solve the problem step by step. Put the final answer in \\boxed{}."
-DEFAULT_WEIGHTS = {"accuracy": 1.0, "answer_format": 0.2}
+DEFAULT_WEIGHTS = {"accuracy": 1.0, "answer_format": 0.2, "math_verify": 0.0}
 
 _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 _SPACING = re.compile(r"\\[,!;: ]|\\quad|\\qquad")
@@ -114,9 +117,20 @@ def equivalent(predicted: str, gold: str) -> bool:
 
 # ----------------------------------------------------------------------------------------------- rewards
 def accuracy(completion: str, row: Mapping[str, Any]) -> float:
-    """1.0 iff the completion's last ``\\boxed{}`` is equivalent to the row's gold answer."""
+    """1.0 iff the completion's last ``\\boxed{}`` is the row's gold answer (math-verify, else the fallback)."""
     predicted = last_boxed(completion)
-    return float(predicted is not None and equivalent(predicted, str(row["answer"])))
+    if predicted is None:
+        return 0.0
+    verdict = math_verify_equal(predicted, str(row["answer"]))
+    return float(equivalent(predicted, str(row["answer"])) if verdict is None else verdict)
+
+
+def decided_by_math_verify(completion: str, row: Mapping[str, Any]) -> float | None:
+    """1.0 where math-verify decided the accuracy, 0.0 where the fallback did, None without an answer."""
+    predicted = last_boxed(completion)
+    if predicted is None:
+        return None
+    return float(math_verify_equal(predicted, str(row["answer"])) is not None)
 
 
 def answer_format(completion: str, row: Mapping[str, Any] | None = None) -> float:
@@ -165,6 +179,7 @@ def load_math(dataset: str = HUB_DATASET, data_path: str | None = None, split: s
 def build_math_task(env_cfg: Any) -> Task:
     """The MATH task from the env config (keys: dataset, data_path, split, system_prompt, reward_weights)."""
     dataset = env_value(env_cfg, "dataset", HUB_DATASET)
+    require_math_verify(f"env.dataset={dataset}")
     hub = HUB_DATASET if dataset == "math" else str(dataset)
     rows = load_math(hub, env_value(env_cfg, "data_path"), str(env_value(env_cfg, "split", "train")))
     system_prompt = env_cfg.get("system_prompt") if env_cfg is not None else None
@@ -173,6 +188,7 @@ def build_math_task(env_cfg: Any) -> Task:
     elif not isinstance(system_prompt, str):
         raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for the default")
     rewards = [Reward("accuracy", accuracy, DEFAULT_WEIGHTS["accuracy"]),
-               Reward("answer_format", answer_format, DEFAULT_WEIGHTS["answer_format"])]
+               Reward("answer_format", answer_format, DEFAULT_WEIGHTS["answer_format"]),
+               Reward("math_verify", decided_by_math_verify, DEFAULT_WEIGHTS["math_verify"])]
     task = Task(name="math", rows=rows, system_prompt=system_prompt or None, rewards=rewards, success="accuracy")
     return task.set_weights(env_value(env_cfg, "reward_weights"))
