@@ -4,7 +4,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torchrl_grpo.core.errors import ConfigError, import_target
+from torchrl_grpo.core.errors import ConfigError, import_target, one_line
 from torchrl_grpo.tasks.arithmetic import build_arithmetic_task
 from torchrl_grpo.tasks.base import Reward, RewardFn, Task, per_task_means
 from torchrl_grpo.tasks.competition_math import HUB_DATASET as MATH_HUB
@@ -108,7 +108,9 @@ def add_custom_rewards(task: Task, entries) -> Task:
     """Append the rewards of ``env.rewards``: each entry names a function, ``fn(completion, row) -> float`` or
     TRL's ``fn(completions, **kwargs) -> list`` (:mod:`torchrl_grpo.tasks.scoring`), by its import path
     (``_target_``; or one :func:`register_reward` made), with a ``weight`` (default 1) and a ``name`` (default: the
-    function's), e.g. ``{_target_: my_rewards.length, weight: 0.5}``. Each is logged apart."""
+    function's), e.g. ``{_target_: my_rewards.length, weight: 0.5}``. A class, or a target given more keys, is
+    called with those keys to make the reward (``{_target_: torchrl_grpo.tasks.openr1.CosineScaled, max_len:
+    500}``). Each is logged apart."""
     for i, entry in enumerate(entries):
         key = f"env.rewards[{i}]"
         target = entry.get("_target_") if hasattr(entry, "get") else None
@@ -118,6 +120,12 @@ def add_custom_rewards(task: Task, entries) -> Task:
                               "(train(reward_funcs=...)) cannot be imported by the processes it starts (Ray actors, "
                               "data-parallel ranks); define it in a module on PYTHONPATH")
         fn = fn or import_target(entry, key, "reward function", "mypkg.rewards.length")
+        arguments = {k: v for k, v in entry.items() if k not in ("_target_", "weight", "name")}
+        if arguments or isinstance(fn, type):  # a factory or class with its arguments: what it makes is the reward
+            try:
+                fn = fn(**arguments)
+            except Exception as err:
+                raise ConfigError(f"{key}: {target}({', '.join(arguments)}) raised {one_line(err)}") from None
         weight = entry.get("weight", 1.0)
         if isinstance(weight, bool) or not isinstance(weight, (int, float)):
             raise ConfigError(f"{key}.weight={weight!r}: must be a number")

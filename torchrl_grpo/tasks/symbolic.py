@@ -49,19 +49,24 @@ def math_verify_equal(predicted: str, gold: str) -> bool | None:
     """Whether ``predicted`` and ``gold`` (the contents of two ``\\boxed{}``) are the same answer by math-verify;
     None where it cannot tell (it parses either to nothing, or runs out of time). Cached: a component and the
     accuracy ask about the same pair."""
+    return on_a_main_thread(check_here, predicted, gold)
+
+
+def on_a_main_thread(check: Callable, *args, timeout_s: float = 2 * TIMEOUT_S + 5):
+    """``check(*args)`` here on the main thread, else in the helper process (where math-verify's signals work)."""
     if threading.current_thread() is threading.main_thread():
-        return check_here(predicted, gold)
-    return check_in_helper(check_here, predicted, gold, timeout_s=2 * TIMEOUT_S + 5)
+        return check(*args)
+    return check_in_helper(check, *args, timeout_s=timeout_s)
 
 
-def check_in_helper(check: Callable, predicted: str, gold: str, timeout_s: float) -> bool | None:
-    """``check(predicted, gold)`` in the helper process; None (and the helper killed) past ``timeout_s``."""
+def check_in_helper(check: Callable, *args, timeout_s: float):
+    """``check(*args)`` in the helper process; None (and the helper killed) past ``timeout_s``."""
     global _helper
     with _helper_lock:
         if _helper is None:
             _helper = ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
         helper = _helper
-    future = helper.submit(check, predicted, gold)
+    future = helper.submit(check, *args)
     try:
         return future.result(timeout=timeout_s)
     except FutureTimeout:
