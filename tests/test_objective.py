@@ -48,6 +48,35 @@ def test_batch_and_none_scaling():
     assert torch.allclose(batch, torch.tensor([0.5 / s, -0.5 / s, 1 / s, -1 / s], dtype=torch.float64))
 
 
+def test_rloo_baseline_is_the_mean_of_the_other_completions():
+    rewards = [1.0, 0.0, 3.0, 2.0, 0.5, 0.5, 1.5]
+    adv, _ = group_advantages(torch.tensor(rewards[:6], dtype=torch.float64), 3, "rloo")
+    expected = [r - _mean([x for j, x in enumerate(g) if j != i])
+                for g in (rewards[:3], rewards[3:6]) for i, r in enumerate(g)]
+    assert torch.allclose(adv, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
+    assert group_advantages(torch.tensor([2.0, 7.0]), 1, "rloo")[0].tolist() == [0.0, 0.0]  # no other completion
+
+
+def test_cispo_keeps_the_gradient_of_every_token_the_ppo_clip_drops():
+    """Ratios past the range on both sides: the PPO clip zeroes those tokens' gradient, CISPO keeps
+    ``-clip(w) A`` for each (a float64 computation by hand)."""
+    from torchrl_grpo.objective.terms import cispo_surrogate
+
+    base = torch.tensor([[-1.0, -2.0, -0.5, -3.0]], dtype=torch.float64)
+    old = base - torch.tensor([[0.5, -0.5, 0.01, 2.0]], dtype=torch.float64)  # ratios e^0.5, e^-0.5, e^0.01, e^2
+    adv = torch.tensor([1.0], dtype=torch.float64)
+    logp = base.clone().requires_grad_(True)
+    loss, ratio, low, high = cispo_surrogate(logp, old, adv, 0.2, 0.28)
+    loss.sum().backward()
+    weights = [min(max(math.exp(d), 0.8), 1.28) for d in (0.5, -0.5, 0.01, 2.0)]
+    assert loss[0].tolist() == pytest.approx([-w * b for w, b in zip(weights, base[0].tolist())], abs=1e-12)
+    assert logp.grad[0].tolist() == pytest.approx([-w for w in weights], abs=1e-12)  # none is zero
+    assert high[0].tolist() == [True, False, False, True] and low[0].tolist() == [False, True, False, False]
+    ppo = base.clone().requires_grad_(True)
+    clipped_surrogate(ppo, old, adv, 0.2, 0.28)[0].sum().backward()
+    assert ppo.grad[0, 0] == 0 and ppo.grad[0, 3] == 0
+
+
 def test_ties_and_group_of_one_give_zero_not_nan():
     adv, tied = group_advantages(torch.tensor([0.7, 0.7, 0.7]), 3)
     assert adv.tolist() == [0.0, 0.0, 0.0] and tied.all()
@@ -338,7 +367,10 @@ def _hand_objective(logp, batch, v):
             terms = []
             for t in toks:
                 w = torch.exp(logp[i, t] - old[i, t])
-                term = -torch.minimum(w * a, torch.clamp(w, lo, hi) * a)
+                if v.get("importance_level") == "cispo":  # a clipped weight held constant, on logp itself
+                    term = -min(max(w.item(), lo), hi) * a * logp[i, t]
+                else:
+                    term = -torch.minimum(w * a, torch.clamp(w, lo, hi) * a)
                 if cap is not None:
                     term = term * min(math.exp(float(old[i, t] - sample[i, t])), cap)
                 terms.append(term)
@@ -369,6 +401,9 @@ VARIANTS = {
                                  eps_high=0.15, threshold=0.05),
     "all_token": dict(aggregation="constant_sum", constant=5.0, eps_low=0.2, eps_high=0.28, tis_cap=1.5,
                       threshold=0.05, overlong="mask"),
+    "cispo": dict(aggregation="token_mean", importance_level="cispo", eps_low=1.0, eps_high=0.28),
+    "cispo_narrow_tis": dict(aggregation="sequence_mean", importance_level="cispo", eps_low=0.1, eps_high=0.1,
+                             tis_cap=1.5),
 }
 
 
@@ -691,7 +726,7 @@ def test_gspo_needs_sequence_mean():
 # presets (config/loss/*.yaml) through Hydra and validate()
 # ---------------------------------------------------------------------------------------------------
 
-PRESETS = ("grpo", "dapo", "dr_grpo", "gspo")
+PRESETS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo")
 
 
 def test_every_preset_sets_every_loss_key():

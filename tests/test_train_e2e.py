@@ -179,7 +179,7 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
 
 @needs_vllm
 def test_every_loss_preset_trains_with_finite_metrics(tmp_path):
-    presets = ["grpo", "dapo", "dr_grpo", "gspo"]
+    presets = ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo"]
     sweep = run(["--multirun", *SMALL, "train.total_dialog_turns=16", "train.epochs=2", "train.kl_to_ref_coeff=0.01",
                  f"loss={','.join(presets)}", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, timeout=600)
     assert sweep.returncode == 0, sweep.stderr[-3000:]

@@ -111,6 +111,15 @@ def centred_only(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> to
     return centred
 
 
+@register("reward_scale", "rloo")
+def leave_one_out(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> torch.Tensor:
+    """``A_i = r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_g r)`` (RLOO, Ahmadian et al. 2024): each
+    completion's baseline is the mean of the others, so its own reward does not lower its advantage; no std
+    scaling. A group of one has no other completion: 0."""
+    size = grouped.shape[1]
+    return centred * (size / (size - 1)) if size > 1 else torch.zeros_like(centred)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6):
     """Advantages of ``rewards`` laid out group-major (``G`` consecutive completions share a prompt), scaled
     by the ``reward_scale`` term ``scale``.
@@ -299,6 +308,19 @@ def sequence_clipped_surrogate(logp, logp_old, advantages, mask, eps_low: float,
     return loss, ratio, clipped_low, clipped_high
 
 
+def cispo_surrogate(logp, logp_old, advantages, eps_low: float, eps_high: float):
+    """CISPO (MiniMax-M1, 2506.13585): per token ``-sg(clip(w_it, 1-eps_low, 1+eps_high)) A_i logp_it``,
+    ``w_it = exp(logp_it - logp_old_it)``. The importance weight is clipped and detached, so every token keeps
+    its gradient ``-w_hat A_i dlogp``: none is dropped as the PPO clip drops those past the range (the rare
+    "fork" tokens first). Returns ``(loss, ratio, clipped_low, clipped_high)`` [N, L]; clipped here means the
+    weight was cut (below ``1-eps_low`` or above ``1+eps_high``), whatever the advantage's sign."""
+    logp_wide = _wide(logp)
+    ratio = torch.exp(logp_wide - _wide(logp_old))
+    weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high).detach()
+    loss = -weight * advantages.unsqueeze(-1).to(ratio.dtype) * logp_wide
+    return loss, ratio, ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
+
+
 # An importance-level term returns (loss, ratio, clipped_low, clipped_high), either all per token [N, L]
 # or all per completion [N]; a per-completion loss is spread over its tokens and the ratio statistics
 # are then per completion.
@@ -315,6 +337,12 @@ def sequence_ratio(s: SurrogateInputs):
     """``l_i = -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)``, ``s_i = exp(mean_t(logp_it - logp_old_it))``
     (GSPO): :func:`sequence_clipped_surrogate`."""
     return sequence_clipped_surrogate(s.logp, s.logp_old, s.advantages, s.mask, s.eps_low, s.eps_high)
+
+
+@register("importance_level", "cispo")
+def cispo_weight(s: SurrogateInputs):
+    """``l_it = -sg(clip(w_it, 1-eps_low, 1+eps_high)) A_i logp_it`` (CISPO): :func:`cispo_surrogate`."""
+    return cispo_surrogate(s.logp, s.logp_old, s.advantages, s.eps_low, s.eps_high)
 
 
 # --- surrogate modifiers (loss.<name>, on when not null), applied in this order ----------------------------
@@ -368,7 +396,8 @@ def _token_share(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def truncated_importance_sampling(surrogate: torch.Tensor, cap: float, s: SurrogateInputs):
     """``l <- min(exp(logp_old - logp_sample), C) l`` at the importance level, detached (:func:`tis_weights`).
     Diagnostics: ``tis_truncated_fraction`` (tokens whose weight hit the cap), ``tis_weight_mean``."""
-    weight, capped = tis_weights(s.logp_old, s.logp_sample, cap, s.mask, s.importance_level)
+    level = "sequence" if s.importance_level == "sequence" else "token"  # CISPO's weights are per token
+    weight, capped = tis_weights(s.logp_old, s.logp_sample, cap, s.mask, level)
     weight, capped = per_token(weight, s.mask), per_token(capped, s.mask)
     return surrogate * weight, {
         "tis_truncated_fraction": _token_share(capped, s.mask),
