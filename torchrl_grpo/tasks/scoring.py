@@ -36,16 +36,16 @@ def call_rewards(rewards, texts: Sequence[str], rows: Sequence[Mapping[str, Any]
     completions = [[{"role": "assistant", "content": t}] for t in texts] if conversational else list(texts)
     columns = {key: [row.get(key) for row in rows] for key in rows[0] if key not in TRL_ARGUMENTS} if rows else {}
     ids = [list(c) for c in completion_ids] if completion_ids is not None else None
+    batched = {reward.name: takes_batch(reward.fn) for reward in rewards}
     slots: dict[str, Any] = {}
     for reward in rewards:
-        if takes_batch(reward.fn):
+        if batched[reward.name]:
             slots[reward.name] = _call(reward.fn, completions=completions, prompts=list(prompts), completion_ids=ids,
                                        **columns)
         else:
             slots[reward.name] = [_call(reward.fn, texts[i], rows[i]) for i in range(n)]
     _await_all(slots)
-    return {reward.name: _per_completion(reward.name, slots[reward.name], n, takes_batch(reward.fn))
-            for reward in rewards}
+    return {name: _one_per_completion(slot, n) if batched[name] else slot for name, slot in slots.items()}
 
 
 def _call(fn: Callable, *args, **kwargs) -> Any:
@@ -81,10 +81,10 @@ def _await_all(slots: dict[str, Any]) -> None:
             slots[name][i] = result
 
 
-def _per_completion(name: str, result: Any, n: int, batched: bool) -> list:
+def _one_per_completion(result: Any, n: int) -> list:
     """A batched reward's result checked to be one value per completion (an exception stands for all)."""
-    if not batched or isinstance(result, Exception):
-        return result if batched is False else [result] * n
+    if isinstance(result, Exception):
+        return [result] * n
     if not isinstance(result, (list, tuple)) or len(result) != n:
         got = f"{len(result)} values" if isinstance(result, (list, tuple)) else type(result).__name__
         return [ValueError(f"returned {got} for {n} completions; return a list of one float (or None) per "
