@@ -168,6 +168,14 @@ def test_a_trainer_failure_reaches_the_workers_and_the_next_push_works(tmp_path,
         with pytest.raises(ValueError, match="no such tensor"):
             stream.push(_weights(), lambda wire: seen.update(_run_workers(wire, 1)))
         assert seen[0][0] is None and "trainer failed" in seen[0][1]  # told, not left waiting
+
+        def like_vllm(wire):  # collective_rpc raises a worker's error in an Exception of its own
+            [(count, error)] = _run_workers(wire, 1).values()
+            raise Exception(f"Call to collective_rpc method failed: Worker failed with error '{error}'")
+
+        with pytest.raises(ValueError, match="no such tensor") as raised:  # the root cause, not the echo
+            stream.push(_weights(), like_vllm)
+        assert "Worker failed with error" in str(raised.value.__cause__)
         monkeypatch.setattr(weight_stream, "_view", real_view)
         [(count, loaded)] = stream.push(_weights(), lambda wire: _run_workers(wire, 1)).values()
         assert count == len(_weights()) and torch.equal(loaded["head.weight"], _weights()[-1][1])

@@ -157,13 +157,18 @@ class WeightStream:
 
         feeder = threading.Thread(target=feed, name="weight-stream", daemon=True)
         feeder.start()
+        result, worker_error = None, None
         try:
             result = call_worker(pickle.dumps(channel))
+        except Exception as e:
+            worker_error = e
         finally:
             ended.set()
             feeder.join()
-        if failure:
-            raise failure[0]
+        if failure:  # the root cause: the workers raised only because the feeder told them to
+            raise failure[0] from worker_error
+        if worker_error is not None:
+            raise worker_error
         return result
 
     def _tell(self, push: int, k: int) -> None:
