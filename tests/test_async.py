@@ -22,7 +22,8 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMALL, *FLOAT32, "train.kl_to_ref_coeff=0.05", "loss.old_log_probs=trainer", f"hydra.run.dir={run_dir}"]
     started = time.time()
-    first = run_async([*args, "train.total_dialog_turns=32", "logging.checkpoint_frequency=2",
+    # a per-completion objective on stale batches (GMPO); the resumed run REINFORCE++ with its KL in the reward
+    first = run_async([*args, "loss=gmpo", "train.total_dialog_turns=32", "logging.checkpoint_frequency=2",
                        "logging.eval_frequency=3", "eval.num_prompts=3"], cwd=tmp_path)
     print(f"async e2e run: {time.time() - started:.1f} s")
     assert first.returncode == 0, first.stderr[-3000:]
@@ -54,8 +55,9 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
     # resume with a staleness bound of 0: the batch sampled while a step trained is one version behind and is
     # dropped (counted), so every trained batch is on-policy; and with the KL penalty in the reward, which the
     # trainer adds to the actors' batches as in sync mode. A long run, no checkpoints but the one Ctrl-C makes
-    proc = start([*args, "train.total_dialog_turns=4000", "logging.checkpoint_frequency=0", "train.resume=auto",
-                  "train.max_staleness=0", "train.kl_coef_in_loss=false"], cwd=tmp_path, script="grpo-async.py")
+    proc = start([*args, "loss=reinforce_pp", "train.total_dialog_turns=4000", "logging.checkpoint_frequency=0",
+                  "train.resume=auto", "train.max_staleness=0", "train.kl_coef_in_loss=false"], cwd=tmp_path,
+                 script="grpo-async.py")
     wait_until(lambda: len(metric_rows(run_dir)) >= 7, proc, seconds=180)  # the step-0 row and steps 1 to 6
     os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does: the whole process group
     out, err = proc.communicate(timeout=120)

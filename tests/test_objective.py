@@ -12,8 +12,8 @@ from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.objective.loss import GRPOLoss, token_log_probs, total_loss
 from torchrl_grpo.objective.terms import (accumulation_weight, aggregate, clipped_surrogate, completion_mean,
                                           group_advantages, kl_estimate, loss_token_mask, off_policy_keep,
-                                          overlong_buffer_tokens, overlong_penalty, sequence_clipped_surrogate,
-                                          tis_weights)
+                                          geometric_mean_surrogate, mis_weights, overlong_buffer_tokens,
+                                          overlong_penalty, sapo_surrogate, sequence_clipped_surrogate, tis_weights)
 from torchrl_grpo.run.build import build_loss
 
 
@@ -55,6 +55,67 @@ def test_rloo_baseline_is_the_mean_of_the_other_completions():
                 for g in (rewards[:3], rewards[3:6]) for i, r in enumerate(g)]
     assert torch.allclose(adv, torch.tensor(expected, dtype=torch.float64), atol=1e-12)
     assert group_advantages(torch.tensor([2.0, 7.0]), 1, "rloo")[0].tolist() == [0.0, 0.0]  # no other completion
+
+
+def test_reinforce_pp_whitens_over_the_batch_without_a_group_baseline():
+    rewards = [1.0, 1.0, 0.0, 3.0, 2.0, 2.0]  # the first group ties: against the batch it still has signal
+    adv, tied = group_advantages(torch.tensor(rewards, dtype=torch.float64), 2, "reinforce_pp", eps=0.0)
+    m, s = _mean(rewards), _unbiased_std(rewards)
+    assert torch.allclose(adv, torch.tensor([(r - m) / s for r in rewards], dtype=torch.float64), atol=1e-12)
+    assert adv[0] != 0 and tied.tolist() == [True, True, False, False, True, True]
+    assert group_advantages(torch.tensor([0.1] * 6), 3, "reinforce_pp")[0].tolist() == [0.0] * 6  # a tied batch
+
+
+def test_reinforce_pp_baseline_scales_the_group_centred_rewards_by_their_batch_spread():
+    rewards = [1.0, 0.0, 3.0, 2.0, 0.5, 0.5]
+    adv, _ = group_advantages(torch.tensor(rewards, dtype=torch.float64), 2, "reinforce_pp_baseline", eps=0.0)
+    centred = [r - _mean(rewards[2 * (i // 2): 2 * (i // 2) + 2]) for i, r in enumerate(rewards)]
+    s = _unbiased_std([c - _mean(centred) for c in centred])
+    assert torch.allclose(adv, torch.tensor([c / s for c in centred], dtype=torch.float64), atol=1e-12)
+    assert adv[4:].tolist() == [0.0, 0.0]  # a tied group against its own baseline: no signal
+
+
+def test_sapo_gate_gradient_is_the_unclipped_one_on_policy_and_fades_smoothly():
+    """d/dlogp of ``-(4/tau) sigmoid(tau (w - 1)) A`` is ``-4 sigmoid (1 - sigmoid) w A`` (by hand): ``-A`` at
+    ``w = 1``, never exactly 0 past the clip range, smaller the further off-policy, faster for ``tau_neg``."""
+    d = [0.0, 0.3, 1.5, -0.7]
+    old = torch.zeros(2, 4, dtype=torch.float64)
+    logp = torch.tensor([d, d], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
+    loss, ratio, low, high = sapo_surrogate(logp, old, adv, 1.0, 3.0, 0.2, 0.2)
+    loss.sum().backward()
+    sig = lambda x: 1 / (1 + math.exp(-x))
+    for i, (a, tau) in enumerate(((2.0, 1.0), (-1.0, 3.0))):
+        for t, x in enumerate(d):
+            w = math.exp(x)
+            assert loss[i, t].item() == pytest.approx(-4 / tau * sig(tau * (w - 1)) * a, abs=1e-12)
+            g = sig(tau * (w - 1))
+            assert logp.grad[i, t].item() == pytest.approx(-4 * g * (1 - g) * w * a, abs=1e-12)
+    assert logp.grad[0, 0].item() == pytest.approx(-2.0) and logp.grad[1, 0].item() == pytest.approx(1.0)
+    assert (logp.grad != 0).all()
+    assert abs(logp.grad[1, 2]) / abs(logp.grad[1, 0]) < abs(logp.grad[0, 2]) / abs(logp.grad[0, 0])
+    assert high[0].tolist() == [False, True, True, False] and low[1].tolist() == [False, False, False, True]
+
+
+def test_gmpo_clips_each_log_ratio_on_its_advantages_side_and_keeps_the_others_gradient():
+    """``-A exp(mean_t m_t)`` by hand: with A > 0 only log-ratios above eps_high are cut, with A < 0 only those
+    below -eps_low; a cut token has no gradient, the others ``-A g / n``."""
+    d = [[0.9, 0.1, -0.6], [0.9, 0.1, -0.6]]
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    logp = torch.tensor(d, dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([1.5, -2.0], dtype=torch.float64)
+    loss, ratio, low, high = geometric_mean_surrogate(logp, torch.zeros(2, 3, dtype=torch.float64), adv, mask,
+                                                      0.4, 0.4)
+    loss.sum().backward()
+    kept = [[0.4, 0.1, -0.6], [0.9, 0.1, -0.4]]
+    for i, a in enumerate((1.5, -2.0)):
+        g = math.exp(_mean(kept[i]))
+        assert loss[i].item() == pytest.approx(-a * g, abs=1e-12)
+        assert ratio[i].item() == pytest.approx(math.exp(_mean(d[i])), abs=1e-12)
+        want = [0.0 if kept[i][t] != d[i][t] else -a * g / 3 for t in range(3)]
+        assert logp.grad[i].tolist() == pytest.approx(want, abs=1e-12)
+    assert high.tolist() == [[True, False, False], [False, False, False]]
+    assert low.tolist() == [[False, False, False], [False, False, True]]
 
 
 def test_cispo_keeps_the_gradient_of_every_token_the_ppo_clip_drops():
@@ -347,7 +408,7 @@ def _hand_objective(logp, batch, v):
     mask, adv = batch["completion_mask"], batch["advantage"]
     old, sample = batch["old_log_probs"], batch["sample_log_probs"]
     lo, hi = 1 - v["eps_low"], 1 + v["eps_high"]
-    cap, threshold = v.get("tis_cap"), v.get("threshold")
+    cap, threshold, mis = v.get("tis_cap"), v.get("threshold"), v.get("mis_cap")
     rows = []
     for i in range(mask.shape[0]):
         toks = [t for t in range(mask.shape[1]) if mask[i, t]]
@@ -357,11 +418,19 @@ def _hand_objective(logp, batch, v):
             rows.append([])
             continue
         a = float(adv[i])
-        if v.get("importance_level") == "sequence":
-            s = torch.exp(sum(logp[i, t] - old[i, t] for t in toks) / len(toks))
-            term = -torch.minimum(s * a, torch.clamp(s, lo, hi) * a)
+        if v.get("importance_level") in ("sequence", "gmpo"):
+            if v.get("importance_level") == "gmpo":  # each log-ratio clipped on the side A's sign makes it bite
+                clip = (lambda x: torch.clamp(x, max=v["eps_high"])) if a > 0 else (
+                    lambda x: torch.clamp(x, min=-v["eps_low"]))
+                term = -a * torch.exp(sum(clip(logp[i, t] - old[i, t]) for t in toks) / len(toks))
+            else:
+                s = torch.exp(sum(logp[i, t] - old[i, t] for t in toks) / len(toks))
+                term = -torch.minimum(s * a, torch.clamp(s, lo, hi) * a)
+            rho = math.exp(sum(float(old[i, t] - sample[i, t]) for t in toks) / len(toks))
             if cap is not None:
-                term = term * min(math.exp(sum(float(old[i, t] - sample[i, t]) for t in toks) / len(toks)), cap)
+                term = term * min(rho, cap)
+            if mis is not None:
+                term = term * (rho if 1 / mis <= rho <= mis else 0.0)
             terms = [term] * len(toks)
         else:
             terms = []
@@ -369,10 +438,16 @@ def _hand_objective(logp, batch, v):
                 w = torch.exp(logp[i, t] - old[i, t])
                 if v.get("importance_level") == "cispo":  # a clipped weight held constant, on logp itself
                     term = -min(max(w.item(), lo), hi) * a * logp[i, t]
+                elif v.get("importance_level") == "sapo":  # a sigmoid gate, no clip
+                    tau = v["tau_pos"] if a > 0 else v["tau_neg"]
+                    term = -(4 / tau) * torch.sigmoid(tau * (w - 1)) * a
                 else:
                     term = -torch.minimum(w * a, torch.clamp(w, lo, hi) * a)
+                rho = math.exp(float(old[i, t] - sample[i, t]))
                 if cap is not None:
-                    term = term * min(math.exp(float(old[i, t] - sample[i, t])), cap)
+                    term = term * min(rho, cap)
+                if mis is not None:
+                    term = term * (rho if 1 / mis <= rho <= mis else 0.0)
                 terms.append(term)
         if threshold is not None:
             divergence = sum(float(sample[i, t]) - logp[i, t].item() for t in toks) / len(toks)
@@ -404,6 +479,16 @@ VARIANTS = {
     "cispo": dict(aggregation="token_mean", importance_level="cispo", eps_low=1.0, eps_high=0.28),
     "cispo_narrow_tis": dict(aggregation="sequence_mean", importance_level="cispo", eps_low=0.1, eps_high=0.1,
                              tis_cap=1.5),
+    "sapo": dict(aggregation="sequence_mean", importance_level="sapo", eps_low=0.2, eps_high=0.2, tau_pos=1.0,
+                 tau_neg=1.05),
+    "sapo_steep_mis": dict(aggregation="token_mean", importance_level="sapo", eps_low=0.2, eps_high=0.2, tau_pos=2.0,
+                           tau_neg=7.0, mis_cap=1.5, overlong="mask"),
+    "gmpo": dict(aggregation="sequence_mean", importance_level="gmpo", eps_low=0.4, eps_high=0.4),
+    "gmpo_tis_off_policy": dict(aggregation="sequence_mean", importance_level="gmpo", eps_low=0.3, eps_high=0.5,
+                                tis_cap=1.2, threshold=0.05),
+    "mis_token": dict(aggregation="token_mean", eps_low=0.2, eps_high=0.28, mis_cap=1.5),
+    "mis_sequence": dict(aggregation="sequence_mean", importance_level="sequence", eps_low=0.1, eps_high=0.15,
+                         mis_cap=1.3),
 }
 
 
@@ -412,7 +497,7 @@ def _loss_for(model, v, **extra):
         model, clip_epsilon_low=v["eps_low"], clip_epsilon_high=v["eps_high"], aggregation=v["aggregation"],
         aggregation_constant=v.get("constant", 1.0), importance_level=v.get("importance_level", "token"),
         tis_cap=v.get("tis_cap"), overlong=v.get("overlong", "none"), off_policy_mask_threshold=v.get("threshold"),
-        **extra,
+        mis_cap=v.get("mis_cap"), tau_pos=v.get("tau_pos", 1.0), tau_neg=v.get("tau_neg", 1.05), **extra,
     )
 
 
@@ -485,6 +570,36 @@ def test_tis_and_off_policy_diagnostics_count_the_right_tokens(name):
         assert "off_policy_masked_fraction" not in out.keys()
 
 
+@pytest.mark.parametrize("name", ["mis_token", "mis_sequence", "sapo_steep_mis"])
+def test_mis_diagnostics_count_the_tokens_that_left_the_loss(name):
+    v = VARIANTS[name]
+    out = _loss_for(TableLM(), v)(_variant_batch(TableLM()))
+    mask = loss_token_mask(V_MASK, V_TRUNCATED, v.get("overlong", "none"))
+    rows = [i for i in range(6) if mask[i].any()]
+    if v.get("importance_level") == "sequence":
+        rho = [r for i in rows for r in [math.exp(_mean(GAMMA[i]))] * len(GAMMA[i])]
+    else:
+        rho = [math.exp(g) for i in rows for g in GAMMA[i]]
+    cap = v["mis_cap"]
+    below, above = sum(r < 1 / cap for r in rho), sum(r > cap for r in rho)
+    assert below > 0 and above > 0  # the batch leaves the band on both sides
+    assert out["mis_masked_fraction"].item() == pytest.approx((below + above) / len(rho))
+    assert out["mis_weight_mean"].item() == pytest.approx(sum(r for r in rho if 1 / cap <= r <= cap) / len(rho))
+
+
+def test_gmpo_clip_fractions_are_per_token_and_its_ratio_per_completion():
+    v = VARIANTS["gmpo"]
+    out = _loss_for(TableLM(), v)(_variant_batch(TableLM()))
+    tokens = [(i, d) for i in range(6) for d in DELTA[i]]
+    high = sum(d > 0.4 and V_ADV[i] > 0 for i, d in tokens)
+    low = sum(d < -0.4 and V_ADV[i] < 0 for i, d in tokens)
+    assert (low, high) == (2, 1)  # -0.5 (row 1), -1.2 (row 4); 0.9 (row 2)
+    assert out["clip_fraction_high"].item() == pytest.approx(high / len(tokens))
+    assert out["clip_fraction_low"].item() == pytest.approx(low / len(tokens))
+    means = [math.exp(_mean(d)) for d in DELTA if d]
+    assert out["ratio_mean"].item() == pytest.approx(_mean(means)) and out["ratio_max"].item() == pytest.approx(max(means))
+
+
 def test_off_policy_keep_drops_exactly_negative_advantage_drifted_completions():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [0, 0, 0]], dtype=torch.bool)
     logp = torch.tensor([[-1.0, -2.0, 9.0], [-0.5, -0.5, -0.5], [-3.0, 0, 0], [-1.0, -1.0, 0], [0, 0, 0]],
@@ -513,6 +628,18 @@ def test_tis_weights_cap_and_count():
     assert capped.tolist() == [False, False]
     w, capped = tis_weights(old, sample, 0.9, mask, level="sequence")
     assert w.tolist() == pytest.approx([0.9, math.exp(-0.2)]) and capped.tolist() == [True, False]
+
+
+def test_mis_weights_keep_the_ratio_inside_the_band_and_zero_outside():
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 0]], dtype=torch.bool)
+    old = torch.tensor([[-1.0, -0.5, -2.0, 50.0], [0.0, -1.0, -1.0, 0.0]], dtype=torch.float64)
+    sample = torch.tensor([[-2.0, -0.5, -1.0, -50.0], [0.0, -1.2, -0.4, 0.0]], dtype=torch.float64)
+    w, masked = mis_weights(old, sample, 2.0, mask)  # band [0.5, 2]: e^1 out above, e^-1 out below
+    want = [[0.0, 1.0, 0.0, 1.0], [1.0, math.exp(0.2), math.exp(-0.6), 1.0]]
+    assert torch.allclose(w, torch.tensor(want, dtype=torch.float64))
+    assert (masked & mask).tolist() == [[True, False, True, False], [False, False, False, False]]
+    w, masked = mis_weights(old, sample, 1.1, mask, level="sequence")  # e^0 kept, e^-0.2 < 1/1.1 out
+    assert w.tolist() == pytest.approx([1.0, 0.0]) and masked.tolist() == [False, True]
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -717,16 +844,24 @@ def test_overlong_mask_empties_truncated_rows_only():
         loss_token_mask(MASK, truncated, "cut")
 
 
-def test_gspo_needs_sequence_mean():
+@pytest.mark.parametrize("level", ["sequence", "gmpo"])
+def test_per_completion_levels_need_sequence_mean(level):
     with pytest.raises(ValueError, match="sequence_mean"):
-        GRPOLoss(TableLM(), importance_level="sequence", aggregation="token_mean")
+        GRPOLoss(TableLM(), importance_level=level, aggregation="token_mean")
+
+
+def test_two_mismatch_corrections_are_refused():
+    with pytest.raises(ValueError, match="tis_cap and mis_cap"):
+        GRPOLoss(TableLM(), tis_cap=2.0, mis_cap=2.0)
+    with pytest.raises(ValueError, match="mis_cap=1.0 must be > 1"):
+        GRPOLoss(TableLM(), mis_cap=1.0)
 
 
 # ---------------------------------------------------------------------------------------------------
 # presets (config/loss/*.yaml) through Hydra and validate()
 # ---------------------------------------------------------------------------------------------------
 
-PRESETS = ("grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo")
+PRESETS = tuple(sorted(path.stem for path in (CONFIG_DIR / "loss").glob("*.yaml")))
 
 
 def test_every_preset_sets_every_loss_key():
@@ -756,6 +891,12 @@ def test_preset_values():
     assert (gspo.clip_epsilon_low, gspo.clip_epsilon_high) == (3e-4, 4e-4)
     assert (grpo.aggregation, grpo.reward_scale, grpo.kl_estimator) == ("sequence_mean", "group", "k3")
     assert grpo.overlong == "none" and grpo.dynamic_sampling is False and grpo.importance_level == "token"
+    sapo, gmpo, rpp = (cfg_with(f"loss={n}").loss for n in ("sapo", "gmpo", "reinforce_pp"))
+    assert (sapo.importance_level, sapo.tau_pos, sapo.tau_neg) == ("sapo", 1.0, 1.05)
+    assert (gmpo.importance_level, gmpo.aggregation, gmpo.clip_epsilon_low, gmpo.clip_epsilon_high) == (
+        "gmpo", "sequence_mean", 0.4, 0.4)
+    assert (rpp.reward_scale, rpp.aggregation) == ("reinforce_pp", "token_mean")
+    assert set(PRESETS) >= {"grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "sapo", "gmpo", "reinforce_pp"}
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -763,6 +904,11 @@ def test_preset_values():
     (["loss=gspo", "loss.aggregation=token_mean"], "loss.aggregation=token_mean with loss.importance_level=sequence"),
     (["loss.tis_cap=2", "loss.old_log_probs=engine"], "loss.tis_cap=2 with loss.old_log_probs=engine: "),
     (["loss.tis_cap=0", "loss.old_log_probs=trainer"], "loss.tis_cap=0"),
+    (["loss.mis_cap=2", "loss.old_log_probs=engine"], "loss.mis_cap=2 with loss.old_log_probs=engine: "),
+    (["loss.mis_cap=1", "loss.old_log_probs=trainer"], "loss.mis_cap=1: must be a number > 1"),
+    (["loss.mis_cap=2", "loss.tis_cap=2", "loss.old_log_probs=trainer"], "loss.tis_cap=2 with loss.mis_cap=2: "),
+    (["loss=gmpo", "loss.aggregation=token_mean"], "loss.aggregation=token_mean with loss.importance_level=gmpo"),
+    (["loss.tau_neg=0"], "loss.tau_neg=0"),
     (["loss.overlong=cut"], "loss.overlong='cut'"),
     (["loss=dapo", "loss.overlong_buffer=24"], "loss.overlong_buffer=24 with inference_model.max_tokens=24"),
     (["loss.overlong_buffer=0"], "loss.overlong_buffer=0"),

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import SMALL, finite, metric_rows, needs_vllm, run, start, wait_until
+from helpers import CONFIG_DIR, SMALL, finite, metric_rows, needs_vllm, run, start, wait_until
 from torchrl_grpo.config.precision import native_bf16
 from torchrl_grpo.core.allocator import find_tcmalloc
 
@@ -178,8 +178,23 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
 
 
 @needs_vllm
+def test_a_run_that_learns_nothing_says_why_and_stops_with_a_checkpoint_when_asked(tmp_path):
+    """The tiny model never answers a GSM8K-style question: every group ties at reward 0, step after step."""
+    run_dir = tmp_path / "run"
+    done = run([*SMALL, "train.total_dialog_turns=40", "train.no_signal_patience=2", "train.no_signal_stop=true",
+                f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert done.returncode == 1, done.stderr[-3000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: no completion carried a learning signal for 2 steps in a row: every group's "
+                           "rewards tied (mean reward 0): ") and "loss.dynamic_sampling=true" in last
+    assert "; stopped (checkpoint of step 2 saved in " in last
+    assert [float(r["signal_fraction"]) for r in metric_rows(run_dir)] == [0.0, 0.0]
+    assert (run_dir / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
+
+
+@needs_vllm
 def test_every_loss_preset_trains_with_finite_metrics(tmp_path):
-    presets = ["grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo"]
+    presets = sorted(path.stem for path in (CONFIG_DIR / "loss").glob("*.yaml"))
     sweep = run(["--multirun", *SMALL, "train.total_dialog_turns=16", "train.epochs=2", "train.kl_to_ref_coeff=0.01",
                  f"loss={','.join(presets)}", f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, timeout=600)
     assert sweep.returncode == 0, sweep.stderr[-3000:]

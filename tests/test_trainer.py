@@ -58,8 +58,8 @@ SETTINGS = TrainSettings(group_size=2, micro_batch=1, accumulation=1, epochs=1, 
 
 def test_prepare_adds_log_probs_kl_penalty_and_advantages():
     policy, ref, batch = TableLM(1), TableLM(2), make_batch()
-    trainer = Trainer(policy, ref, loss=None, optimizer=None, settings=SETTINGS, device=torch.device("cpu"),
-                      ref_device=torch.device("cpu"))
+    trainer = Trainer(policy, ref, loss=GRPOLoss(policy), optimizer=None, settings=SETTINGS,
+                      device=torch.device("cpu"), ref_device=torch.device("cpu"))
     sample, reward = batch["sample_log_probs"].clone(), batch["reward"].clone()
     metrics = trainer.prepare(batch)
 
@@ -75,6 +75,40 @@ def test_prepare_adds_log_probs_kl_penalty_and_advantages():
     torch.testing.assert_close(batch["advantage"], expected_adv.view(-1).float())
     assert metrics["kl_penalty_in_reward"] == torch.tensor(kl.mean().item()).item()
     assert metrics["engine_trainer_logp_gap_max"] > 0  # the batch's sample log-probs are not the policy's
+    assert metrics["signal_fraction"] == 1.0  # no group ties once the KL penalty is in the reward
+
+
+def test_signal_fraction_counts_completions_with_an_advantage_and_a_loss_token():
+    policy, batch = TableLM(1), make_batch()
+    batch["reward"] = torch.tensor([0.5, 0.5, 1.0, 0.0])  # the first group ties
+    batch["truncated"] = torch.tensor([False, False, True, False])
+    settings = dataclasses.replace(SETTINGS, kl_in_reward_coeff=0.0)
+    for overlong, expected in (("none", 0.5), ("mask", 0.25)):  # masked: row 2's tokens leave the loss
+        trainer = Trainer(policy, None, loss=GRPOLoss(policy, overlong=overlong), optimizer=None, settings=settings,
+                          device=torch.device("cpu"), ref_device=torch.device("cpu"))
+        assert trainer.prepare(batch.clone())["signal_fraction"] == expected
+
+
+def test_the_no_signal_watch_names_the_cause_every_patience_steps_and_resets():
+    from torchrl_grpo.training.no_signal import NoSignalWatch
+
+    watch = NoSignalWatch(patience=2, min_ess=0.5, stop=False)
+    silent = {"signal_fraction": 0.0, "tied_group_fraction": 1.0, "reward": 0.0, "ess": 1.0}
+    said = [watch.observe(silent) for _ in range(5)]
+    assert [s is not None for s in said] == [False, True, False, True, False]
+    assert said[1].startswith("no completion carried a learning signal for 2 steps in a row: every group's rewards "
+                              "tied (mean reward 0)") and "loss.dynamic_sampling=true" in said[1]
+    assert "for 4 steps" in said[3] and watch.stop_reason(silent) is None
+    assert watch.observe({**silent, "signal_fraction": 0.25}) is None and watch.cause(silent) is None  # reset
+    masked = {**silent, "tied_group_fraction": 0.5}
+    watch.observe(masked)
+    assert "loss.overlong=mask" in watch.observe(masked)
+    collapsed = {"signal_fraction": 1.0, "ess": 0.2}
+    stopping = NoSignalWatch(patience=3, min_ess=0.5, stop=True)
+    assert [stopping.observe(collapsed) is not None for _ in range(3)] == [False, False, True]
+    assert stopping.stop_reason(collapsed).startswith("the importance weights collapsed for 3 steps in a row (ess "
+                                                      "0.2 < train.min_ess=0.5)")
+    assert NoSignalWatch(patience=0, min_ess=0.5, stop=True).observe(silent) is None  # 0 watches nothing
 
 
 def test_log_probs_do_not_depend_on_the_micro_batch_size():
@@ -89,7 +123,7 @@ def test_log_probs_do_not_depend_on_the_micro_batch_size():
 def test_no_reference_means_no_kl_penalty_and_engine_log_probs_stay():
     batch = make_batch()
     settings = dataclasses.replace(SETTINGS, recompute_old_log_probs=False, kl_in_reward_coeff=0.0)
-    metrics = Trainer(TableLM(1), None, None, None, settings, torch.device("cpu"), None).prepare(batch)
+    metrics = Trainer(TableLM(1), None, GRPOLoss(TableLM(1)), None, settings, torch.device("cpu"), None).prepare(batch)
     assert torch.equal(batch["old_log_probs"], batch["sample_log_probs"])
     assert "ref_log_probs" not in batch.keys() and "kl_penalty_in_reward" not in metrics
     assert torch.equal(batch["reward"], make_batch()["reward"])
@@ -194,7 +228,7 @@ def test_several_updates_a_step_recompute_the_old_log_probs_first():
     for settings in (dataclasses.replace(SETTINGS, micro_batch=2, accumulation=1),  # two optimizer steps
                      dataclasses.replace(SETTINGS, micro_batch=4, accumulation=1, epochs=2)):  # two epochs
         policy, batch = TableLM(1), make_batch()
-        Trainer(policy, None, None, None, settings, torch.device("cpu"), None).prepare(batch)
+        Trainer(policy, None, GRPOLoss(policy), None, settings, torch.device("cpu"), None).prepare(batch)
         torch.testing.assert_close(batch["old_log_probs"], by_hand(policy, batch["tokens"], batch["completion_mask"], 0.7))
 
 

@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.objective.terms import MISMATCH_CORRECTIONS
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
@@ -83,8 +84,8 @@ def resolve_dtype(name: str | None, device: str) -> torch.dtype:
 
 
 def _check_old_log_probs(cfg: DictConfig, precision: Precision) -> None:
-    """Truncated sampling (top_p, top_k, min_p) and TIS need the trainer's old log-probs: refused, naming the
-    keys, with the engine's."""
+    """Truncated sampling (top_p, top_k, min_p) and the mismatch corrections (TIS, MIS) need the trainer's old
+    log-probs: refused, naming the keys, with the engine's."""
     if precision.trainer_old_log_probs:
         return
     old_log_probs = f"loss.old_log_probs={cfg.loss.old_log_probs}"
@@ -98,12 +99,12 @@ def _check_old_log_probs(cfg: DictConfig, precision: Precision) -> None:
                 f"inference_model.{name}={value} with {old_log_probs}: the engine's log-probs are then of the "
                 f"truncated distribution and the ratio is biased; set loss.old_log_probs=trainer (or {name}={off})"
             )
-    tis_cap = cfg.loss.get("tis_cap")
-    if tis_cap is not None:
-        raise ConfigError(
-            f"loss.tis_cap={tis_cap} with {old_log_probs}: the TIS weight exp(old - sample) is 1 unless the old "
-            "log-probs are the trainer's; set loss.old_log_probs=trainer (or loss.tis_cap=null)"
-        )
+    for key in MISMATCH_CORRECTIONS:
+        if cfg.loss.get(key) is not None:
+            raise ConfigError(
+                f"loss.{key}={cfg.loss[key]} with {old_log_probs}: its weight exp(old - sample) is 1 unless the old "
+                f"log-probs are the trainer's; set loss.old_log_probs=trainer (or loss.{key}=null)"
+            )
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -16,8 +16,8 @@ from typing import Any
 from omegaconf import DictConfig
 
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.objective.terms import (AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, MODIFIER_HINTS, OVERLONG,
-                                          REWARD_SCALES)
+from torchrl_grpo.objective.terms import (AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, MODIFIER_FLOORS,
+                                          MODIFIER_HINTS, OVERLONG, REWARD_SCALES)
 
 ENGINE_PROCESSES = ("auto", "same", "own")  # inference_model.engine_process
 
@@ -27,6 +27,7 @@ _KINDS = {
     "int>0": (lambda v: _is_int(v) and v >= 1, "must be a positive integer"),
     "int>=0": (lambda v: _is_int(v) and v >= 0, "must be an integer >= 0"),
     "num>0": (lambda v: _is_num(v) and v > 0, "must be a number > 0"),
+    "num>1": (lambda v: _is_num(v) and v > 1, "must be a number > 1"),
     "num>=0": (lambda v: _is_num(v) and v >= 0, "must be a number >= 0"),
     "prob": (lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
     "share": (lambda v: _is_num(v) and 0 <= v < 1, "must be in [0, 1)"),
@@ -117,6 +118,12 @@ class Train:
                                       hint="choose auto (bf16 autocast where bf16 is native), true or false")
     max_nonfinite_updates: int = key("int>=0", "updates in a row skipped for a non-finite gradient that stop the "
                                      "run (with a checkpoint); 0 = never stop")
+    no_signal_patience: int = key("int>=0", "steps in a row with no learning signal (every group tied, every "
+                                  "token masked) or ess below train.min_ess before a warning naming the cause; "
+                                  "0 = never")
+    min_ess: float = key("share", "effective sample size (a share) of the importance weights below which a step "
+                         "counts as collapsed")
+    no_signal_stop: bool = key("bool", "stop with a checkpoint at the no-signal warning instead of going on")
     weight_sync_check: bool = key("bool", "after every weight push, compare the engine's and the trainer's "
                                   "log-probs of a probe text (torchrl_grpo/engines/weight_check.py)")
     weight_sync_tolerance: float = key("num>0", "mean |log-prob gap| the weight sync check allows (null: by dtype)",
@@ -210,14 +217,18 @@ class Loss:
     each registered surrogate modifier (``objective_terms``: ``tis_cap``, ``off_policy_mask_threshold``, ...)
     is a key of its own, a number > 0 or null (off): see :func:`section_keys`."""
 
-    clip_epsilon_low: float = key("num>=0", "ratio clipped below at 1 - eps_low")
-    clip_epsilon_high: float = key("num>=0", "ratio clipped above at 1 + eps_high (clip-higher when > low)")
+    clip_epsilon_low: float = key("num>=0", "ratio clipped below at 1 - eps_low (gmpo: log-ratio at -eps_low)")
+    clip_epsilon_high: float = key("num>=0", "ratio clipped above at 1 + eps_high (clip-higher when > low; gmpo: "
+                                   "log-ratio at eps_high)")
+    tau_pos: float = key("num>0", "importance_level=sapo: the soft gate's temperature for positive advantages")
+    tau_neg: float = key("num>0", "importance_level=sapo: the soft gate's temperature for the others")
     aggregation: str = key("choice", "how token losses become one number", choices=AGGREGATIONS)
-    reward_scale: str = key("choice", "the std dividing the centred rewards", choices=REWARD_SCALES)
+    reward_scale: str = key("choice", "the advantages' baseline and scale", choices=REWARD_SCALES)
     kl_estimator: str = key("choice", "estimator of the KL terms", choices=KL_ESTIMATORS)
     old_log_probs: str = key("choice", "the ratio's denominator: engine, trainer, auto (trainer when it computes in "
                              "bf16)", choices=("auto", "engine", "trainer"))
-    importance_level: str = key("choice", "one ratio per token, or per completion (GSPO)", choices=IMPORTANCE_LEVELS)
+    importance_level: str = key("choice", "the policy term: token ratio clipped, per completion (GSPO), cispo, sapo, "
+                                "gmpo", choices=IMPORTANCE_LEVELS)
     overlong: str = key("choice", "truncated completions: kept, masked, or penalised in the reward", choices=OVERLONG)
     overlong_buffer: int = key("int>0", "soft overlong ramp in tokens; null = max_tokens // 5", null=True,
                                hint="must be a positive number of tokens, or null for inference_model.max_tokens // 5")
@@ -255,8 +266,9 @@ def section_keys(section: str, schema: type) -> list[tuple[str, dict]]:
     """``(key, rule)`` of a section: its dataclass fields, and for ``loss`` the registered surrogate modifiers."""
     keys = [(f.name, dict(f.metadata)) for f in fields(schema)]
     if section == "loss":
-        keys += [(name, {"kind": "num>0", "doc": "a surrogate modifier's parameter (docs/objective.md); null = off",
-                         "choices": (), "null": True, "hint": hint}) for name, hint in MODIFIER_HINTS.items()]
+        keys += [(name, {"kind": f"num>{MODIFIER_FLOORS[name]:g}", "choices": (), "null": True, "hint": hint,
+                         "doc": "a surrogate modifier's parameter (docs/objective.md); null = off"})
+                 for name, hint in MODIFIER_HINTS.items()]
     return keys
 
 

@@ -118,6 +118,9 @@ class TrainSettings:
     mixed_precision: bool           # train.mixed_precision resolved: bf16 autocast (Precision.autocast_bf16)
     max_nonfinite_updates: int      # train.max_nonfinite_updates: skipped updates in a row that stop the run
     seed: int                       # train.seed: the micro-batch shuffle
+    no_signal_patience: int = 0     # train.no_signal_patience: silent or collapsed steps in a row that warn
+    min_ess: float = 0.5            # train.min_ess
+    no_signal_stop: bool = False    # train.no_signal_stop: stop at that warning
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan, precision: Precision) -> TrainSettings:
@@ -130,6 +133,8 @@ class TrainSettings:
             reward_scale=cfg.loss.reward_scale, clip_grad_norm=None if not clip else float(clip),
             mixed_precision=precision.autocast_bf16,
             max_nonfinite_updates=int(cfg.train.max_nonfinite_updates), seed=int(cfg.train.seed),
+            no_signal_patience=int(cfg.train.no_signal_patience), min_ess=float(cfg.train.min_ess),
+            no_signal_stop=bool(cfg.train.no_signal_stop),
         )
 
 

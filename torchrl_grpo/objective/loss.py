@@ -16,8 +16,9 @@ import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
-from torchrl_grpo.objective.terms import (KL_ESTIMATORS, SURROGATE_MODIFIERS, SurrogateInputs, accumulation_weight,
-                                          aggregate, kl_estimate, loss_token_mask, per_token, term)
+from torchrl_grpo.objective.terms import (COMPLETION_LEVELS, KL_ESTIMATORS, MISMATCH_CORRECTIONS, MODIFIER_FLOORS,
+                                          SURROGATE_MODIFIERS, SurrogateInputs, accumulation_weight, aggregate,
+                                          kl_estimate, loss_token_mask, per_token, term)
 
 # the registered families that GRPOLoss takes by the name of their config key (loss.<family>)
 LOSS_CHOICES = ("aggregation", "kl_estimator", "importance_level", "overlong")
@@ -86,14 +87,15 @@ def _inside(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 class GRPOLoss(LossModule):
-    """The GRPO objective family as one TorchRL loss: clipped surrogate (token or sequence level), the
-    surrogate modifiers (truncated importance sampling, off-policy masking), KL to the reference and to the
+    """The GRPO objective family as one TorchRL loss: the importance-level term (token or sequence clip, CISPO,
+    SAPO's gate, GMPO's geometric mean), the surrogate modifiers (truncated or masked importance sampling,
+    off-policy masking), KL to the reference and to the
     sampling policy, and an entropy bonus.
 
     Reads from the batch: ``tokens``, ``attention_mask``, ``completion_mask`` [N, L], ``advantage`` [N],
     ``old_log_probs`` [N, L] (the ratio's denominator: the engine's sampling log-probs, or the policy's
     own recomputed before the update), ``sample_log_probs`` [N, L] (the engine's: KL to the sampling
-    policy, TIS, off-policy mask), ``ref_log_probs`` [N, L] when ``kl_to_ref_coeff > 0`` (and for the
+    policy, TIS, MIS, off-policy mask), ``ref_log_probs`` [N, L] when ``kl_to_ref_coeff > 0`` (and for the
     ``kl_k*`` diagnostics whenever present), ``truncated`` [N] when ``overlong="mask"``.
 
     Returns ``loss_objective``, ``loss_kl_to_inference``, ``loss_entropy``, ``loss_kl_to_ref`` (their sum
@@ -101,10 +103,10 @@ class GRPOLoss(LossModule):
     (over completion tokens; over completions at the sequence level), ``entropy``, ``kl_to_inference``,
     ``kl_inference_k1/k2/k3`` and, with reference log-probs, ``kl_k1/k2/k3`` (token means), ``kl_to_ref``
     (aggregated like the loss, when in the loss), and each surrogate modifier's own
-    (``tis_truncated_fraction``, ``tis_weight_mean``, ``off_policy_masked_fraction``).
+    (``tis_truncated_fraction``, ``mis_masked_fraction``, ``off_policy_masked_fraction``, ...).
 
-    ``modifiers`` are the surrogate modifiers by key (``tis_cap=2``): each is on with a parameter > 0,
-    off with ``None``.
+    ``modifiers`` are the surrogate modifiers by key (``tis_cap=2``): each is on with a parameter above its
+    floor (:data:`MODIFIER_FLOORS`), off with ``None``; ``tau_pos`` / ``tau_neg`` are SAPO's gate temperatures.
     """
 
     def __init__(
@@ -122,6 +124,8 @@ class GRPOLoss(LossModule):
         temperature: float = 1.0,
         importance_level: str = "token",
         overlong: str = "none",
+        tau_pos: float = 1.0,
+        tau_neg: float = 1.05,
         **modifiers: float | None,
     ):
         super().__init__()
@@ -130,13 +134,18 @@ class GRPOLoss(LossModule):
             raise TypeError(f"GRPOLoss got unknown options {unknown}; surrogate modifiers: {SURROGATE_MODIFIERS}")
         for family, name in zip(LOSS_CHOICES, (aggregation, kl_estimator, importance_level, overlong)):
             term(family, name)
-        if importance_level == "sequence" and aggregation != "sequence_mean":
-            raise ValueError("importance_level='sequence' (GSPO) averages one loss per completion: "
+        if importance_level in COMPLETION_LEVELS and aggregation != "sequence_mean":
+            raise ValueError(f"importance_level={importance_level!r} averages one loss per completion: "
                              f"aggregation must be 'sequence_mean', not {aggregation!r}")
         for key in SURROGATE_MODIFIERS:
             value = modifiers.get(key)
-            if value is not None and not value > 0:
-                raise ValueError(f"{key}={value!r} must be > 0 (or None)")
+            if value is not None and not value > MODIFIER_FLOORS[key]:
+                raise ValueError(f"{key}={value!r} must be > {MODIFIER_FLOORS[key]:g} (or None)")
+        corrections = [key for key in MISMATCH_CORRECTIONS if modifiers.get(key) is not None]
+        if len(corrections) > 1:
+            raise ValueError(f"{' and '.join(corrections)} both weigh by exp(logp_old - logp_sample): set one")
+        if not (tau_pos > 0 and tau_neg > 0):
+            raise ValueError(f"tau_pos={tau_pos!r} and tau_neg={tau_neg!r} must be > 0")
         self.policy = policy
         self.clip_epsilon_low = clip_epsilon_low
         self.clip_epsilon_high = clip_epsilon_high
@@ -149,6 +158,7 @@ class GRPOLoss(LossModule):
         self.temperature = temperature
         self.importance_level = importance_level
         self.overlong = overlong
+        self.tau_pos, self.tau_neg = tau_pos, tau_neg
         # in registry order, which fixes the order of their float operations
         self.modifiers = {key: modifiers[key] for key in SURROGATE_MODIFIERS if modifiers.get(key) is not None}
 
@@ -169,6 +179,8 @@ class GRPOLoss(LossModule):
             kl_to_inference_coeff=float(kl_to_inference_coeff),
             entropy_coeff=float(entropy_coeff),
             temperature=float(temperature),
+            tau_pos=float(loss_cfg["tau_pos"]),
+            tau_neg=float(loss_cfg["tau_neg"]),
             **{family: loss_cfg[family] for family in LOSS_CHOICES},
             **modifiers,
         )
@@ -201,11 +213,10 @@ class GRPOLoss(LossModule):
             logp=logp, logp_old=logp.detach() if own_old else _inside(batch["old_log_probs"], completion),
             logp_sample=sample,
             advantages=batch["advantage"].to(logp.dtype), mask=mask, importance_level=self.importance_level,
-            eps_low=self.clip_epsilon_low, eps_high=self.clip_epsilon_high,
+            eps_low=self.clip_epsilon_low, eps_high=self.clip_epsilon_high, tau_pos=self.tau_pos, tau_neg=self.tau_neg,
         )
         loss, ratio, clipped_low, clipped_high = term("importance_level", self.importance_level)(inputs)
         surrogate = per_token(loss, mask)
-        unit = mask.any(-1) if ratio.dim() == 1 else mask  # ratio statistics per completion or per token
         extra = {}
         for key, parameter in self.modifiers.items():
             surrogate, diagnostics = term("surrogate_modifier", key)(surrogate, parameter, inputs)
@@ -224,22 +235,23 @@ class GRPOLoss(LossModule):
             out["kl_to_ref"] = self._mean(kl_ref, mask).detach()
         else:
             out["loss_kl_to_ref"] = torch.zeros((), device=logp.device)
-        out.update(self._diagnostics(mask, unit, ratio.detach(), clipped_low, clipped_high, entropy,
-                                     kl_inference, logp.detach(), sample, ref))
+        out.update(self._diagnostics(mask, ratio.detach(), clipped_low, clipped_high, entropy, kl_inference,
+                                     logp.detach(), sample, ref))
         out.update(extra)
         if own_old:  # the trainer's log-probs against the engine's, as Trainer.prepare reports them otherwise
             out["engine_trainer_logp_gap_max"] = (logp.detach() - sample).abs().max()
         return TensorDict(out, batch_size=[])
 
-    def _diagnostics(self, mask, unit, ratio, clipped_low, clipped_high, entropy, kl_inference, logp, sample, ref):
+    def _diagnostics(self, mask, ratio, clipped_low, clipped_high, entropy, kl_inference, logp, sample, ref):
         """Statistics that tell whether the update is healthy: token means over completion tokens, except
-        the ratio statistics, over ``unit`` (tokens, or completions at the sequence level)."""
-        units = unit.sum().clamp(min=1)
+        the ratio and clip statistics, each over its own unit (tokens, or completions when per completion)."""
+        unit = mask.any(-1) if ratio.dim() == 1 else mask
+        clip_unit = mask.any(-1) if clipped_low.dim() == 1 else mask
         w = ratio[unit]
         ess = w.sum().pow(2) / (w.numel() * w.pow(2).sum()).clamp(min=1e-12) if w.numel() else ratio.new_ones(())
         out = {
-            "clip_fraction_low": (clipped_low & unit).sum() / units,
-            "clip_fraction_high": (clipped_high & unit).sum() / units,
+            "clip_fraction_low": (clipped_low & clip_unit).sum() / clip_unit.sum().clamp(min=1),
+            "clip_fraction_high": (clipped_high & clip_unit).sum() / clip_unit.sum().clamp(min=1),
             "ratio_mean": w.mean() if w.numel() else ratio.new_ones(()),
             "ratio_max": w.max() if w.numel() else ratio.new_ones(()),
             "ess": ess,

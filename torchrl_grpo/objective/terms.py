@@ -36,18 +36,24 @@ FAMILIES = {
 REGISTRIES: dict[str, dict[str, Callable]] = {family: {} for family in FAMILIES}
 ACCUMULATION_WEIGHTS: dict[str, Callable[[torch.Tensor], float]] = {}
 MODIFIER_HINTS: dict[str, str] = {}  # surrogate modifier key -> the fix its config error suggests
+MODIFIER_FLOORS: dict[str, float] = {}  # surrogate modifier key -> its parameter must be above this
+# the surrogate modifiers that weigh by exp(logp_old - logp_sample), the engine/trainer mismatch: at most one
+# of them at a time, and only with the trainer's old log-probs (with the engine's the weight is 1)
+MISMATCH_CORRECTIONS: list[str] = []
 
 
 def register(family: str, name: str, *, weight: Callable[[torch.Tensor], float] | None = None,
-             hint: str | None = None):
+             hint: str | None = None, above: float = 0.0, mismatch: bool = False):
     """Decorator: the function becomes choice ``name`` of ``family``. An aggregation also gives its
     accumulation weight, ``weight(loss_mask) -> float``: how much one micro-batch counts in an optimizer step
     so that the weighted micro-batch losses equal the loss of the whole step. A surrogate modifier may give
-    the ``hint`` its config key's error suggests (``loss.<name>`` must be a number > 0 or null)."""
+    the ``hint`` its config key's error suggests, the bound its parameter must be ``above`` (``loss.<name>``
+    is a number > ``above``, or null), and whether it is a ``mismatch`` correction
+    (:data:`MISMATCH_CORRECTIONS`)."""
     if (family == "aggregation") != (weight is not None):
         raise TypeError(f"{family} {name!r}: an aggregation, and only an aggregation, registers a weight")
-    if hint is not None and family != "surrogate_modifier":
-        raise TypeError(f"{family} {name!r}: only a surrogate modifier registers a hint")
+    if (hint is not None or above or mismatch) and family != "surrogate_modifier":
+        raise TypeError(f"{family} {name!r}: only a surrogate modifier registers a hint, a floor or a mismatch flag")
 
     def add(fn: Callable) -> Callable:
         if name in REGISTRIES[family]:
@@ -56,7 +62,10 @@ def register(family: str, name: str, *, weight: Callable[[torch.Tensor], float] 
         if weight is not None:
             ACCUMULATION_WEIGHTS[name] = weight
         if family == "surrogate_modifier":
-            MODIFIER_HINTS[name] = hint or "must be a number > 0, or null to turn it off"
+            MODIFIER_HINTS[name] = hint or f"must be a number > {above:g}, or null to turn it off"
+            MODIFIER_FLOORS[name] = above
+            if mismatch:
+                MISMATCH_CORRECTIONS.append(name)
         return fn
 
     return add
@@ -120,21 +129,47 @@ def leave_one_out(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> t
     return centred * (size / (size - 1)) if size > 1 else torch.zeros_like(centred)
 
 
+@register("reward_scale", "reinforce_pp")
+def batch_whitened(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> torch.Tensor:
+    """``A_i = (r_i - mean_batch r) / (std_batch r + eps)`` (REINFORCE++, Hu 2025, arXiv 2501.03262): no group
+    baseline, one global one, so a group whose rewards tie still learns from how it compares with the batch;
+    a batch whose rewards all tie gives 0."""
+    flat = grouped.reshape(-1)
+    if flat.numel() < 2 or bool((flat == flat[0]).all()):
+        return torch.zeros_like(grouped)
+    return (grouped - flat.mean()) / (flat.std() + eps)
+
+
+@register("reward_scale", "reinforce_pp_baseline")
+def group_centred_batch_whitened(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> torch.Tensor:
+    """``c_i = r_i - mean_g r``, ``A_i = (c_i - mean_batch c) / (std_batch c + eps) = c_i / (std_batch c + eps)``
+    (REINFORCE++-baseline, for several completions per prompt): the group's mean as the baseline, the batch's
+    spread of the centred rewards as the scale (``batch`` divides by the raw rewards' spread instead)."""
+    std = centred.std() if centred.numel() > 1 else centred.new_zeros(())
+    return centred / (std + eps)
+
+
+# reward scales whose baseline is not the group's: a tied group's advantage is not forced to 0
+GROUP_FREE_SCALES = ("reinforce_pp",)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6):
     """Advantages of ``rewards`` laid out group-major (``G`` consecutive completions share a prompt), scaled
     by the ``reward_scale`` term ``scale``.
 
     Returns ``(advantages, tied)``: ``tied`` marks the completions of groups whose rewards are all equal,
-    which carry no learning signal (their advantage is exactly zero). The std is the unbiased one (as in
-    TRL); a group of one has zero advantage, never NaN.
+    which carry no learning signal against a group baseline (their advantage is then exactly zero; not with
+    the :data:`GROUP_FREE_SCALES`). The std is the unbiased one (as in TRL); a group of one has zero
+    advantage, never NaN.
     """
     rescale = term("reward_scale", scale)
     grouped = rewards.double().view(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     tied = (grouped == grouped[:, :1]).all(dim=1, keepdim=True).expand_as(grouped)
-    centred = rescale(grouped, centred, eps)
-    centred = torch.where(tied, torch.zeros_like(centred), centred)
-    return centred.reshape(-1).to(rewards.dtype), tied.reshape(-1)
+    advantages = rescale(grouped, centred, eps)
+    if scale not in GROUP_FREE_SCALES:
+        advantages = torch.where(tied, torch.zeros_like(advantages), advantages)
+    return advantages.reshape(-1).to(rewards.dtype), tied.reshape(-1)
 
 
 # --- overlong (loss.overlong): which completion tokens enter the loss --------------------------------------
@@ -267,6 +302,8 @@ class SurrogateInputs:
     importance_level: str
     eps_low: float
     eps_high: float
+    tau_pos: float = 1.0  # SAPO's gate temperatures, for A > 0 and A <= 0
+    tau_neg: float = 1.05
 
 
 def _clip_objective(ratio, adv, eps_low: float, eps_high: float):
@@ -321,9 +358,45 @@ def cispo_surrogate(logp, logp_old, advantages, eps_low: float, eps_high: float)
     return loss, ratio, ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
 
 
-# An importance-level term returns (loss, ratio, clipped_low, clipped_high), either all per token [N, L]
-# or all per completion [N]; a per-completion loss is spread over its tokens and the ratio statistics
-# are then per completion.
+def sapo_surrogate(logp, logp_old, advantages, tau_pos: float, tau_neg: float, eps_low: float, eps_high: float):
+    """SAPO (Gao et al., *Soft Adaptive Policy Optimization*, 2511.20347): per token
+    ``-f(w_it) A_i`` with the soft gate ``f(w) = (4 / tau) sigmoid(tau (w - 1))``, ``tau = tau_pos`` if
+    ``A_i > 0`` else ``tau_neg``. Its gradient is ``4 sigmoid (1 - sigmoid) w A dlogp``: exactly the
+    unclipped one at ``w = 1``, fading smoothly as ``w`` leaves 1 (faster for the larger ``tau``: negative
+    advantages, whose updates are the less stable) instead of falling to 0 at a clip boundary. Nothing is
+    clipped: ``clipped_low/high`` mark the tokens the hard clip ``(1-eps_low, 1+eps_high)`` would have cut, to
+    compare with GRPO. Returns ``(loss, ratio, clipped_low, clipped_high)`` [N, L]."""
+    ratio = torch.exp(_wide(logp) - _wide(logp_old))
+    adv = advantages.unsqueeze(-1).to(ratio.dtype)
+    tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))
+    loss = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
+    return loss, ratio, (ratio < 1.0 - eps_low) & (adv < 0), (ratio > 1.0 + eps_high) & (adv > 0)
+
+
+def geometric_mean_surrogate(logp, logp_old, advantages, mask, eps_low: float, eps_high: float):
+    """GMPO (Zhao et al., *Geometric-Mean Policy Optimization*, 2507.20673): the geometric mean of the token
+    ratios of a completion, each clipped in log space on the side its advantage's sign makes it bite,
+
+    ``d_it = logp_it - logp_old_it``, ``m_it = sgn(A_i) min(sgn(A_i) d_it, sgn(A_i) clip(d_it, -eps_low, eps_high))``,
+    ``g_i = exp((1/|y_i|) sum_t m_it)``, ``loss_i = -A_i g_i``.
+
+    A geometric mean is less moved by one extreme token than the arithmetic one, so the range can be wider
+    (the paper's ``eps = 0.4`` in log space, a ratio in ``(e^-0.4, e^0.4)``). A clipped token gives no
+    gradient; the others of its completion still do. Returns ``(loss [N], ratio [N], clipped_low [N, L],
+    clipped_high [N, L])``: the ratio is the unclipped geometric mean; the clip flags are per token."""
+    d = torch.where(mask, _wide(logp) - _wide(logp_old), torch.zeros((), dtype=_wide(logp).dtype, device=logp.device))
+    adv = advantages.to(d.dtype)
+    sign = torch.sign(adv).unsqueeze(-1)
+    kept = sign * torch.minimum(sign * d, sign * d.clamp(-eps_low, eps_high))
+    loss = -adv * torch.exp(completion_mean(kept, mask))
+    ratio = torch.exp(completion_mean(d, mask))
+    return loss, ratio, mask & (d < -eps_low) & (sign < 0), mask & (d > eps_high) & (sign > 0)
+
+
+# An importance-level term returns (loss, ratio, clipped_low, clipped_high): loss and ratio either both per
+# token [N, L] or both per completion [N] (a per-completion loss is spread over its tokens, its ratio
+# statistics are per completion, and its aggregation must be sequence_mean: COMPLETION_LEVELS); the clip
+# flags per token or per completion.
 
 @register("importance_level", "token")
 def token_ratio(s: SurrogateInputs):
@@ -345,6 +418,25 @@ def cispo_weight(s: SurrogateInputs):
     return cispo_surrogate(s.logp, s.logp_old, s.advantages, s.eps_low, s.eps_high)
 
 
+@register("importance_level", "sapo")
+def sapo_gate(s: SurrogateInputs):
+    """``l_it = -(4/tau) sigmoid(tau (w_it - 1)) A_i``, ``tau = tau_pos`` if ``A_i > 0`` else ``tau_neg`` (SAPO):
+    :func:`sapo_surrogate`."""
+    return sapo_surrogate(s.logp, s.logp_old, s.advantages, s.tau_pos, s.tau_neg, s.eps_low, s.eps_high)
+
+
+@register("importance_level", "gmpo")
+def geometric_mean_ratio(s: SurrogateInputs):
+    """``l_i = -A_i exp(mean_t m_it)``, ``m_it`` the log-ratio clipped on its advantage's side in
+    ``[-eps_low, eps_high]`` (GMPO): :func:`geometric_mean_surrogate`."""
+    return geometric_mean_surrogate(s.logp, s.logp_old, s.advantages, s.mask, s.eps_low, s.eps_high)
+
+
+# importance levels with one loss per completion, averaged per completion (aggregation sequence_mean); the
+# mismatch corrections weigh them per completion too
+COMPLETION_LEVELS = ("sequence", "gmpo")
+
+
 # --- surrogate modifiers (loss.<name>, on when not null), applied in this order ----------------------------
 # Each takes the per-token surrogate [N, L], its parameter and the SurrogateInputs, and returns the
 # modified surrogate and its diagnostics.
@@ -354,21 +446,42 @@ def tis_weights(old_log_probs, sample_log_probs, cap: float, mask, level: str = 
     """Truncated importance sampling (TIS) for the engine/trainer mismatch, a detached weight on the surrogate.
 
     * token level: ``rho_it = min(exp(logp_old_it - logp_sample_it), C)`` [N, L];
-    * sequence level (with GSPO): ``rho_i = min(exp((1/|y_i|) sum_t (logp_old_it - logp_sample_it)), C)``
-      [N], the same length normalisation as the GSPO ratio.
+    * sequence level (with GSPO and GMPO): ``rho_i = min(exp((1/|y_i|) sum_t (logp_old_it - logp_sample_it)), C)``
+      [N], the same length normalisation as their ratios.
 
     ``logp_old`` must be the trainer's recomputed log-probs (``loss.old_log_probs=trainer``): with the
     engine's the weight is 1. Returns ``(weight, capped)``; ``capped`` marks where the cap bit. Outside
     ``mask`` the weight is 1 and nothing is capped (unless ``C < 1``).
     """
+    raw = mismatch_ratio(old_log_probs, sample_log_probs, mask, level)
+    return raw.clamp(max=cap), raw > cap
+
+
+@torch.no_grad()
+def mis_weights(old_log_probs, sample_log_probs, cap: float, mask, level: str = "token"):
+    """Masked importance sampling (MIS; IcePop's band): the same ratio ``rho`` as :func:`tis_weights`, kept
+    where ``1/C <= rho <= C`` and 0 outside: a token (or at the sequence level a completion) on which engine
+    and trainer disagree that much leaves the loss instead of being capped. Returns ``(weight, masked)``;
+    outside ``mask`` the weight is 1."""
+    raw = mismatch_ratio(old_log_probs, sample_log_probs, mask, level)
+    masked = (raw < 1.0 / cap) | (raw > cap)
+    return torch.where(masked, torch.zeros_like(raw), raw), masked
+
+
+def mismatch_ratio(old_log_probs, sample_log_probs, mask, level: str) -> torch.Tensor:
+    """``exp(logp_old_it - logp_sample_it)`` [N, L] (1 outside ``mask``), or at the sequence level
+    ``exp((1/|y_i|) sum_t (logp_old_it - logp_sample_it))`` [N]."""
     diff = _wide(old_log_probs) - _wide(sample_log_probs)
     if level == "sequence":
-        raw = torch.exp(completion_mean(diff, mask))
-    elif level == "token":
-        raw = torch.exp(torch.where(mask, diff, torch.zeros((), dtype=diff.dtype, device=diff.device)))
-    else:
-        raise ValueError(f"importance level {level!r} not in {IMPORTANCE_LEVELS}")
-    return raw.clamp(max=cap), raw > cap
+        return torch.exp(completion_mean(diff, mask))
+    if level == "token":
+        return torch.exp(torch.where(mask, diff, torch.zeros((), dtype=diff.dtype, device=diff.device)))
+    raise ValueError(f"mismatch correction level {level!r} not in ('token', 'sequence')")
+
+
+def correction_level(importance_level: str) -> str:
+    """The level of the mismatch corrections: per completion with the :data:`COMPLETION_LEVELS`, else per token."""
+    return "sequence" if importance_level in COMPLETION_LEVELS else "token"
 
 
 @torch.no_grad()
@@ -392,16 +505,31 @@ def _token_share(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (flags & mask).sum() / mask.sum().clamp(min=1)
 
 
-@register("surrogate_modifier", "tis_cap", hint="must be a number > 0 (e.g. 2), or null to turn TIS off")
+@register("surrogate_modifier", "tis_cap", hint="must be a number > 0 (e.g. 2), or null to turn TIS off",
+          mismatch=True)
 def truncated_importance_sampling(surrogate: torch.Tensor, cap: float, s: SurrogateInputs):
-    """``l <- min(exp(logp_old - logp_sample), C) l`` at the importance level, detached (:func:`tis_weights`).
+    """``l <- min(exp(logp_old - logp_sample), C) l`` at :func:`correction_level`, detached (:func:`tis_weights`).
     Diagnostics: ``tis_truncated_fraction`` (tokens whose weight hit the cap), ``tis_weight_mean``."""
-    level = "sequence" if s.importance_level == "sequence" else "token"  # CISPO's weights are per token
-    weight, capped = tis_weights(s.logp_old, s.logp_sample, cap, s.mask, level)
+    weight, capped = tis_weights(s.logp_old, s.logp_sample, cap, s.mask, correction_level(s.importance_level))
     weight, capped = per_token(weight, s.mask), per_token(capped, s.mask)
     return surrogate * weight, {
         "tis_truncated_fraction": _token_share(capped, s.mask),
         "tis_weight_mean": aggregate(weight, s.mask, "token_mean"),
+    }
+
+
+@register("surrogate_modifier", "mis_cap", above=1.0, mismatch=True,
+          hint="must be a number > 1 (e.g. 2: tokens whose exp(old - sample) leaves [0.5, 2] leave the loss), "
+               "or null to turn masked importance sampling off")
+def masked_importance_sampling(surrogate: torch.Tensor, cap: float, s: SurrogateInputs):
+    """``l <- rho l`` where ``1/C <= rho <= C``, ``l <- 0`` outside, ``rho = exp(logp_old - logp_sample)`` at
+    :func:`correction_level`, detached (:func:`mis_weights`). Diagnostics: ``mis_masked_fraction`` (tokens
+    that left the loss), ``mis_weight_mean``."""
+    weight, masked = mis_weights(s.logp_old, s.logp_sample, cap, s.mask, correction_level(s.importance_level))
+    weight, masked = per_token(weight, s.mask), per_token(masked, s.mask)
+    return surrogate * weight, {
+        "mis_masked_fraction": _token_share(masked, s.mask),
+        "mis_weight_mean": aggregate(weight, s.mask, "token_mean"),
     }
 
 

@@ -12,6 +12,7 @@ Such an error stops the run with one line after a checkpoint of the last step wh
 from __future__ import annotations
 
 import contextlib
+import sys
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -137,8 +138,12 @@ def run_loop(run: Run) -> dict:
                 except source.faults as cause:  # the trainer holds this step's update
                     raise stopped_by(cause, step, source.position) from None
                 telemetry.log(step, metrics, scored_samples(delivery))
+                warning = trainer.no_signal.observe(metrics)
+                if warning and not trainer.no_signal.stop:
+                    print(f"warning: {warning}", file=sys.stderr, flush=True)
                 stopped = state.after_step(step, run.total_steps, trainer, source.tokenizer, source.position,
-                                           stop.requested, source.exact_engine, source.fault)
+                                           stop.requested, source.exact_engine,
+                                           source.fault or trainer.no_signal.stop_reason(metrics))
                 if stopped:
                     telemetry.print(stopped)
                     break

@@ -28,6 +28,7 @@ from torchrl_grpo.engines.weight_stream import StreamedWeights
 from torchrl_grpo.models.loading import merged_state_dict, merged_weights
 from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, token_log_probs, total_loss
 from torchrl_grpo.objective.terms import group_advantages
+from torchrl_grpo.training.no_signal import NoSignalWatch
 from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, gathered, load_optimizer, save_optimizer
 
 
@@ -42,6 +43,7 @@ class Trainer:
         self.parallel = parallel  # None: one process
         self.shuffle = torch.Generator().manual_seed(settings.seed)  # micro-batch order, saved for exact resume
         self.nonfinite_streak = 0  # optimizer steps in a row skipped for a non-finite gradient norm
+        self.no_signal = NoSignalWatch(settings.no_signal_patience, settings.min_ess, settings.no_signal_stop)
 
     @collective
     def prepare(self, batch) -> dict:
@@ -67,7 +69,9 @@ class Trainer:
                 metrics["kl_penalty_in_reward"] = kl.mean().item()
         advantage, tied = group_advantages(batch["reward"], s.group_size, s.reward_scale)
         batch["advantage"] = advantage
+        carries = (advantage != 0) & self.loss.token_mask(batch).any(-1)  # what the reward teaches from
         metrics.update({
+            "signal_fraction": carries.float().mean().item(),
             "reward": batch["reward"].mean().item(),
             "reward_std": batch["reward"].std().item() if len(batch) > 1 else 0.0,
             "advantage_abs_mean": advantage.abs().mean().item(),
