@@ -47,9 +47,11 @@ def quiet_libraries(verbose: bool, log_file: str | None = None) -> None:
     for handler in root.handlers:
         if not isinstance(handler, logging.FileHandler):
             handler.addFilter(LibraryNoise())
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-    import datasets
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
+    # read when each library is imported (not importing them here keeps a bad key's error fast); already imported
+    # (the Python API, called from a script that uses them): told directly
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the hub's and transformers' bars
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].utils.logging.disable_progress_bar()
+    if "datasets" in sys.modules:
+        sys.modules["datasets"].disable_progress_bars()

@@ -65,15 +65,33 @@ def _hydra_main(main: Callable[[DictConfig, Path], None], job: str) -> Callable[
 
 
 def torchrun_follower() -> bool:
-    """Under ``torchrun``, ranks above 0 follow rank 0 and return True here once the run ended."""
+    """Under ``torchrun``, ranks above 0 follow rank 0 and return True here once the run ended. A plain process
+    (and rank 0) imports nothing heavy here: a bad key is then refused without waiting for torch to load."""
+    from torchrl_grpo.config.placement import torchrun_launch
+
+    launch = torchrun_launch()
+    if launch is None or launch.rank == 0:
+        return False
     from torchrl_grpo.parallel.launcher import torchrun_follower as follow
     from torchrl_grpo.run.build import build_follower
 
     return follow(build_follower)
 
 
+def check_keys_first(cfg: DictConfig) -> None:
+    """Every key's kind, range and combination (:func:`validate`) before the trainer's heavy imports (seconds of
+    them), so that a bad one is refused at once; ``read_inputs`` then resolves the rest. Under torchrun the
+    ranks' devices are adopted into the config first: the checks wait for that."""
+    from torchrl_grpo.config.placement import torchrun_launch
+    from torchrl_grpo.config.validate import validate
+
+    if torchrun_launch() is None:
+        validate(cfg)
+
+
 def train_sync(cfg: DictConfig, run_dir: Path) -> None:
     """grpo.py: collect, optimize, push; data-parallel ranks when ``train.strategy`` resolves to fsdp."""
+    check_keys_first(cfg)
     from torchrl_grpo.parallel.launcher import data_parallel_ranks
     from torchrl_grpo.run.build import build_follower, build_sync, read_inputs
     from torchrl_grpo.run.loop import run_loop
@@ -89,6 +107,7 @@ def train_sync(cfg: DictConfig, run_dir: Path) -> None:
 
 def train_async(cfg: DictConfig, run_dir: Path) -> None:
     """grpo-async.py: Ray rollout actors collect while the trainer optimizes."""
+    check_keys_first(cfg)
     from torchrl_grpo.parallel.launcher import data_parallel_ranks
     from torchrl_grpo.run.build import build_async, build_follower, read_inputs
     from torchrl_grpo.run.loop import run_loop
@@ -102,10 +121,11 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> None:
     """evaluate.py: generate on (or score given responses of) the task's evaluation split; write
     ``eval_responses.jsonl`` and ``eval_metrics.json``, print a table and the metrics as one JSON line."""
     from torchrl_grpo.config.spec import resolve_run
+
+    spec = resolve_run(cfg, training=False)  # before the heavy imports: a bad key is refused at once
     from torchrl_grpo.run.build import build_eval_engine, build_eval_task
     from torchrl_grpo.run.evaluation import evaluate_with_engine, format_table, read_responses, score_responses
 
-    spec = resolve_run(cfg, training=False)
     task, turns = build_eval_task(spec)
     if cfg.eval.responses:
         metrics, records = score_responses(task, *read_responses(cfg.eval.responses, task))
