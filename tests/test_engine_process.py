@@ -253,6 +253,9 @@ def test_grpo_py_with_its_engine_in_its_own_process(own_engine_run, tmp_path):
     assert float(rows[0]["grad_norm"]) > 0  # the entropy bonus moves the weights even where rewards tie
     gaps = [float(r["engine_trainer_logp_gap_max"]) for r in rows]
     assert max(gaps) < LOGPROB_TOL, gaps  # a push that did nothing fails here (step 2)
+    # the engine process's start-up lines go to the run's log, as an in-process engine's do, not the console
+    assert "Enforce eager set" not in done.stdout + done.stderr and "FutureWarning" not in done.stderr
+    assert "][vllm.v1.worker.cpu_worker][" in (run_dir / "grpo.log").read_text()  # the engine process's worker
     again = run([*own_engine_run.args, f"hydra.run.dir={tmp_path / 'again'}",
                  f"train.resume={run_dir}/checkpoints/step_000001"], cwd=tmp_path,
                 env_extra={"TORCHRL_GRPO_TEST_RUN": tag})

@@ -8,10 +8,13 @@ in an entry point: vLLM reads ``VLLM_CONFIGURE_LOGGING`` when it is imported.
 """
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
 from pathlib import Path
+
+_quiet: list[bool] = []  # [True] once quiet_libraries() kept the libraries off the console
 
 # logger names (and their children) whose records below ERROR stay out of the console
 LIBRARIES = ("vllm", "torch", "transformers", "datasets", "huggingface_hub", "ray", "py.warnings", "filelock",
@@ -42,8 +45,10 @@ def quiet_libraries(verbose: bool, log_file: str | None = None) -> None:
         root.addHandler(to_file)
         root.addHandler(logging.StreamHandler(sys.stderr))
         root.setLevel(logging.INFO)
+    _quiet.clear()
     if verbose:
         return
+    _quiet.append(True)
     for handler in root.handlers:
         if not isinstance(handler, logging.FileHandler):
             handler.addFilter(LibraryNoise())
@@ -55,3 +60,26 @@ def quiet_libraries(verbose: bool, log_file: str | None = None) -> None:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
     if "datasets" in sys.modules:
         sys.modules["datasets"].disable_progress_bars()
+
+
+def child_process_quiet_env() -> dict[str, str]:
+    """The environment that keeps a library process this one starts (vLLM's engine process and its workers) as
+    quiet as this one: vLLM's records below ERROR to this process's log file (a logging config vLLM reads at
+    import), Python warnings and torch's C++ warnings off. Empty when the console shows everything
+    (``logging.verbose=true``) or this process has no log file."""
+    files = [h.baseFilename for h in logging.getLogger().handlers if isinstance(h, logging.FileHandler)]
+    if not _quiet or not files:
+        return {}
+    config = {
+        "version": 1, "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"}},
+        "handlers": {"file": {"class": "logging.FileHandler", "filename": files[0], "formatter": "plain"},
+                     "console": {"class": "logging.StreamHandler", "level": "ERROR", "formatter": "plain",
+                                 "stream": "ext://sys.stderr"}},
+        "loggers": {"vllm": {"handlers": ["file", "console"], "level": "INFO", "propagate": False}},
+        "root": {"handlers": ["file", "console"], "level": "WARNING"},
+    }
+    path = Path(files[0]).with_name(".engine_logging.json")
+    path.write_text(json.dumps(config))
+    return {"VLLM_CONFIGURE_LOGGING": "1", "VLLM_LOGGING_CONFIG_PATH": str(path), "PYTHONWARNINGS": "ignore",
+            "TORCH_CPP_LOG_LEVEL": "ERROR"}

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from torchrl_grpo.config.schema import ENGINE_PROCESSES
+from torchrl_grpo.core.console import child_process_quiet_env
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines import vllm_cpu_fixes
 from torchrl_grpo.engines.base import Completion, Engine
@@ -84,7 +85,8 @@ PUSH_DIR_PREFIX = "torchrl_grpo_push_"  # + the pushing process id: a weight str
 
 @contextlib.contextmanager
 def _engine_process_env(own: bool) -> Iterator[None]:
-    """Tell vLLM which process its engine runs in while one engine starts, then give the environment back.
+    """Tell vLLM which process its engine runs in (and an engine process how quiet to be: see
+    :func:`child_process_quiet_env`) while one engine starts, then give the environment back.
 
     vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` once, while ``LLM()`` builds its engine; left set it would
     choose the next engine's process too. An engine started in this process freezes vLLM's view of the
@@ -95,15 +97,18 @@ def _engine_process_env(own: bool) -> Iterator[None]:
     import vllm.envs
 
     vllm.envs.disable_envs_cache()
-    old = os.environ.get(MULTIPROCESSING_ENV)
-    os.environ[MULTIPROCESSING_ENV] = "1" if own else "0"
+    # an engine process is as quiet on the console as this one (its start-up lines go to the run's log)
+    changes = {MULTIPROCESSING_ENV: "1" if own else "0", **(child_process_quiet_env() if own else {})}
+    old = {key: os.environ.get(key) for key in changes}
+    os.environ.update(changes)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop(MULTIPROCESSING_ENV, None)
-        else:
-            os.environ[MULTIPROCESSING_ENV] = old
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 # engines running inside this process: a second one would share (and, closed, tear down) vLLM's global
