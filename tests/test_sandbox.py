@@ -149,9 +149,11 @@ def test_python_that_cannot_start_is_a_run_error():
 
 
 def test_many_calls_leave_no_process_or_folder(own_tmp):
-    codes = ["print(1)", "1/0", "while True: pass", "while True: print(1)",
-             "import os\nos.close(1)\nos.close(2)\nwhile True: pass"]  # output closed, yet it runs on
-    statuses = [run_python(code, timeout_s=0.5, max_output_bytes=1000).status for code in codes]
+    # (code, timeout): the printing loop has time to fill its 1000 bytes on a loaded machine (its interpreter's
+    # start alone can take 0.5 s there); it ends as soon as it has
+    codes = [("print(1)", 0.5), ("1/0", 0.5), ("while True: pass", 0.5), ("while True: print(1)", 30),
+             ("import os\nos.close(1)\nos.close(2)\nwhile True: pass", 0.5)]  # output closed, yet it runs on
+    statuses = [run_python(code, timeout_s=timeout, max_output_bytes=1000).status for code, timeout in codes]
     assert statuses == ["ok", "error", "timeout", "output_truncated", "timeout"]
     assert list(own_tmp.iterdir()) == []
     leftovers = []

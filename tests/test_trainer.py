@@ -139,6 +139,9 @@ class PoisonedLoss(torch.nn.Module):
     def accumulation_weight(self, batch) -> float:
         return float(len(batch))
 
+    def moving_rows(self, batch) -> torch.Tensor:
+        return torch.ones(len(batch), dtype=torch.bool)
+
     def forward(self, batch):
         scale = torch.tensor(float("nan") if self.poisoned else 1.0)
         loss = (self.policy.table.sum() * scale).reshape(())
@@ -171,6 +174,48 @@ def test_a_streak_of_non_finite_updates_is_a_divergence_one_finite_update_resets
     for _ in range(4):
         never.optimize(make_batch())
     assert never.divergence() is None
+
+
+@pytest.mark.parametrize("regulariser", [None, "entropy_coeff", "kl_to_inference_coeff"])
+def test_an_update_without_signal_is_not_taken_and_moves_neither_weights_nor_adam_nor_the_schedule(regulariser):
+    """Tied rewards, no regulariser: each optimizer step's rows all have advantage 0, so their loss and its gradient
+    are exactly 0. No backward runs and no step is taken (AdamW's momentum and weight decay would otherwise move the
+    weights): weights, AdamW's state and the learning rate stand still; the diagnostics come from the forward. A
+    regulariser acts on every token: then every step is taken."""
+    policy = TableLM(1)
+    loss = GRPOLoss(policy, temperature=0.7, **({regulariser: 0.1} if regulariser else {}))
+    optimizer = torch.optim.AdamW(policy.parameters(), lr=0.1, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 1 / (1 + k))
+    settings = dataclasses.replace(SETTINGS, kl_in_reward_coeff=0.0, micro_batch=2)  # two optimizer steps
+    trainer = Trainer(policy, None, loss, optimizer, settings, torch.device("cpu"), None, scheduler=scheduler)
+    moving = make_batch()
+    trainer.prepare(moving)
+    trainer.optimize(moving)  # a step with signal first: AdamW has momentum and a step count
+    state = {k: v.clone() for k, v in optimizer.state[policy.table].items()}
+    weights, lr = policy.table.detach().clone(), optimizer.param_groups[0]["lr"]
+    tied = make_batch()
+    tied["reward"] = torch.tensor([0.5, 0.5, 1.0, 1.0])
+    trainer.prepare(tied)
+    metrics = trainer.optimize(tied)
+    assert metrics["loss_objective"] == 0.0 and metrics["entropy"] > 0
+    if regulariser is None:  # nothing moved between the step's two windows: ratios of 1
+        assert metrics["still_updates"] == 2 and metrics["grad_norm"] == 0.0 and metrics["ratio_mean"] == 1.0
+        assert torch.equal(policy.table, weights) and optimizer.param_groups[0]["lr"] == lr
+        assert all(torch.equal(optimizer.state[policy.table][k], v) for k, v in state.items())
+    else:
+        assert metrics["still_updates"] == 0 and metrics["grad_norm"] > 0
+        assert not torch.equal(policy.table, weights) and optimizer.param_groups[0]["lr"] < lr
+        assert optimizer.state[policy.table]["step"] == state["step"] + 2
+
+
+def test_moving_rows_are_those_with_an_advantage_and_a_loss_token_or_any_token_under_a_regulariser():
+    batch = make_batch()
+    batch["advantage"] = torch.tensor([0.0, 1.0, -2.0, 0.0])
+    batch["truncated"] = torch.tensor([False, False, True, False])
+    assert GRPOLoss(TableLM(1)).moving_rows(batch).tolist() == [False, True, True, False]
+    assert GRPOLoss(TableLM(1), overlong="mask").moving_rows(batch).tolist() == [False, True, False, False]
+    assert GRPOLoss(TableLM(1), overlong="mask", kl_to_ref_coeff=0.1).moving_rows(batch).tolist() == [
+        True, True, False, True]
 
 
 def test_micro_batches_are_cut_from_rows_sorted_by_length():

@@ -193,6 +193,15 @@ class GRPOLoss(LossModule):
         truncated = batch["truncated"] if "truncated" in batch.keys() else None
         return loss_token_mask(batch["completion_mask"], truncated, self.overlong)
 
+    def moving_rows(self, batch: TensorDictBase) -> torch.Tensor:
+        """[N] bool: the rows whose loss can move the weights: a loss token, and a nonzero advantage or a regulariser
+        (KL, entropy) acting on every loss token. Every other row's loss is exactly 0 whatever the weights, and
+        so is its gradient."""
+        has_tokens = self.token_mask(batch).any(-1)
+        if self.kl_to_ref_coeff > 0 or self.kl_to_inference_coeff > 0 or self.entropy_coeff > 0:
+            return has_tokens
+        return has_tokens & (batch["advantage"] != 0)
+
     def accumulation_weight(self, batch: TensorDictBase) -> float:
         """:func:`accumulation_weight` of this loss's aggregation on the micro-batch's loss mask (so that
         completions dropped by ``overlong="mask"`` do not count)."""

@@ -101,13 +101,18 @@ class Trainer:
     @collective
     def optimize(self, batch) -> dict:
         """``epochs`` passes of shuffled micro-batches; one optimizer step per ``accumulation`` micro-batches.
-        A non-finite gradient norm skips that update (counted in ``skipped_updates``). Data-parallel: this
-        rank's share of each micro-batch, weights normalised over every rank's."""
+        A non-finite gradient norm skips that update (counted in ``skipped_updates``). An optimizer step none of
+        whose rows can move the weights (:meth:`GRPOLoss.moving_rows`: every advantage 0, no regulariser) is not
+        taken (counted in ``still_updates``): its loss and diagnostics come from a forward without gradients, no
+        backward runs, and neither the optimizer's state nor the learning-rate schedule moves, as if its rows had
+        not been drawn (taken with a zero gradient, AdamW's momentum and weight decay would still move the
+        weights). Data-parallel: this rank's share of each micro-batch, weights normalised over every rank's."""
         s, parallel = self.settings, self.parallel
         params = [p for p in self.policy.parameters() if p.requires_grad]
         history: dict[str, list[float]] = {}
         share_weights: list[float] = []  # each micro-batch's accumulation weight (data-parallel metrics)
-        trained_tokens, skipped, optimizer_time, started = 0, 0, 0.0, time.perf_counter()
+        trained_tokens, skipped, still, optimizer_time, started = 0, 0, 0, 0.0, time.perf_counter()
+        lr = None  # the learning rate of the step's last update taken
         self.policy.train()
         for _ in range(s.epochs):
             # each optimizer step's rows (a shuffled window), cut into micro-batches of similar lengths
@@ -120,13 +125,19 @@ class Trainer:
                 weights = [self.loss.accumulation_weight(mb) for mb in micro]
                 total = sum(weights) if parallel is None else parallel.sum(sum(weights))
                 share_weights += weights
+                moves = bool(self.loss.moving_rows(batch[window]).any())  # the whole window's: every rank agrees
                 for mb, weight in zip(micro, weights):
-                    with self._autocast():
+                    with self._autocast(), torch.set_grad_enabled(moves):
                         losses = self.loss(mb)
-                    (total_loss(losses) * (weight / max(total, 1e-9))).backward()
+                    if moves:
+                        (total_loss(losses) * (weight / max(total, 1e-9))).backward()
                     for key, value in losses.items():
                         history.setdefault(key, []).append(value.detach().float().item())
                     trained_tokens += int(mb["attention_mask"].sum())
+                if not moves:
+                    still += 1
+                    history.setdefault("grad_norm", []).append(0.0)
+                    continue
                 step_started = time.perf_counter()
                 grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm or math.inf))
                 lr = self.optimizer.param_groups[0]["lr"]  # this update's
@@ -150,7 +161,8 @@ class Trainer:
         metrics["loss"] = sum(metrics[k] for k in metrics if k.startswith("loss_"))
         metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
         metrics.update({key: max(history[key]) for key in MAX_METRICS if key in history})
-        metrics.update({"skipped_updates": skipped, "lr": lr,
+        metrics.update({"skipped_updates": skipped, "still_updates": still,
+                        "lr": self.optimizer.param_groups[0]["lr"] if lr is None else lr,
                         "train_time": elapsed, "optimizer_time": optimizer_time, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
         return metrics
 
