@@ -292,7 +292,8 @@ def test_a_rank_killed_stops_the_run_in_one_line_and_it_resumes(tmp_path):
     """kill -9 of the follower rank in the middle of a run (default precision: a bf16 engine in its own process,
     fed through the weight stream): rank 0 stops within a bounded time with one line saying how to resume,
     nothing is left running, and the run resumes with the same ranks from its last checkpoint (the state it
-    loads: the tests above), writing the metrics and its ranks' optimizer shards on from there."""
+    loads: the tests above), writing the metrics and its ranks' optimizer shards on from there, until it is
+    preempted."""
     run_dir, log, err_log = tmp_path / "run", tmp_path / "out.log", tmp_path / "err.log"
     args = [*SMALL, "train_model.num_devices=2", "logging.checkpoint_frequency=1", f"hydra.run.dir={run_dir}"]
     with open(log, "w") as out, open(err_log, "w") as err:
@@ -314,13 +315,20 @@ def test_a_rank_killed_stops_the_run_in_one_line_and_it_resumes(tmp_path):
     assert live_in_group(proc.pid) == []  # the engine's process went with rank 0
     assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"torchrl_grpo_push_{proc.pid}_")]  # rank 0's
     newest = max(int(p.name.removeprefix("step_")) for p in (run_dir / "checkpoints").glob("step_*"))
-    proc, out, err = finished(start([*args, f"train.total_dialog_turns={8 * (newest + 1)}", "train.resume=auto"],
-                                    cwd=tmp_path))
+    # resumed, then preempted as a scheduler does: SIGTERM to every process of the job (the follower rank and the
+    # engine's processes too, which vLLM's engine does not survive) once a step is logged; the run stops as asked
+    # with a checkpoint well within a scheduler's grace (SLURM's: 30 s), and nothing is left
+    proc = start([*args, "train.total_dialog_turns=800", "train.resume=auto"], cwd=tmp_path)
+    wait_until(lambda: len(metric_rows(run_dir)) > newest, proc, seconds=240)
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc, out, err = finished(proc, timeout=30)
     assert proc.returncode == 0, err[-3000:]
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{newest:06d}'} (step {newest})" in out
-    assert f"step {newest + 1} | reward" in out
-    assert [int(float(r["step"])) for r in metric_rows(run_dir)] == list(range(1, newest + 2))
-    assert (run_dir / "checkpoints" / f"step_{newest + 1:06d}" / "optimizer_shards" / ".metadata").is_file()
+    stopped = [line for line in out.splitlines() if line.startswith("stopped after step ")]
+    assert len(stopped) == 1 and "(checkpoint saved" in stopped[0], out[-2000:]
+    last = int(stopped[0].split()[3])
+    assert [int(float(r["step"])) for r in metric_rows(run_dir)] == list(range(1, last + 1))
+    assert (run_dir / "checkpoints" / f"step_{last:06d}" / "optimizer_shards" / ".metadata").is_file()
     assert live_in_group(proc.pid) == []
 
 

@@ -116,6 +116,28 @@ def _engine_process_env(own: bool) -> Iterator[None]:
 _IN_PROCESS_ENGINES: set[int] = set()
 
 
+def _fail_pending_calls_when_the_engine_dies(llm) -> None:
+    """vLLM marks an engine whose process died as dead and shuts its client down, which fails a ``generate``
+    under way, but a ``collective_rpc`` under way (a weight push) waits for its answer forever (vLLM 0.32: its
+    future is never completed). Fail those too when the client shuts down, so that the run can say so (or, after
+    a stop request whose signal also reached the engine's process, stop as asked) instead of hanging."""
+    client = getattr(llm.llm_engine, "engine_core", None)
+    pending, shutdown = getattr(client, "utility_results", None), getattr(client, "shutdown", None)
+    if pending is None or shutdown is None:  # another vLLM version's layout: nothing to mend
+        return
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    def shutdown_failing_pending_calls(*args, **kwargs):
+        try:
+            return shutdown(*args, **kwargs)
+        finally:
+            for future in list(pending.values()):
+                if not future.done():
+                    future.set_exception(EngineDeadError())
+
+    client.shutdown = shutdown_failing_pending_calls
+
+
 def wants_own_process(engine_process: str, on_cpu: bool) -> bool:
     """``inference_model.engine_process`` -> whether vLLM's engine runs in a process of its own.
 
@@ -244,6 +266,8 @@ class VLLMEngine(Engine):
             self.llm = vllm.LLM(**kwargs)
         if self._in_process:
             _IN_PROCESS_ENGINES.add(id(self))
+        else:
+            _fail_pending_calls_when_the_engine_dies(self.llm)
         if self._on_cpu and own_process:
             self.llm.collective_rpc(vllm_cpu_fixes.apply_in_worker)
         if self._on_cpu:

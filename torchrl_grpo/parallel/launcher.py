@@ -8,6 +8,7 @@ import contextlib
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -98,6 +99,10 @@ def torchrun_follower(build_follower: BuildFollower) -> bool:
 def follow_rank(rank: int, world: int, init_method: str, build_follower: BuildFollower) -> None:
     """A follower rank (started by :func:`data_parallel_ranks` or torchrun): ``build_follower`` builds the trainer
     and engine rank 0 has, from the run spec rank 0 sends, sharded alike; they then make the calls rank 0's
-    trainer announces until the run ends."""
+    trainer announces until the run ends. SIGINT and SIGTERM are rank 0's to act on: a terminal's Ctrl-C and a
+    scheduler's preemption signal every process of the job, and rank 0 then finishes the step and saves a
+    checkpoint, which needs this rank alive (it is stopped as rank 0 stops, or killed if rank 0 dies)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     with process_group(rank, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
         parallel.follow(*build_follower(parallel.broadcast_run(None), parallel))

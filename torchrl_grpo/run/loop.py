@@ -8,6 +8,9 @@ else is written once here: resume, telemetry, stop requests, evaluation, checkpo
 Faults: a source names the errors after which the run cannot go on but its last finished step can be kept
 (:attr:`BatchSource.faults`: a reward function that raised in this process; a Ray actor that died or hung).
 Such an error stops the run with one line after a checkpoint of the last step whose update the trainer holds.
+After a stop request (SIGINT, SIGTERM) any error of the source is taken as the signal having reached its
+processes too (a scheduler's preemption signals every process of the job): the run stops as asked, keeping the
+last step the trainer holds.
 """
 from __future__ import annotations
 
@@ -126,8 +129,13 @@ def run_loop(run: Run) -> dict:
                 position = source.saved_position()
                 try:
                     delivery = source.take(step)
-                except source.faults as cause:  # the trainer holds the update of the step before
-                    raise stopped_by(cause, step - 1, position) from None
+                except Exception as cause:  # the trainer holds the update of the step before
+                    if stop.requested:  # the stop's signal ended the engine's or actors' processes too
+                        telemetry.print(state.stopped_early(step - 1, start, trainer, source.tokenizer, position))
+                        break
+                    if isinstance(cause, source.faults):
+                        raise stopped_by(cause, step - 1, position) from None
+                    raise
                 metrics = delivery.metrics
                 metrics.update(trainer.prepare(delivery.batch))
                 metrics.update(trainer.optimize(delivery.batch))
@@ -135,8 +143,14 @@ def run_loop(run: Run) -> dict:
                     metrics.update(source.finish(step, delivery))
                     if evaluator is not None and evaluator.due(step):
                         metrics.update(evaluator(eval_engine))
-                except source.faults as cause:  # the trainer holds this step's update
-                    raise stopped_by(cause, step, source.position) from None
+                except Exception as cause:  # the trainer holds this step's update
+                    if stop.requested:
+                        telemetry.log(step, metrics, scored_samples(delivery))
+                        telemetry.print(state.stopped_early(step, start, trainer, source.tokenizer, source.position))
+                        break
+                    if isinstance(cause, source.faults):
+                        raise stopped_by(cause, step, source.position) from None
+                    raise
                 telemetry.log(step, metrics, scored_samples(delivery))
                 warning = trainer.no_signal.observe(metrics)
                 if warning and not trainer.no_signal.stop:

@@ -80,6 +80,16 @@ class RunState:
             return f"stopped after step {step} (checkpoint saved); {self.continue_hint()}"
         return None
 
+    def stopped_early(self, last_step: int, start_step: int, trainer, tokenizer, data) -> str:
+        """A stop asked for (SIGINT/SIGTERM) that also ended the engine's or the actors' processes, so that the
+        step under way cannot finish: a checkpoint of ``last_step`` (the last one the trainer holds; ``data`` its
+        data position) when this run finished any; the line to print."""
+        if last_step <= start_step:
+            return f"stopped before any step of this run finished (nothing new to save); {self.continue_hint()}"
+        self.save(last_step, trainer, tokenizer, data)
+        return (f"stopped after step {last_step} (checkpoint saved; the stop also ended the engine's processes); "
+                f"{self.continue_hint()}")
+
     def stopped_by(self, cause, last_step: int, start_step: int, trainer, tokenizer, data) -> RunError:
         """The one-line error for a run that cannot go on after ``last_step`` (a failed actor, a reward function
         that raised): a checkpoint of that step first, when this run finished any; ``data`` is its position."""
