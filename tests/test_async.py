@@ -31,6 +31,7 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
     assert "weight sync check: engine and trainer log-probs" in first.stdout
     # the actor's vLLM start-up noise and Ray's own lines go to the actor's log in the run dir, not the console
     assert "doesn't allow to use `torch.set_num_threads`" not in first.stdout + first.stderr
+    assert "Warning: NUMA binding" not in first.stdout + first.stderr
     assert "Started a local Ray instance" not in first.stderr
     assert "][vllm.v1.worker.cpu_worker][WARNING] - " in (run_dir / "rollout_actor_0.log").read_text()
     assert not ray_processes()
@@ -124,6 +125,7 @@ def test_ray_init_arguments():
     assert local["address"] == "local" and local["num_cpus"] == 2  # 1 actor x 1 CPU + the trainer
     assert str(ROOT) in local["runtime_env"]["env_vars"]["PYTHONPATH"].split(os.pathsep)  # torchrl_grpo's parent
     assert local["logging_level"] == logging.ERROR  # Ray's start-up lines off the console (logging.verbose)
+    assert local["runtime_env"]["env_vars"]["TORCH_CPP_LOG_LEVEL"] == "ERROR"  # torch's printed C++ warnings too
     cfg.ray.address = "auto"
     cfg.ray.init.num_cpus = 8
     joined = ray_init_kwargs(ActorSettings.from_config(cfg))

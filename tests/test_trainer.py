@@ -208,6 +208,37 @@ def test_an_update_without_signal_is_not_taken_and_moves_neither_weights_nor_ada
         assert optimizer.state[policy.table]["step"] == state["step"] + 2
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant_sum"])
+@pytest.mark.parametrize("micro_batch, trained", [(1, 2), (2, 2), (4, 4)])
+def test_rows_without_signal_skip_the_forward_and_the_update_is_the_one_computing_them_gives(aggregation,
+                                                                                              micro_batch, trained):
+    """Rows 2 and 3 tie (advantage 0): they skip the forward and backward as far as whole micro-batches allow
+    (micro-batches of 4: filled up with them), yet count in the aggregation, so that the update is the one
+    computing every row gives (to float rounding: other micro-batches, other sums)."""
+    results = {}
+    for skip in (True, False):
+        policy = TableLM(1)
+        rows_seen = []
+        forward = policy.forward
+        policy.forward = lambda input_ids, **kw: rows_seen.append(len(input_ids)) or forward(input_ids, **kw)
+        loss = GRPOLoss(policy, aggregation=aggregation, aggregation_constant=5.0, temperature=0.7)
+        if not skip:  # every row computed
+            loss.moving_rows = lambda batch: torch.ones(len(batch), dtype=torch.bool)
+        settings = dataclasses.replace(SETTINGS, kl_in_reward_coeff=0.0, micro_batch=micro_batch,
+                                       accumulation=4 // micro_batch)
+        trainer = Trainer(policy, None, loss, torch.optim.SGD(policy.parameters(), lr=1.0), settings,
+                          torch.device("cpu"), None)
+        batch = make_batch()
+        trainer.prepare(batch)
+        metrics = trainer.optimize(batch)
+        results[skip] = policy.table.detach(), metrics, sum(rows_seen)
+    (fast, fast_metrics, fast_rows), (slow, slow_metrics, slow_rows) = results[True], results[False]
+    assert (fast_rows, slow_rows) == (trained, 4) and fast_metrics["trained_row_fraction"] == trained / 4
+    assert slow_metrics["trained_row_fraction"] == 1.0
+    assert not torch.equal(slow, TableLM(1).table.detach())
+    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=0)
+
+
 def test_moving_rows_are_those_with_an_advantage_and_a_loss_token_or_any_token_under_a_regulariser():
     batch = make_batch()
     batch["advantage"] = torch.tensor([0.0, 1.0, -2.0, 0.0])
@@ -248,6 +279,7 @@ def test_a_single_update_takes_its_old_log_probs_from_the_training_forward(aggre
     runs = {}
     for own in (True, False):
         policy, batch = TableLM(1), make_batch()
+        batch["reward"] = torch.tensor([1.0, 0.0, 0.5, 0.25])  # no tie: every row trains, the gap is over all
         settings = dataclasses.replace(SETTINGS, micro_batch=2, accumulation=2, kl_in_reward_coeff=0.0)
         trainer = Trainer(policy, None, GRPOLoss(policy, aggregation=aggregation, temperature=0.7),
                           torch.optim.SGD(policy.parameters(), lr=1.0), settings, torch.device("cpu"), None)

