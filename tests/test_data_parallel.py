@@ -337,15 +337,18 @@ def test_a_rank_killed_stops_the_run_in_one_line_and_it_resumes(tmp_path):
 def test_grpo_async_trains_with_two_gloo_ranks_and_resumes(tmp_path):
     """grpo-async.py with the same keys: Ray actors collect, two ranks train and evaluate (sampling the sharded
     policy together); the weights gathered from the shards reach the actors whole (the weight sync check after
-    each push), then one more step from the checkpoint."""
+    each push), then one more step from the checkpoint. The RLOO preset, with an entropy bonus so that every step
+    updates (the tiny model's rewards tie)."""
     run_dir = tmp_path / "run"
-    args = [*SMALL, *FLOAT32, "train_model.num_devices=2", "logging.checkpoint_frequency=1", f"hydra.run.dir={run_dir}"]
+    args = [*SMALL, *FLOAT32, "train_model.num_devices=2", "logging.checkpoint_frequency=1", "loss=rloo",
+            "train.entropy_coeff=0.01", f"hydra.run.dir={run_dir}"]
     done = run_async([*args, "train.total_dialog_turns=24", "logging.eval_frequency=3", "eval.num_prompts=3"],
                      cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "data-parallel training: 2 ranks (FSDP2 over gloo)" in done.stdout
     rows = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in rows] == [0, 1, 2, 3] and all(finite(r["loss_objective"]) for r in rows[1:])
+    assert all(float(r["grad_norm"]) > 0 for r in rows[1:])
     assert [float(r["eval/prompts"]) for r in rows if r.get("eval/prompts")] == [3, 3]  # steps 0 and 3
     gaps = [float(r["weight_sync_gap"]) for r in rows if r["weight_sync_gap"]]  # logged as pushes land
     assert gaps and max(gaps) < 1e-4

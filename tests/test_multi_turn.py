@@ -218,14 +218,14 @@ def test_grpo_runs_the_python_tool_environment_end_to_end(tmp_path):
 @needs_ray_and_vllm
 def test_grpo_async_runs_retry_episodes_of_three_turns(tmp_path):
     """Ray rollout actors play the episodes: the tiny model is never right, so every episode takes its three
-    turns, two of them after inserted feedback."""
+    turns, two of them after inserted feedback. The SAPO preset, with an entropy bonus so that every step updates."""
     run_dir = tmp_path / "run"
-    done = run_async([*SMALL, "env=arithmetic_retry", "env.size=64", "train.total_dialog_turns=16",
-                      f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    done = run_async([*SMALL, "env=arithmetic_retry", "env.size=64", "train.total_dialog_turns=16", "loss=sapo",
+                      "train.entropy_coeff=0.01", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     logged = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in logged] == [1, 2]
     for r in logged:
         assert float(r["turns/engine_turns"]) == 3 and float(r["turns/retries"]) == 2
-        assert float(r["turns/inserted_tokens"]) > 0 and finite(r["loss_objective"])
+        assert float(r["turns/inserted_tokens"]) > 0 and finite(r["loss_objective"]) and float(r["grad_norm"]) > 0
     assert not ray_processes()

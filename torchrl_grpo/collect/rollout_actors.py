@@ -197,7 +197,10 @@ class ActorPool:
         self.seed, self.start_step, self.remote_cls = self.spec.train.seed, start_step, self.ray.remote(RolloutActor)
         settings = self.spec.actors
         self.actor_options = {"num_cpus": settings.actor_num_cpus, "num_gpus": settings.actor_num_gpus,
-                              "max_restarts": 0}  # restarts are ours: a new actor gets the current weights
+                              "max_restarts": 0,  # restarts are ours: a new actor gets the current weights
+                              # Ray's GCS keeps an event record of every call (up to 100,000) for its dashboard:
+                              # a long run's thousands of collects and pushes need none
+                              "enable_task_events": False}
         self.actors = [self._new_actor(i) for i in range(len(actor_samplers))]
         if weights is not None:  # the actors start from the base weights: give them the checkpoint's
             self.push(weights, version, probe)
