@@ -47,7 +47,7 @@ def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path
         summary = run_loop(run)
     finally:
         vllm_engine.push_weights(original)  # the session engine goes back to the tiny model's weights
-    assert all(float(r["weight_sync_gap"]) < 1e-4 for r in metric_rows(tmp_path))
+    assert all(float(r["weight_sync_gap"]) < 1e-4 for r in metric_rows(tmp_path) if r["weight_sync_gap"])  # steps pushed
     trend = summary["reward/digits"]
     assert trend.last_mean > trend.first_mean + 0.2, summary
 

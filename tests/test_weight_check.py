@@ -153,3 +153,21 @@ def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(
     assert len(logged) == 1 and "checkpoint of step 1 saved" in message  # stopped at the first push
     assert 5e-3 < float(logged[0]["weight_sync_gap"]) < 0.1
     assert (tmp_path / "checkpoints" / "step_000001" / "trainer_state.pt").is_file()
+
+
+def test_a_step_that_took_no_update_pushes_nothing():
+    """The engine already has the weights of a step whose optimizer steps were all without signal (or skipped):
+    no push, no check, no push metrics; the next update is pushed again."""
+    pushes = []
+
+    class Counting:
+        def push_weights(self, engine):
+            pushes.append(engine)
+
+    trainer = Counting()
+    trainer.updates = 0
+    sync = EngineSync(trainer, "engine")
+    assert sync.push() == {} and pushes == []
+    trainer.updates = 1
+    assert "weight_push_time" in sync.push() and pushes == ["engine"]
+    assert sync.push() == {} and pushes == ["engine"]

@@ -43,6 +43,7 @@ class Trainer:
         self.parallel = parallel  # None: one process
         self.shuffle = torch.Generator().manual_seed(settings.seed)  # micro-batch order, saved for exact resume
         self.nonfinite_streak = 0  # optimizer steps in a row skipped for a non-finite gradient norm
+        self.updates = 0  # optimizer steps taken by this trainer: the weights changed when it moved
         self.no_signal = NoSignalWatch(settings.no_signal_patience, settings.min_ess, settings.no_signal_stop)
 
     @collective
@@ -151,6 +152,7 @@ class Trainer:
                 lr = self.optimizer.param_groups[0]["lr"]  # this update's
                 if torch.isfinite(grad_norm):
                     self.optimizer.step()
+                    self.updates += 1
                     if self.scheduler is not None:  # a skipped update leaves the schedule where it is
                         self.scheduler.step()
                     self.nonfinite_streak = 0

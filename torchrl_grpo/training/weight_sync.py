@@ -23,19 +23,25 @@ class EngineSync:
 
     def __init__(self, trainer: Trainer, engine, check: WeightCheck | None = None):
         self.trainer, self.engine, self.check = trainer, engine, check
+        self.pushed = trainer.updates  # the trainer's update count the engine's weights are from
 
     def resume(self) -> None:
         """The engine started from the base weights: give it the checkpoint's."""
         self.trainer.push_weights(self.engine)
+        self.pushed = self.trainer.updates
 
     def startup(self) -> str | None:
         """The engine as started against the trainer: the line to print (None without a check)."""
         return None if self.check is None else self.check.startup(self.engine)
 
     def push(self) -> dict:
-        """Push, then check (before the next generation); the step's metrics."""
+        """Push, then check (before the next generation); the step's metrics. A step that took no update (every
+        optimizer step without signal, or skipped) left the weights as the engine has them: nothing to push."""
+        if self.trainer.updates == self.pushed:
+            return {}
         started = time.perf_counter()
         self.trainer.push_weights(self.engine)
+        self.pushed = self.trainer.updates
         metrics = {"weight_push_time": time.perf_counter() - started}
         if self.check is not None:
             started = time.perf_counter()
