@@ -321,8 +321,11 @@ def test_a_rank_killed_stops_the_run_in_one_line_and_it_resumes(tmp_path):
     proc = start([*args, "train.total_dialog_turns=800", "train.resume=auto"], cwd=tmp_path)
     wait_until(lambda: len(metric_rows(run_dir)) > newest, proc, seconds=240)
     os.killpg(proc.pid, signal.SIGTERM)
-    proc, out, err = finished(proc, timeout=30)
+    signalled = time.time()
+    proc, out, err = finished(proc, timeout=120)
+    print(f"stopped {time.time() - signalled:.1f} s after SIGTERM")
     assert proc.returncode == 0, err[-3000:]
+    assert time.time() - signalled < 60  # 9 s on an idle machine; the suite's other worker loads it
     assert f"resumed from {run_dir / 'checkpoints' / f'step_{newest:06d}'} (step {newest})" in out
     stopped = [line for line in out.splitlines() if line.startswith("stopped after step ")]
     assert len(stopped) == 1 and "(checkpoint saved" in stopped[0], out[-2000:]

@@ -117,13 +117,15 @@ _IN_PROCESS_ENGINES: set[int] = set()
 
 
 def _fail_pending_calls_when_the_engine_dies(llm) -> None:
-    """vLLM marks an engine whose process died as dead and shuts its client down, which fails a ``generate``
-    under way, but a ``collective_rpc`` under way (a weight push) waits for its answer forever (vLLM 0.32: its
-    future is never completed). Fail those too when the client shuts down, so that the run can say so (or, after
-    a stop request whose signal also reached the engine's process, stop as asked) instead of hanging."""
+    """vLLM marks an engine whose process died as dead and shuts its client down, but what waits on the engine
+    then waits forever (vLLM 0.32): a ``collective_rpc`` under way (a weight push), whose future is never
+    completed, and a ``generate`` under way, whose next output never comes. Fail both when the client shuts
+    down, so that the run can say so (or, after a stop request whose signal also reached the engine's process,
+    stop as asked) instead of hanging."""
     client = getattr(llm.llm_engine, "engine_core", None)
     pending, shutdown = getattr(client, "utility_results", None), getattr(client, "shutdown", None)
-    if pending is None or shutdown is None:  # another vLLM version's layout: nothing to mend
+    outputs = getattr(client, "outputs_queue", None)
+    if pending is None or shutdown is None or outputs is None:  # another vLLM version's layout: nothing to mend
         return
     from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -134,6 +136,7 @@ def _fail_pending_calls_when_the_engine_dies(llm) -> None:
             for future in list(pending.values()):
                 if not future.done():
                     future.set_exception(EngineDeadError())
+            outputs.put_nowait(EngineDeadError())  # a generate waiting for its next output raises it
 
     client.shutdown = shutdown_failing_pending_calls
 
