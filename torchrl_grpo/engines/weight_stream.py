@@ -65,15 +65,22 @@ class Channel:
     buckets: tuple[tuple[Entry, ...], ...]
 
 
+def wire_dtype(t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype ``t`` travels in to an engine whose weights are ``dtype``: floating-point matrices cast to it (the
+    engine rounds them so on load anyway); vectors (biases, norms) as they are, for they weigh nothing and an engine
+    may hold some wider than its dtype (vLLM's AMX kernels on CPU keep small layers' biases in float32)."""
+    return dtype if dtype is not None and t.is_floating_point() and t.dim() >= 2 else t.dtype
+
+
 def plan_buckets(items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int,
                  dtype: torch.dtype | None = None) -> list[list[Entry]]:
     """Cut ``items`` in order into buckets of at most ``bucket_bytes`` (one tensor larger than that gets a bucket
-    of its own), each tensor at an aligned offset from its bucket's start; floating-point tensors as ``dtype``
-    (the engine's) when given: the copy into the buffer casts them."""
+    of its own), each tensor at an aligned offset from its bucket's start; floating-point matrices as ``dtype``
+    (the engine's) when given (:func:`wire_dtype`): the copy into the buffer casts them."""
     buckets, bucket, used = [], [], 0
     for name, t in items:
         offset = -(-used // ALIGN) * ALIGN
-        kind = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        kind = wire_dtype(t, dtype)
         nbytes = t.numel() * kind.itemsize
         if bucket and offset + nbytes > bucket_bytes:
             buckets.append(bucket)

@@ -24,7 +24,7 @@ import torch
 from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.core.checkpoint import OPTIMIZER_SHARDS
 from torchrl_grpo.engines.weight_check import probe_log_probs
-from torchrl_grpo.engines.weight_stream import StreamedWeights
+from torchrl_grpo.engines.weight_stream import StreamedWeights, wire_dtype
 from torchrl_grpo.models.loading import merged_state_dict, merged_weights
 from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, token_log_probs, total_loss
 from torchrl_grpo.objective.terms import group_advantages
@@ -232,12 +232,9 @@ class Trainer:
 
     def cpu_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """:meth:`weights` as CPU tensors, for engines in other processes (``ray.put`` ships them); floating-point
-        ones in ``dtype`` (the engines') when given: an engine casts what it loads to its dtype anyway, so
-        float32 master weights sent cast to bf16 give it the same weights in half the bytes."""
-        def cast(t: torch.Tensor) -> torch.Tensor:
-            return t.to("cpu", dtype) if dtype is not None and t.is_floating_point() else t.to("cpu")
-
-        return {name: cast(t.detach()) for name, t in self.weights().items()}
+        matrices in ``dtype`` (the engines') when given (:func:`wire_dtype`): an engine casts what it loads to its
+        dtype anyway, so float32 master weights sent cast to bf16 give it the same weights in half the bytes."""
+        return {name: t.detach().to("cpu", wire_dtype(t, dtype)) for name, t in self.weights().items()}
 
     def samples_with_policy(self, engine) -> bool:
         """Whether ``engine`` samples with this very policy object (the transformers engine built on the
