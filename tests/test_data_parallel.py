@@ -31,7 +31,8 @@ from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.models.loading import load_policy, merged_weights
 from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.objective.terms import AGGREGATIONS
-from torchrl_grpo.parallel.ranks import DataParallel, process_group, shard_model
+from torchrl_grpo.parallel.ranks import DataParallel, gathered, process_group, shard_model
+from torchrl_grpo.training.critic import Critic, CriticSettings
 from torchrl_grpo.training.trainer import Trainer
 
 WORLD = 2
@@ -48,12 +49,15 @@ CASES = {
     "token_mean_checkpointed": ({"aggregation": "token_mean"}, {"checkpointing": True}),
     # train.mixed_precision: bf16 autocast in one process, FSDP2's bf16 policy under it over the ranks
     "token_mean_bf16": ({"aggregation": "token_mean", "kl_to_ref_coeff": 0.1}, {"mixed_precision": True}),
+    # actor-critic (loss=ppo): the critic sharded like the policy, its values, GAE, value loss and own optimizer
+    "ppo_critic_kl_in_reward": ({"aggregation": "token_mean"}, {"critic": True, "kl_in_reward": 0.05}),
 }
 # bf16 rounds the ranks' weights (gathered in bf16) where one process's autocast keeps norms and embeddings in
 # float32 (measured: 3e-4 relative on the loss and gradient norm)
 BF16_TOLERANCE = 0.005
 COMPARED = ("loss", "loss_objective", "loss_kl_to_ref", "loss_entropy", "grad_norm", "ratio_max", "reward",
-            "advantage_abs_mean", "resumed/loss", "resumed/grad_norm", "resumed/ratio_max")
+            "advantage_abs_mean", "resumed/loss", "resumed/grad_norm", "resumed/ratio_max", "value_loss",
+            "explained_variance", "critic_grad_norm", "resumed/value_loss", "resumed/critic_grad_norm")
 
 
 def make_batch(vocab: int) -> TensorDict:
@@ -90,9 +94,20 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
     if loss_options.get("kl_to_ref_coeff") or train_options.get("kl_in_reward"):
         ref = load_policy(model_path, dtype=torch.float32, device="cpu", trainable=False)
     mixed = train_options.get("mixed_precision", False)
+    critic_model = None
+    if train_options.get("critic"):
+        critic_model = load_policy(model_path, dtype=torch.float32, device="cpu", value_head=True)
     if parallel is not None:
         policy = shard_model(policy, mixed)
         ref = ref if ref is None else shard_model(ref, mixed)
+        critic_model = critic_model if critic_model is None else shard_model(critic_model, mixed)
+
+    def critic():  # a fresh optimizer over the (sharded) critic, as a run builds and a resume restores it
+        if critic_model is None:
+            return None
+        optimizer = torch.optim.AdamW([p for p in critic_model.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
+        return Critic(critic_model, optimizer, CriticSettings(gamma=1.0, lmbda=0.95, value_clip=0.2,
+                                                              whiten_advantages=True))
     compute_dtypes = set()  # the dtype a decoder layer's projection computes with (weights as gathered)
     projection = policy.get_submodule("model.layers.0.self_attn.q_proj") if lora is None else None
     if projection is not None:
@@ -105,7 +120,8 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
                              recompute_old_log_probs=True, kl_in_reward_coeff=train_options.get("kl_in_reward", 0.0),
                              reward_scale="group", clip_grad_norm=train_options.get("clip"), mixed_precision=mixed,
                              max_nonfinite_updates=3, seed=0)
-    trainer = Trainer(policy, ref, loss, optimizer, settings, torch.device("cpu"), torch.device("cpu"), parallel)
+    trainer = Trainer(policy, ref, loss, optimizer, settings, torch.device("cpu"), torch.device("cpu"), parallel,
+                      critic=critic())
     batch = make_batch(policy.config.vocab_size)
     metrics = trainer.prepare(batch)
     metrics.update(trainer.optimize(batch))
@@ -113,7 +129,8 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
     # resumed as a run resumes: a fresh optimizer takes the checkpoint's state (data-parallel: each rank its
     # shards), then a second step; a state that did not load would make this step differ from one process's
     fresh = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
-    resumed = Trainer(policy, ref, loss, fresh, settings, torch.device("cpu"), torch.device("cpu"), parallel)
+    resumed = Trainer(policy, ref, loss, fresh, settings, torch.device("cpu"), torch.device("cpu"), parallel,
+                      critic=critic())
     resumed.load_state_dict(trainer.state_dict(), save_to / name)
     again = resumed.prepare(batch)
     again.update(resumed.optimize(batch))
@@ -124,6 +141,9 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
     for key, tensor in merged_weights(policy):  # every rank gathers in step; rank 0 keeps
         if keep:
             weights[key] = tensor.clone()
+    if critic_model is not None:
+        state = gathered(((k, t.detach()) for k, t in critic_model.state_dict().items()), keep=keep)
+        weights.update({f"critic.{k}": t.clone() for k, t in state.items()})
     return metrics, weights
 
 
@@ -214,8 +234,10 @@ def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path):
               f"{abs(metrics['grad_norm'] - dp_metrics['grad_norm']):.1e} (grad_norm {metrics['grad_norm']:.4f})")
         assert gap <= 1e-5, (name, gap)
         assert moved > 1e-4, (name, moved)  # the update did something
-        saved = sorted(p.name for p in (tmp_path / "one" / name).glob("*.safetensors"))
-        assert saved and saved == sorted(p.name for p in (tmp_path / "ranks" / name).glob("*.safetensors"))
+        saved = sorted(str(p.relative_to(tmp_path / "one" / name)) for p in (tmp_path / "one" / name).rglob("*.safetensors"))
+        assert saved and saved == sorted(str(p.relative_to(tmp_path / "ranks" / name))
+                                         for p in (tmp_path / "ranks" / name).rglob("*.safetensors"))
+        assert ("critic/model.safetensors" in saved) == bool(CASES[name][1].get("critic"))
         for file in saved:  # the checkpoint written from the shards: the whole weights (or adapter)
             one, ranks = load_file(tmp_path / "one" / name / file), load_file(tmp_path / "ranks" / name / file)
             assert one.keys() == ranks.keys()

@@ -313,6 +313,42 @@ def test_grpo_loss_value_and_gradient_against_hand_computation():
     assert torch.allclose(model.table.grad, table.grad, atol=1e-5)
 
 
+@pytest.mark.parametrize("level", ["token", "cispo", "sapo"])
+def test_per_token_advantages_value_and_gradient_against_hand_computation(level):
+    """loss.advantage=gae: an advantage per token [N, L] (a critic's), each token's term with its own ``A_it``;
+    token mean over the batch, as the ppo preset."""
+    torch.manual_seed(1)
+    model = TableLM()
+    tokens = torch.tensor([[0, 3, 1, 4, 2], [2, 2, 0, 1, 1], [1, 4, 4, 0, 3]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0], [0, 0, 0, 1, 0]], dtype=torch.bool)
+    adv = torch.where(mask, torch.randn(3, 5, dtype=torch.float64), torch.full((3, 5), 99.0, dtype=torch.float64))
+    current = _hand_logp(model, tokens, 1.0)
+    old = (current + 0.3 * torch.randn(current.shape, dtype=torch.float64)) * mask
+    loss_fn = GRPOLoss(model, clip_epsilon_low=0.2, clip_epsilon_high=0.28, aggregation="token_mean",
+                       importance_level=level)
+    out = loss_fn(_batch(tokens, mask, adv, old, None))
+    assert loss_fn.signal_rows(_batch(tokens, mask, adv * ~mask, old, None)).tolist() == [False] * 3  # 99s ignored
+
+    def term(logp, i, t):
+        w, a = torch.exp(logp[i, t] - old[i, t]), adv[i, t]
+        if level == "token":
+            return -torch.minimum(w * a, w.clamp(0.8, 1.28) * a)
+        if level == "cispo":
+            return -w.clamp(0.8, 1.28).detach() * a * logp[i, t]
+        tau = 1.0 if a > 0 else 1.05
+        return -torch.sigmoid(tau * (w - 1)) * 4 / tau * a
+
+    table = model.table.detach().clone().requires_grad_(True)
+    logp = torch.nn.functional.pad(
+        torch.log_softmax(table[tokens[:, :-1]], -1).gather(-1, tokens[:, 1:, None]).squeeze(-1), (1, 0))
+    terms = [term(logp, i, t) for i in range(3) for t in range(5) if mask[i, t]]
+    expected = sum(terms) / len(terms)
+    assert out["loss_objective"].item() == pytest.approx(expected.item(), abs=1e-6)
+    expected.backward()
+    total_loss(out).backward()
+    assert torch.allclose(model.table.grad, table.grad, atol=1e-6)
+
+
 def test_padding_and_longer_prompt_change_no_term():
     model = TableLM()
     tokens = torch.tensor([[0, 3, 1, 4], [2, 2, 0, 1]])
@@ -896,7 +932,11 @@ def test_preset_values():
     assert (gmpo.importance_level, gmpo.aggregation, gmpo.clip_epsilon_low, gmpo.clip_epsilon_high) == (
         "gmpo", "sequence_mean", 0.4, 0.4)
     assert (rpp.reward_scale, rpp.aggregation) == ("reinforce_pp", "token_mean")
-    assert set(PRESETS) >= {"grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "sapo", "gmpo", "reinforce_pp"}
+    ppo = cfg_with("loss=ppo").loss
+    assert (ppo.advantage, ppo.reward_scale, ppo.importance_level, ppo.aggregation) == ("gae", "none", "token",
+                                                                                        "token_mean")
+    assert {cfg_with(f"loss={n}").loss.advantage for n in PRESETS if n != "ppo"} == {"group"}
+    assert set(PRESETS) >= {"grpo", "dapo", "dr_grpo", "gspo", "cispo", "rloo", "sapo", "gmpo", "reinforce_pp", "ppo"}
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -916,6 +956,14 @@ def test_preset_values():
     (["loss.dynamic_sampling=3"], "loss.dynamic_sampling=3"),
     (["loss.max_resample_rounds=-1"], "loss.max_resample_rounds=-1"),
     (["loss.max_resample_rounds=1.5"], "loss.max_resample_rounds=1.5"),
+    (["loss.advantage=critic"], "loss.advantage='critic'"),
+    (["loss=ppo", "loss.importance_level=sequence", "loss.aggregation=sequence_mean"],
+     "loss.advantage=gae with loss.importance_level=sequence: a critic gives an advantage per token"),
+    (["loss=ppo", "loss.reward_scale=group"], "loss.advantage=gae with loss.reward_scale=group: the critic is"),
+    (["loss=ppo", "loss.off_policy_mask_threshold=0.5"], "loss.advantage=gae with loss.off_policy_mask_threshold"),
+    (["loss=ppo", "critic.lmbda=1.5"], "critic.lmbda=1.5: must be in [0, 1]"),
+    (["loss=ppo", "critic.value_clip=0"], "critic.value_clip=0: must be a number > 0, or null"),
+    (["loss=ppo", "critic.lr=0"], "critic.lr=0"),
 ])
 def test_bad_loss_variant_keys_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
@@ -929,3 +977,5 @@ def test_good_loss_variant_combinations_validate():
                          "loss.off_policy_mask_threshold=0.5"))
     resolve_run(cfg_with("loss=dapo", "loss.overlong_buffer=8"))
     resolve_run(cfg_with("loss.overlong=mask", "loss.overlong_buffer=100"))  # the buffer only matters with soft
+    resolve_run(cfg_with("loss=ppo", "env.repeats=1", "env.num_envs=4", "critic.value_clip=null", "critic.lmbda=0"))
+    resolve_run(cfg_with("loss=ppo", "loss.importance_level=cispo", "loss.tis_cap=2", "loss.old_log_probs=trainer"))

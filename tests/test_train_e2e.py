@@ -183,6 +183,35 @@ def test_a_run_that_learns_nothing_says_why_and_stops_with_a_checkpoint_when_ask
     assert (run_dir / "checkpoints" / "step_000002" / "trainer_state.pt").is_file()
 
 
+def test_ppo_learns_the_length_task_and_resumes_with_its_critic(tmp_path):
+    """loss=ppo on TRL's length task (a reward of -|20 - characters|) with the transformers engine: the reward rises,
+    the critic's figure is drawn, each checkpoint holds the critic in critic/, and a run resumed from one gives, step
+    for step, the metrics (value loss, explained variance...) of the run left alone: the critic's weights, optimizer
+    and schedule come back."""
+    args = ["model=tiny", "loss=ppo", "env=length_reward", "inference_model.backend=transformers", "env.num_envs=8",
+            "env.repeats=2", "train.optim_batch_size=16", "train.total_dialog_turns=320", "inference_model.max_tokens=16",
+            "optimizer.lr=3e-3", "critic.lr=3e-3", "optimizer.warmup_steps=3", "logging.checkpoint_frequency=10",
+            "logging.keep_checkpoints=0", "logging.progress_bar=false"]
+    whole_dir, resumed_dir = tmp_path / "whole", tmp_path / "resumed"
+    whole = run([*args, f"hydra.run.dir={whole_dir}"], cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    rows = metric_rows(whole_dir)
+    reward = [float(r["reward"]) for r in rows]
+    assert len(rows) == 20 and sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 5, reward
+    assert "explained_variance" in whole.stdout and "LOAD REPORT" not in whole.stdout + whole.stderr
+    assert (whole_dir / "plots" / "critic.png").is_file()
+    for step in ("step_000010", "step_000020"):
+        assert (whole_dir / "checkpoints" / step / "critic" / "model.safetensors").is_file()
+    resumed = run([*args, f"hydra.run.dir={resumed_dir}", f"train.resume={whole_dir / 'checkpoints' / 'step_000010'}"],
+                  cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    timing = [key for key in rows[0] if "time" in key or key.endswith("_per_s")]
+    again = metric_rows(resumed_dir)
+    assert [int(float(r["step"])) for r in again] == list(range(11, 21))
+    for mine, theirs in zip(again, rows[10:], strict=True):
+        assert {k: v for k, v in mine.items() if k not in timing} == {k: v for k, v in theirs.items() if k not in timing}
+
+
 def test_every_loss_preset_trains_with_finite_metrics(tmp_path):
     """A --multirun sweep over every preset (each job in its own directory); the transformers engine, whose start
     is cheap: the objective does not depend on the engine, and train.epochs=2 takes the ratio off 1."""
@@ -202,3 +231,5 @@ def test_every_loss_preset_trains_with_finite_metrics(tmp_path):
         for row in logged:
             for key in checked:
                 assert finite(row[key]), (preset, key, row[key])
+        if preset == "ppo":  # the critic trains too
+            assert all(finite(row[key]) for row in logged for key in ("value_loss", "critic_grad_norm", "value_mean"))

@@ -20,6 +20,7 @@ from torchrl_grpo.objective.terms import (AGGREGATIONS, IMPORTANCE_LEVELS, KL_ES
                                           MODIFIER_HINTS, OVERLONG, REWARD_SCALES)
 
 ENGINE_PROCESSES = ("auto", "same", "own")  # inference_model.engine_process
+ADVANTAGES = ("group", "gae")  # loss.advantage
 
 # kind -> (accepts(value), the default complaint)
 _KINDS = {
@@ -31,6 +32,7 @@ _KINDS = {
     "num>=0": (lambda v: _is_num(v) and v >= 0, "must be a number >= 0"),
     "prob": (lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
     "share": (lambda v: _is_num(v) and 0 <= v < 1, "must be in [0, 1)"),
+    "unit": (lambda v: _is_num(v) and 0 <= v <= 1, "must be in [0, 1]"),
     "bool": (lambda v: isinstance(v, bool), "must be true or false"),
     "str": (lambda v: isinstance(v, str), "must be a string"),
     "any": (lambda v: True, ""),
@@ -223,6 +225,9 @@ class Loss:
     tau_pos: float = key("num>0", "importance_level=sapo: the soft gate's temperature for positive advantages")
     tau_neg: float = key("num>0", "importance_level=sapo: the soft gate's temperature for the others")
     aggregation: str = key("choice", "how token losses become one number", choices=AGGREGATIONS)
+    advantage: str = key("choice", "where the advantages come from: group (each prompt's completions, "
+                         "loss.reward_scale) | gae (per token, from a critic's values: actor-critic PPO, critic.*)",
+                         choices=ADVANTAGES)
     reward_scale: str = key("choice", "the advantages' baseline and scale", choices=REWARD_SCALES)
     kl_estimator: str = key("choice", "estimator of the KL terms", choices=KL_ESTIMATORS)
     old_log_probs: str = key("choice", "the ratio's denominator: engine, trainer, auto (trainer when it computes in "
@@ -234,6 +239,18 @@ class Loss:
                                hint="must be a positive number of tokens, or null for inference_model.max_tokens // 5")
     dynamic_sampling: bool = key("bool", "DAPO: resample groups whose rewards all tie")
     max_resample_rounds: int = key("int>=0", "dynamic sampling: extra collection rounds per step at most")
+
+
+@dataclass
+class CriticModel:
+    model: str = key("str", "the value model's starting weights with a fresh value head: null = model.name's | tiny "
+                     "| smollm2-135m-instruct | a local HF-format dir | a hub id (loss.advantage=gae only)", null=True)
+    lr: float = key("num>0", "the critic's learning rate (its optimizer otherwise optimizer.*'s)")
+    value_clip: float = key("num>0", "the value loss's clip: V kept within V_old +- value_clip", null=True,
+                            hint="must be a number > 0, or null for an unclipped value loss")
+    gamma: float = key("unit", "discount per completion token")
+    lmbda: float = key("unit", "GAE's lambda: 0 = one-step TD, 1 = Monte-Carlo returns minus the value")
+    whiten_advantages: bool = key("bool", "normalise the advantages over the batch's loss tokens (mean 0, std 1)")
 
 
 @dataclass
@@ -257,7 +274,7 @@ class AsyncTrain:
 SECTIONS: tuple[tuple[str, type], ...] = (
     ("env", Env), ("model", Model), ("train", Train), ("train_model", TrainModel), ("ref_model", Devices),
     ("inference_model", InferenceModel), ("optimizer", Optimizer), ("logging", Logging), ("eval", Eval),
-    ("loss", Loss),
+    ("loss", Loss), ("critic", CriticModel),
 )
 ASYNC_SECTIONS: tuple[tuple[str, type], ...] = (("ray", Ray), ("train", AsyncTrain))  # config/mode/async.yaml
 

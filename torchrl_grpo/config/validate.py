@@ -22,7 +22,8 @@ from omegaconf import DictConfig
 from torchrl_grpo.config.placement import train_strategy
 from torchrl_grpo.config.schema import check_schema, require
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.objective.terms import COMPLETION_LEVELS, GROUP_FREE_SCALES, MISMATCH_CORRECTIONS
+from torchrl_grpo.objective.terms import (COMPLETION_LEVELS, GROUP_FREE_SCALES, MISMATCH_CORRECTIONS,
+                                          TOKEN_ADVANTAGE_LEVELS)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,9 @@ def validate(cfg: DictConfig) -> BatchPlan:
             "completion, averaged per completion; set loss.aggregation=sequence_mean"
         )
     scale = _get(cfg, "loss.reward_scale")
-    if plan.group_size == 1 and scale not in GROUP_FREE_SCALES:
+    if _get(cfg, "loss.advantage") == "gae":
+        _check_critic(cfg, level, scale)
+    elif plan.group_size == 1 and scale not in GROUP_FREE_SCALES:
         raise ConfigError(f"env.repeats=1 with loss.reward_scale={scale}: a group of one has advantage 0, so nothing "
                           "is learned; set env.repeats to 2 or more (GRPO's G), or loss.reward_scale=reinforce_pp")
     corrections = [f"loss.{key}={_get(cfg, f'loss.{key}')}" for key in MISMATCH_CORRECTIONS
@@ -200,6 +203,21 @@ def validate(cfg: DictConfig) -> BatchPlan:
         raise ConfigError(f"eval.samples={samples} with eval.temperature=0: greedy decoding gives {samples} identical "
                           "responses; set eval.temperature>0 (e.g. 1.0) for pass@k, or eval.samples=1")
     return plan
+
+
+def _check_critic(cfg: DictConfig, level: str, scale: str) -> None:
+    """``loss.advantage=gae``: the loss keys that assume one advantage per completion, or a group baseline."""
+    if level not in TOKEN_ADVANTAGE_LEVELS:
+        raise ConfigError(f"loss.advantage=gae with loss.importance_level={level}: a critic gives an advantage per "
+                          f"token, which that term cannot take; set loss.importance_level to one of "
+                          f"{', '.join(TOKEN_ADVANTAGE_LEVELS)}")
+    if scale != "none":
+        raise ConfigError(f"loss.advantage=gae with loss.reward_scale={scale}: the critic is the baseline, no group "
+                          "statistic scales the rewards; set loss.reward_scale=none")
+    if _get(cfg, "loss.off_policy_mask_threshold") is not None:
+        raise ConfigError("loss.advantage=gae with loss.off_policy_mask_threshold set: the off-policy mask drops "
+                          "completions by their advantage's sign, which a critic gives per token; set "
+                          "loss.off_policy_mask_threshold=null")
 
 
 def check_lora(lora: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Atomic checkpoints and resume.
 
 A checkpoint is a directory ``step_<N>/`` holding the policy in HF format (``save_pretrained``: full
-weights, or only the adapter for LoRA), the tokenizer, and ``trainer_state.pt`` (optimizer, step, RNG
+weights, or only the adapter for LoRA), an actor-critic run's value model in ``critic/``, the tokenizer, and ``trainer_state.pt`` (optimizer, step, RNG
 states, data position, config), which holds tensors and plain containers only: it is read with
 ``torch.load(weights_only=True)``, and a state file that needs more (any other pickled object, as those of
 checkpoints written before this rule held numpy's RNG key array) counts as damaged. It is written under a
@@ -28,6 +28,7 @@ from torchrl_grpo.core.files import not_written, tree_bytes
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.pt"
 OPTIMIZER_SHARDS = "optimizer_shards"  # a data-parallel run's optimizer state, each rank its shards
+CRITIC_DIR = "critic"  # an actor-critic run's value model (HF format), and its optimizer shards data-parallel
 
 
 def rng_state() -> dict:

@@ -2,6 +2,8 @@
 merged HF-named weights the inference engine reloads."""
 from __future__ import annotations
 
+import contextlib
+
 import logging
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -38,8 +40,11 @@ def load_policy(
     trainable: bool = True,
     attn_implementation: str | None = None,
     trust_remote_code: bool = False,
+    value_head: bool = False,
 ):
-    """A causal LM from `path` in `dtype` on `device`, optionally LoRA-wrapped.
+    """A causal LM from `path` in `dtype` on `device`, optionally LoRA-wrapped; with `value_head` the same body under
+    one scalar output per position instead of the LM head (``AutoModelForTokenClassification``, one label: a
+    critic), the head fresh unless `path` is a critic saved so.
 
     `lora` is the config's ``train_model.lora`` (enabled, r, alpha, dropout, target_modules).
     `trainable=False` gives a frozen model in eval mode (the reference model). Gradient checkpointing
@@ -47,20 +52,28 @@ def load_policy(
     (a list) split the layers over them (transformers' ``device_map``, naive model parallelism: inputs
     go to the first device, logits come from the last).
     """
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
     kwargs = {"trust_remote_code": trust_remote_code}
+    auto_class = AutoModelForCausalLM
+    if value_head:
+        auto_class, kwargs["num_labels"] = AutoModelForTokenClassification, 1
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
     devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
     if len(devices) > 1:
         memory = {d.index: torch.cuda.get_device_properties(d.index).total_memory for d in devices}
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map="auto", max_memory=memory, **kwargs)
+        with _quiet_load(value_head):
+            model = auto_class.from_pretrained(path, dtype=dtype, device_map="auto", max_memory=memory, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs)
+        with _quiet_load(value_head):
+            model = auto_class.from_pretrained(path, dtype=dtype, **kwargs)
         model.to(devices[0])
+    if value_head:  # its dropout (0.1 by default, before the head) would make the values random
+        without_dropout(model)
+        value_head_in_float32(model)
     if gradient_checkpointing:
         # Non-reentrant checkpointing also gives gradients to LoRA weights when the inputs need none.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -76,6 +89,43 @@ def load_policy(
     n_all = sum(p.numel() for p in model.parameters())
     log.info("loaded %s: %.1fM parameters, %.2fM trainable, %s on %s", path, n_all / 1e6, n_train / 1e6, dtype, device)
     return model
+
+
+def without_dropout(model: torch.nn.Module) -> None:
+    """Every dropout of ``model`` off: the loss's log-probs (and a critic's values) must be those of the weights."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
+def _quiet_load(value_head: bool):
+    """A critic's load leaves out the LM head and adds a fresh value head, which transformers reports in a table of
+    missing and unexpected keys: expected, so not on the console (errors still raise)."""
+    from transformers.utils import logging as hf_logging
+
+    @contextlib.contextmanager
+    def quiet():
+        level = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        try:
+            yield
+        finally:
+            hf_logging.set_verbosity(level)
+
+    return quiet() if value_head else contextlib.nullcontext()
+
+
+def value_head_in_float32(model) -> None:
+    """The value head's output in float32 under bf16 autocast: a value of -20 in bf16 is exact to 0.125 only, which
+    a value loss then cannot resolve. The head's one output per position costs nothing to recompute so."""
+    head = getattr(model, "score", None) or model.classifier
+
+    def in_float32(module, args, output):
+        with torch.autocast(args[0].device.type, enabled=False):
+            bias = None if module.bias is None else module.bias.float()
+            return torch.nn.functional.linear(args[0].float(), module.weight.float(), bias)
+
+    head.register_forward_hook(in_float32)
 
 
 def sparse_tied_embedding_gradient(model) -> bool:

@@ -18,7 +18,7 @@ from torchrl.objectives import LossModule
 
 from torchrl_grpo.objective.terms import (COMPLETION_LEVELS, KL_ESTIMATORS, MISMATCH_CORRECTIONS, MODIFIER_FLOORS,
                                           SURROGATE_MODIFIERS, SurrogateInputs, accumulation_weight, aggregate,
-                                          kl_estimate, loss_token_mask, per_token, term)
+                                          kl_estimate, loss_token_mask, per_token, term, token_advantages)
 
 # the registered families that GRPOLoss takes by the name of their config key (loss.<family>)
 LOSS_CHOICES = ("aggregation", "kl_estimator", "importance_level", "overlong")
@@ -92,7 +92,8 @@ class GRPOLoss(LossModule):
     off-policy masking), KL to the reference and to the
     sampling policy, and an entropy bonus.
 
-    Reads from the batch: ``tokens``, ``attention_mask``, ``completion_mask`` [N, L], ``advantage`` [N],
+    Reads from the batch: ``tokens``, ``attention_mask``, ``completion_mask`` [N, L], ``advantage`` [N] (or [N, L]
+    from a critic: ``loss.advantage=gae``),
     ``old_log_probs`` [N, L] (the ratio's denominator: the engine's sampling log-probs, or the policy's
     own recomputed before the update), ``sample_log_probs`` [N, L] (the engine's: KL to the sampling
     policy, TIS, MIS, off-policy mask), ``ref_log_probs`` [N, L] when ``kl_to_ref_coeff > 0`` (and for the
@@ -193,14 +194,19 @@ class GRPOLoss(LossModule):
         truncated = batch["truncated"] if "truncated" in batch.keys() else None
         return loss_token_mask(batch["completion_mask"], truncated, self.overlong)
 
+    def signal_rows(self, batch: TensorDictBase) -> torch.Tensor:
+        """[N] bool: the rows the reward teaches from: a nonzero advantage on one of their loss tokens (the advantage
+        per completion [N], or per token [N, L])."""
+        mask, advantage = self.token_mask(batch), batch["advantage"]
+        return (mask & (token_advantages(advantage) != 0)).any(-1)
+
     def moving_rows(self, batch: TensorDictBase) -> torch.Tensor:
-        """[N] bool: the rows whose loss can move the weights: a loss token, and a nonzero advantage or a regulariser
-        (KL, entropy) acting on every loss token. Every other row's loss is exactly 0 whatever the weights, and
-        so is its gradient."""
-        has_tokens = self.token_mask(batch).any(-1)
+        """[N] bool: the rows whose loss can move the weights: :meth:`signal_rows`, or with a regulariser (KL,
+        entropy) acting on every loss token every row with one. Every other row's loss is exactly 0 whatever the
+        weights, and so is its gradient."""
         if self.kl_to_ref_coeff > 0 or self.kl_to_inference_coeff > 0 or self.entropy_coeff > 0:
-            return has_tokens
-        return has_tokens & (batch["advantage"] != 0)
+            return self.token_mask(batch).any(-1)
+        return self.signal_rows(batch)
 
     def accumulation_weight(self, batch: TensorDictBase) -> float:
         """:func:`accumulation_weight` of this loss's aggregation on the micro-batch's loss mask (so that

@@ -293,7 +293,8 @@ def kl_estimate(logp: torch.Tensor, logp_other: torch.Tensor, estimator: str = "
 @dataclass(frozen=True)
 class SurrogateInputs:
     """What the importance-level terms and the surrogate modifiers read: [N, L] float32 log-probs with zeros
-    outside the completions, ``advantages`` [N], the loss ``mask`` [N, L]."""
+    outside the completions, ``advantages`` [N] (or [N, L] for the :data:`TOKEN_ADVANTAGE_LEVELS`), the loss
+    ``mask`` [N, L]."""
     logp: torch.Tensor
     logp_old: torch.Tensor
     logp_sample: torch.Tensor
@@ -304,6 +305,12 @@ class SurrogateInputs:
     eps_high: float
     tau_pos: float = 1.0  # SAPO's gate temperatures, for A > 0 and A <= 0
     tau_neg: float = 1.05
+
+
+def token_advantages(advantages: torch.Tensor) -> torch.Tensor:
+    """Advantages per completion [N] as [N, 1] (broadcast over its tokens); per token [N, L] (``loss.advantage=gae``)
+    as they are."""
+    return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
 
 
 def _clip_objective(ratio, adv, eps_low: float, eps_high: float):
@@ -320,12 +327,12 @@ def clipped_surrogate(logp, logp_old, advantages, eps_low: float, eps_high: floa
     """Token level: per token ``-min(w_it A_i, clip(w_it, 1-eps_low, 1+eps_high) A_i)`` with
     ``w_it = exp(logp_it - logp_old_it)``.
 
-    ``advantages`` is per completion [N] (broadcast over tokens). Returns ``(loss, ratio, clipped_low,
+    ``advantages`` is per completion [N] (broadcast over tokens) or per token [N, L]. Returns ``(loss, ratio, clipped_low,
     clipped_high)``, all [N, L]: a token counts as clipped where the clipped branch is the one taken and
     carries no gradient (ratio below ``1-eps_low`` with ``A < 0``, above ``1+eps_high`` with ``A > 0``).
     """
     ratio = torch.exp(_wide(logp) - _wide(logp_old))
-    adv = advantages.unsqueeze(-1).to(ratio.dtype)
+    adv = token_advantages(advantages).to(ratio.dtype)
     loss, clipped_low, clipped_high = _clip_objective(ratio, adv, eps_low, eps_high)
     return loss, ratio, clipped_low, clipped_high
 
@@ -354,7 +361,7 @@ def cispo_surrogate(logp, logp_old, advantages, eps_low: float, eps_high: float)
     logp_wide = _wide(logp)
     ratio = torch.exp(logp_wide - _wide(logp_old))
     weight = ratio.clamp(1.0 - eps_low, 1.0 + eps_high).detach()
-    loss = -weight * advantages.unsqueeze(-1).to(ratio.dtype) * logp_wide
+    loss = -weight * token_advantages(advantages).to(ratio.dtype) * logp_wide
     return loss, ratio, ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
 
 
@@ -367,7 +374,7 @@ def sapo_surrogate(logp, logp_old, advantages, tau_pos: float, tau_neg: float, e
     clipped: ``clipped_low/high`` mark the tokens the hard clip ``(1-eps_low, 1+eps_high)`` would have cut, to
     compare with GRPO. Returns ``(loss, ratio, clipped_low, clipped_high)`` [N, L]."""
     ratio = torch.exp(_wide(logp) - _wide(logp_old))
-    adv = advantages.unsqueeze(-1).to(ratio.dtype)
+    adv = token_advantages(advantages).to(ratio.dtype)
     tau = torch.where(adv > 0, adv.new_tensor(tau_pos), adv.new_tensor(tau_neg))
     loss = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv
     return loss, ratio, (ratio < 1.0 - eps_low) & (adv < 0), (ratio > 1.0 + eps_high) & (adv > 0)
@@ -435,6 +442,8 @@ def geometric_mean_ratio(s: SurrogateInputs):
 # importance levels with one loss per completion, averaged per completion (aggregation sequence_mean); the
 # mismatch corrections weigh them per completion too
 COMPLETION_LEVELS = ("sequence", "gmpo")
+# importance levels that take an advantage per token (loss.advantage=gae) as well as one per completion
+TOKEN_ADVANTAGE_LEVELS = ("token", "cispo", "sapo")
 
 
 # --- surrogate modifiers (loss.<name>, on when not null), applied in this order ----------------------------

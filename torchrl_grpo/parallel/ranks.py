@@ -110,8 +110,9 @@ class DataParallel:
         """Per-micro-batch metrics of this rank's shares -> those of the whole micro-batches: each value
         averaged over ranks weighted by the shares' accumulation ``weights`` (plain mean where every weight
         is 0), which makes the ``loss_*`` terms exactly the whole micro-batch's; :data:`MAX_METRICS` the max
-        over ranks. Per-step entries (``grad_norm``) are already global and kept."""
-        keys = [k for k, v in history.items() if len(v) == len(weights) and k != "grad_norm" and k not in MAX_METRICS]
+        over ranks. Per-step entries (``grad_norm``, ``critic_grad_norm``) are already global and kept."""
+        keys = [k for k, v in history.items()
+                if len(v) == len(weights) and not k.endswith("grad_norm") and k not in MAX_METRICS]
         w = torch.tensor(weights, dtype=torch.float64, device=self.device)
         values = torch.tensor([history[k] for k in keys], dtype=torch.float64, device=self.device)
         values = values.reshape(len(keys), -1)

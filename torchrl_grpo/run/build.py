@@ -20,6 +20,7 @@ from torchrl_grpo.config.placement import adopt_torchrun_ranks, torchrun_launch
 from torchrl_grpo.config.precision import native_bf16
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
+from torchrl_grpo.core.checkpoint import CRITIC_DIR
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.episodes.lengths import fit_prompts
@@ -33,6 +34,7 @@ from torchrl_grpo.run.loop import Run
 from torchrl_grpo.run.sources import ActorSource, LocalSource
 from torchrl_grpo.run.state import RunState
 from torchrl_grpo.tasks import Task, eval_env_config
+from torchrl_grpo.training.critic import Critic, CriticSettings
 from torchrl_grpo.training.trainer import Trainer
 from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
 
@@ -47,7 +49,7 @@ def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_fr
                  dtype: torch.dtype):
     """The trained policy, its weights in ``dtype``: base weights (or a full checkpoint's), LoRA if enabled,
     dropout off (so that the ratio is exactly 1 on fresh data), in eval mode outside optimisation."""
-    from torchrl_grpo.models.loading import load_policy
+    from torchrl_grpo.models.loading import load_policy, without_dropout
 
     lora = dict(cfg.train_model.lora) if cfg.train_model.lora.enabled else None
     full_checkpoint = resume_from is not None and lora is None
@@ -65,12 +67,35 @@ def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_fr
         from safetensors.torch import load_file
 
         set_peft_model_state_dict(policy, load_file(str(resume_from / "adapter_model.safetensors")))
-    for module in policy.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
+    without_dropout(policy)
     if cfg.model.compile:
         policy.forward = torch.compile(policy.forward)
     return policy.eval()
+
+
+def build_critic(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: Path | None, devices: list[str],
+                 parallel: DataParallel | None) -> Critic:
+    """The value model of an actor-critic run (``loss.advantage=gae``): from the checkpoint's ``critic/`` when
+    resuming one that has it, else ``critic.model`` (null: the policy's starting model) under a fresh value head; in
+    the trained weights' precision on the policy's devices, sharded like it; its own optimizer (``critic.lr``) and
+    schedule."""
+    from torchrl_grpo.models.loading import load_policy
+    from torchrl_grpo.models.sources import resolve_model
+
+    trust = bool(cfg.model.trust_remote_code)
+    saved = None if resume_from is None else Path(resume_from) / CRITIC_DIR
+    if saved is not None and saved.is_dir():
+        source = str(saved)
+    else:
+        source = model_path if cfg.critic.model is None else resolve_model(str(cfg.critic.model), trust)
+    model = load_policy(source, dtype=spec.precision.train_weights, device=devices,
+                        gradient_checkpointing=bool(cfg.train_model.gradient_checkpointing),
+                        attn_implementation=cfg.train_model.attn_implementation, trust_remote_code=trust,
+                        value_head=True)
+    if parallel is not None:
+        model = shard_model(model, spec.precision.autocast_bf16)
+    optimizer = build_optimizer(cfg, model, lr=float(cfg.critic.lr))
+    return Critic(model.eval(), optimizer, CriticSettings.from_config(cfg), build_scheduler(cfg, optimizer, spec.plan))
 
 
 def build_engine(cfg: DictConfig, spec: RunSpec, model_path: str, policy, tokenizer, seed: int,
@@ -98,19 +123,20 @@ def build_weight_check(cfg: DictConfig, trainer: Trainer, tokenizer, dtype: torc
                        log_probs=trainer.probe_log_probs)
 
 
-def build_optimizer(cfg: DictConfig, policy) -> torch.optim.Optimizer:
-    """``optimizer.name`` over the trainable parameters. Adam(W) runs torch's fused kernel on plain CPU or CUDA
+def build_optimizer(cfg: DictConfig, policy, lr: float | None = None) -> torch.optim.Optimizer:
+    """``optimizer.name`` over the trainable parameters, at ``optimizer.lr`` unless ``lr`` is given. Adam(W) runs torch's fused kernel on plain CPU or CUDA
     tensors, where on CPU torch would pick its per-tensor loop (SmolLM2: 0.24 -> 0.09 s a step,
     ``bench/step_breakdown.py``); sharded (DTensor) parameters keep torch's default."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in policy.parameters() if p.requires_grad]
     opt = cfg.optimizer
+    lr = opt.lr if lr is None else lr
     if opt.name == "SGD":
-        return torch.optim.SGD(params, lr=opt.lr, weight_decay=opt.weight_decay)
+        return torch.optim.SGD(params, lr=lr, weight_decay=opt.weight_decay)
     cls = torch.optim.AdamW if opt.name == "AdamW" else torch.optim.Adam
     fused = all(not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") for p in params) or None
-    return cls(params, lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay, fused=fused)
+    return cls(params, lr=lr, eps=opt.eps, weight_decay=opt.weight_decay, fused=fused)
 
 
 def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, plan) -> torch.optim.lr_scheduler.LRScheduler:
@@ -184,9 +210,12 @@ def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: 
         print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
               "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)
     optimizer = build_optimizer(cfg, policy)
+    critic = None
+    if cfg.loss.advantage == "gae":
+        critic = build_critic(cfg, spec, model_path, resume_from, train_on, parallel)
     return Trainer(policy, ref_policy, build_loss(cfg, policy), optimizer, spec.train, torch.device(train_on[0]),
                    torch.device(ref_on[0]) if ref_policy is not None else None, parallel,
-                   build_scheduler(cfg, optimizer, spec.plan))
+                   build_scheduler(cfg, optimizer, spec.plan), critic)
 
 
 def build_follower(spec: RunSpec, parallel: DataParallel) -> tuple[Trainer, object]:
@@ -236,6 +265,8 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     from torchrl_grpo.models.sources import resolve_model
 
     model_path = resolve_model(spec.model.name, spec.model.trust_remote_code)
+    if cfg.loss.advantage == "gae" and cfg.critic.model is not None:  # a bad critic.model fails here, in one line
+        resolve_model(str(cfg.critic.model), spec.model.trust_remote_code)
     tokenizer = load_tokenizer(model_path, spec.model.trust_remote_code)
     fit_lengths(spec, model_path, tokenizer, (task, turns), eval_task)
     return Inputs(spec, state, task, turns, eval_task, model_path, tokenizer)

@@ -89,6 +89,15 @@ def figures(columns) -> dict[str, list[Panel]]:
                   ("clip_fraction", "clip_fraction_low", "clip_fraction_high"), overlay=("clip_fraction",)),
             Panel("gradient norm", "L2 norm, before clipping", ("grad_norm",)),
         ],
+        "critic": [  # an actor-critic run's value model (loss=ppo)
+            Panel("explained variance of the returns", "1 - Var(R - V) / Var(R), before the update",
+                  ("explained_variance",)),
+            Panel("value loss", "clipped squared error / 2", ("value_loss",)),
+            Panel("values and returns", "mean over completion tokens", ("value_mean", "return_mean"),
+                  overlay=("value_mean",)),
+            Panel("value loss clipped", "fraction of tokens", ("value_clip_fraction",)),
+            Panel("critic gradient norm", "L2 norm, before clipping", ("critic_grad_norm",)),
+        ],
         "eval": [
             Panel("evaluation: accuracy and pass@k", "fraction of prompts", ("eval/accuracy", *pass_at), False,
                   overlay=("eval/accuracy", *pass_at[1:])),  # pass@1 is the accuracy of one sample

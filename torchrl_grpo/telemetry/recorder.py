@@ -178,12 +178,12 @@ class Telemetry:
         write_run_plots(self.csv.path.parent, say=self.print)
 
     def summary(self, reward_names: list[str], total_steps: int) -> dict[str, Trend]:
-        """Print and return the end-of-run summary: the reward and each component over the first step, the
-        first and the last steps; and the first vs the last evaluation, when there were several. Then the
-        run's figures."""
+        """Print and return the end-of-run summary: the reward and each component (and a critic's explained
+        variance) over the first step, the first and the last steps; and the first vs the last evaluation, when
+        there were several. Then the run's figures."""
         window = max(1, min(5, total_steps // 4))
         rows = self.csv.rows()
-        trends = summarize(rows, ["reward"] + [f"reward/{n}" for n in reward_names], window)
+        trends = summarize(rows, ["reward"] + [f"reward/{n}" for n in reward_names] + ["explained_variance"], window)
         width = max([len(key) for key in trends] + [8])
         self.print(f"{'summary:':<{width + 2}} {'first step':>12} {f'first {window} mean':>14} {f'last {window} mean':>14}")
         for key, trend in trends.items():

@@ -22,12 +22,14 @@ from pathlib import Path
 import torch
 
 from torchrl_grpo.config.settings import TrainSettings
-from torchrl_grpo.core.checkpoint import OPTIMIZER_SHARDS
+from torchrl_grpo.core.checkpoint import CRITIC_DIR, OPTIMIZER_SHARDS
 from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.engines.weight_stream import StreamedWeights, wire_dtype
 from torchrl_grpo.models.loading import merged_state_dict, merged_weights
+from torchrl_grpo.objective.critic import clipped_value_loss, explained_variance, gae, token_rewards, token_values, whiten
 from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, token_log_probs, total_loss
-from torchrl_grpo.objective.terms import group_advantages
+from torchrl_grpo.objective.terms import aggregate, group_advantages
+from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.no_signal import NoSignalWatch
 from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, gathered, load_optimizer, save_optimizer
 
@@ -36,8 +38,9 @@ class Trainer:
     def __init__(self, policy: torch.nn.Module, ref_policy: torch.nn.Module | None, loss: GRPOLoss,
                  optimizer: torch.optim.Optimizer, settings: TrainSettings, device: torch.device,
                  ref_device: torch.device | None, parallel: DataParallel | None = None,
-                 scheduler: torch.optim.lr_scheduler.LRScheduler | None = None):
+                 scheduler: torch.optim.lr_scheduler.LRScheduler | None = None, critic: Critic | None = None):
         self.policy, self.ref_policy, self.loss, self.optimizer = policy, ref_policy, loss, optimizer
+        self.critic = critic  # an actor-critic run's value model (on the policy's device); None: group advantages
         self.scheduler = scheduler  # the learning rate of each optimizer step; None: optimizer.lr throughout
         self.settings, self.device, self.ref_device = settings, device, ref_device
         self.parallel = parallel  # None: one process
@@ -50,7 +53,8 @@ class Trainer:
     def prepare(self, batch) -> dict:
         """Make a collected batch trainable, in place: the policy's own log-probs before its update (when the
         ratio's denominator is the trainer's), the reference's, the KL penalty in the reward (k1 summed over
-        the completion, with ``train.kl_coef_in_loss=false``) and the group advantages; returns metrics.
+        the completion, with ``train.kl_coef_in_loss=false``) and the group advantages, or with a critic its
+        per-token advantages (:meth:`critic_advantages`); returns metrics.
 
         When the step makes a single update (one epoch, one optimizer step) every training forward runs on the
         weights the batch's old log-probs would be computed with: the batch then carries none, and the loss
@@ -62,41 +66,72 @@ class Trainer:
             batch["old_log_probs"] = self.log_probs(self.policy, self.device, batch)
             gap = (batch["old_log_probs"] - batch["sample_log_probs"]).abs()[batch["completion_mask"]]
             metrics["engine_trainer_logp_gap_max"] = gap.max().item()
+        task_reward, kl_tokens = batch["reward"], None
         if self.ref_policy is not None:
             batch["ref_log_probs"] = self.log_probs(self.ref_policy, self.ref_device, batch)
             if s.kl_in_reward_coeff > 0:
-                kl = ((batch["sample_log_probs"] - batch["ref_log_probs"]) * batch["completion_mask"]).sum(-1)
+                kl_tokens = (batch["sample_log_probs"] - batch["ref_log_probs"]) * batch["completion_mask"]
+                kl = kl_tokens.sum(-1)
                 batch["reward"] = batch["reward"] - s.kl_in_reward_coeff * kl
                 metrics["kl_penalty_in_reward"] = kl.mean().item()
-        advantage, tied = group_advantages(batch["reward"], s.group_size, s.reward_scale)
+        if self.critic is None:
+            advantage, tied = group_advantages(batch["reward"], s.group_size, s.reward_scale)
+            metrics["tied_group_fraction"] = tied.float().mean().item()
+        else:
+            advantage = self.critic_advantages(batch, task_reward, kl_tokens, metrics)
         batch["advantage"] = advantage
-        carries = (advantage != 0) & self.loss.token_mask(batch).any(-1)  # what the reward teaches from
+        completion = self.loss.token_mask(batch)
         metrics.update({
-            "signal_fraction": carries.float().mean().item(),
+            "signal_fraction": self.loss.signal_rows(batch).float().mean().item(),
             "reward": batch["reward"].mean().item(),
             "reward_std": batch["reward"].std().item() if len(batch) > 1 else 0.0,
-            "advantage_abs_mean": advantage.abs().mean().item(),
-            "tied_group_fraction": tied.float().mean().item(),
+            "advantage_abs_mean": (advantage.abs().mean() if advantage.dim() == 1
+                                   else advantage.abs()[completion].mean()).item(),
             "prepare_time": time.perf_counter() - started,
         })
         return metrics
+
+    def critic_advantages(self, batch, task_reward: torch.Tensor, kl_tokens: torch.Tensor | None,
+                          metrics: dict) -> torch.Tensor:
+        """GAE over the completion tokens from the critic's values (:func:`gae`): the task reward on each
+        episode's last token, the KL penalty of the reward on every token; the values are kept as ``value_old``
+        and the returns as ``return``, the value loss's targets. Returns the advantages [N, L], whitened over the
+        batch's loss tokens when ``critic.whiten_advantages``; adds the critic's metrics (``explained_variance``
+        of the returns by the values before the update, their means)."""
+        c, mask = self.critic.settings, batch["completion_mask"]
+        values = self._per_row(lambda mb: token_values(self.critic.model, mb["tokens"], mb["attention_mask"],
+                                                       mb["completion_mask"]), self.device, batch)
+        rewards = token_rewards(task_reward, mask, kl_tokens, self.settings.kl_in_reward_coeff)
+        advantage, returns = gae(rewards, values, mask, c.gamma, c.lmbda)
+        batch["value_old"], batch["return"] = values, returns.float()
+        metrics.update({"explained_variance": explained_variance(values, returns, mask),
+                        "value_mean": values[mask].mean().item() if mask.any() else 0.0,
+                        "return_mean": returns[mask].mean().item() if mask.any() else 0.0})
+        loss_mask = self.loss.token_mask(batch)
+        return (whiten(advantage, loss_mask) if c.whiten_advantages else advantage).float()
 
     def single_update(self, rows: int) -> bool:
         """A step of ``rows`` completions makes one optimizer step, from the weights it was prepared with."""
         return self.settings.epochs == 1 and self.settings.micro_batch * self.settings.accumulation >= rows
 
-    @torch.no_grad()
     def log_probs(self, model: torch.nn.Module, device: torch.device, batch) -> torch.Tensor:
         """Completion-token log-probs of ``batch`` under ``model`` (reference, or the policy before its
         update), in micro-batches; 0 outside completions. Data-parallel: each rank its share, then gathered."""
+        return self._per_row(lambda mb: token_log_probs(model, mb["tokens"], mb["attention_mask"],
+                                                        self.settings.temperature, wanted=mb["completion_mask"])[0],
+                             device, batch)
+
+    @torch.no_grad()
+    def _per_row(self, compute, device: torch.device, batch) -> torch.Tensor:
+        """``compute(micro-batch)`` -> [n, l] per token over ``batch``, in micro-batches of similar lengths on
+        ``device``, as float32 [N, L] on the CPU. Data-parallel: each rank its share, then gathered."""
         rows = batch if self.parallel is None else batch[self.parallel.share(len(batch))]
         out = torch.zeros_like(rows["sample_log_probs"])
         for idx in by_length(torch.arange(len(rows)), rows["attention_mask"]).split(self.settings.micro_batch):
             mb = trim_padding(rows[idx]).to(device)
             with self._autocast(device):
-                logp, _ = token_log_probs(model, mb["tokens"], mb["attention_mask"], self.settings.temperature,
-                                          wanted=mb["completion_mask"])
-            out[idx, : logp.shape[1]] = logp.float().cpu()
+                values = compute(mb)
+            out[idx, : values.shape[1]] = values.float().cpu()
         return out if self.parallel is None else self.parallel.gather_shares(out)
 
     @collective
@@ -110,8 +145,10 @@ class Trainer:
         weights). In an update that is taken, the rows that cannot move the weights skip the forward and
         backward, as far as whole micro-batches allow (:func:`rows_to_train`), and still count in the
         aggregation: the update is the one computing them gives, to float rounding. The loss diagnostics are
-        then over the rows trained (``trained_row_fraction``). Data-parallel: this rank's share of each
-        micro-batch, weights normalised over the whole window's."""
+        then over the rows trained (``trained_row_fraction``). With a critic, its value loss is aggregated and
+        weighted like the policy's in the same micro-batches, every row with a loss token trains it, and it steps
+        with its own optimizer beside the policy's. Data-parallel: this rank's share of each micro-batch, weights
+        normalised over the whole window's."""
         s, parallel = self.settings, self.parallel
         params = [p for p in self.policy.parameters() if p.requires_grad]
         history: dict[str, list[float]] = {}
@@ -120,11 +157,15 @@ class Trainer:
         started = time.perf_counter()
         lr = None  # the learning rate of the step's last update taken
         self.policy.train()
+        if self.critic is not None:
+            self.critic.model.train()
         for _ in range(s.epochs):
             # each optimizer step's rows (a shuffled window), cut into micro-batches of similar lengths
             windows = torch.randperm(len(batch), generator=self.shuffle).split(s.micro_batch * s.accumulation)
             for window in windows:
-                moving = self.loss.moving_rows(batch[window])  # every rank holds the whole batch: they agree
+                # every rank holds the whole batch: they agree; the critic learns from every row with a loss token
+                moving = (self.loss.moving_rows(batch[window]) if self.critic is None
+                          else self.loss.token_mask(batch[window]).any(-1))
                 moves = bool(moving.any())
                 rows = rows_to_train(window, moving, s.micro_batch) if moves else window
                 trained_rows += len(rows) if moves else 0
@@ -138,8 +179,11 @@ class Trainer:
                 for mb, weight in zip(micro, weights):
                     with self._autocast(), torch.set_grad_enabled(moves):
                         losses = self.loss(mb)
+                        if self.critic is not None:
+                            losses.update(self._value_loss(mb))
                     if moves:
-                        (total_loss(losses) * (weight / max(total, 1e-9))).backward()
+                        objective = total_loss(losses) + (0 if self.critic is None else losses["value_loss"])
+                        (objective * (weight / max(total, 1e-9))).backward()
                     for key, value in losses.items():
                         history.setdefault(key, []).append(value.detach().float().item())
                     trained_tokens += int(mb["attention_mask"].sum())
@@ -147,6 +191,8 @@ class Trainer:
                     still += 1
                     history.setdefault("grad_norm", []).append(0.0)
                     continue
+                if self.critic is not None:
+                    history.setdefault("critic_grad_norm", []).append(self._critic_step())
                 step_started = time.perf_counter()
                 grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm or math.inf))
                 lr = self.optimizer.param_groups[0]["lr"]  # this update's
@@ -163,6 +209,8 @@ class Trainer:
                 optimizer_time += time.perf_counter() - step_started
                 history.setdefault("grad_norm", []).append(grad_norm.item())
         self.policy.eval()
+        if self.critic is not None:
+            self.critic.model.eval()
         elapsed = time.perf_counter() - started
         if parallel is not None:
             history = parallel.global_history(history, share_weights)
@@ -176,6 +224,27 @@ class Trainer:
                         "lr": self.optimizer.param_groups[0]["lr"] if lr is None else lr,
                         "train_time": elapsed, "optimizer_time": optimizer_time, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
         return metrics
+
+    def _value_loss(self, mb) -> dict[str, torch.Tensor]:
+        """The critic's clipped value loss on a micro-batch (:func:`clipped_value_loss`), aggregated over its loss
+        tokens like the policy's loss, and the share of them whose clipped branch was taken."""
+        mask = self.loss.token_mask(mb)
+        values = token_values(self.critic.model, mb["tokens"], mb["attention_mask"], mb["completion_mask"])
+        loss, clipped = clipped_value_loss(values, mb["value_old"], mb["return"], self.critic.settings.value_clip)
+        return {"value_loss": aggregate(loss, mask, self.loss.aggregation, self.loss.aggregation_constant),
+                "value_clip_fraction": (clipped & mask).sum() / mask.sum().clamp(min=1)}
+
+    def _critic_step(self) -> float:
+        """The critic's optimizer step on its accumulated gradient, clipped like the policy's
+        (``optimizer.clip_grad_norm``); a non-finite norm skips it. Returns the norm before clipping."""
+        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.critic.trainable(),
+                                                               self.settings.clip_grad_norm or math.inf))
+        if torch.isfinite(grad_norm):
+            self.critic.optimizer.step()
+            if self.critic.scheduler is not None:
+                self.critic.scheduler.step()
+        self.critic.optimizer.zero_grad(set_to_none=True)
+        return grad_norm.item()
 
     def divergence(self) -> str | None:
         """Why training cannot go on, or None: ``train.max_nonfinite_updates`` updates in a row were skipped for
@@ -218,17 +287,23 @@ class Trainer:
 
     @collective
     def save_pretrained(self, path, safe_serialization: bool = True) -> None:
-        """What a checkpoint holds of the policy: HF format (the LoRA adapter with LoRA). Data-parallel: the
-        weights gathered whole from the shards and written by rank 0, and the optimizer state as the ranks hold
-        it, each rank its shards, in ``path/optimizer_shards`` (a folder every rank can write)."""
+        """What a checkpoint holds of the policy: HF format (the LoRA adapter with LoRA), and an actor-critic
+        run's value model in ``path/critic``. Data-parallel: the weights gathered whole from the shards and
+        written by rank 0, and the optimizer state as the ranks hold it, each rank its shards, in
+        ``path/optimizer_shards`` (``path/critic/optimizer_shards`` for the critic's; a folder every rank can
+        write)."""
+        self._save_model(self.policy, self.optimizer, Path(path), safe_serialization)
+        if self.critic is not None:
+            self._save_model(self.critic.model, self.critic.optimizer, Path(path) / CRITIC_DIR, safe_serialization)
+
+    def _save_model(self, model, optimizer, path: Path, safe_serialization: bool) -> None:
         if self.parallel is None:
-            self.policy.save_pretrained(path, safe_serialization=safe_serialization)
+            model.save_pretrained(path, safe_serialization=safe_serialization)
             return
-        state = gathered(((name, t.detach()) for name, t in self.policy.state_dict().items()),
-                         keep=self.parallel.rank == 0)
+        state = gathered(((name, t.detach()) for name, t in model.state_dict().items()), keep=self.parallel.rank == 0)
         if self.parallel.rank == 0:
-            self.policy.save_pretrained(path, state_dict=state, safe_serialization=safe_serialization)
-        save_optimizer(self.policy, self.optimizer, Path(path) / OPTIMIZER_SHARDS)
+            model.save_pretrained(path, state_dict=state, safe_serialization=safe_serialization)
+        save_optimizer(model, optimizer, path / OPTIMIZER_SHARDS)
 
     def cpu_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """:meth:`weights` as CPU tensors, for engines in other processes (``ray.put`` ships them); floating-point
@@ -248,25 +323,43 @@ class Trainer:
             engine.push_weights(self.weights())
 
     def state_dict(self) -> dict:
-        """The optimizer and the micro-batch shuffle: what a checkpoint needs besides the weights. Data-parallel:
-        the world size instead of the optimizer, whose shards :meth:`save_pretrained` writes."""
-        common = {"shuffle_rng": self.shuffle.get_state(),
-                  "scheduler": None if self.scheduler is None else self.scheduler.state_dict()}
+        """The optimizers and the micro-batch shuffle: what a checkpoint needs besides the weights. Data-parallel:
+        the world size instead of the optimizers, whose shards :meth:`save_pretrained` writes."""
+        common = {"shuffle_rng": self.shuffle.get_state(), "scheduler": _state(self.scheduler)}
+        if self.critic is not None:
+            common["critic_scheduler"] = _state(self.critic.scheduler)
+            common["critic_optimizer"] = None if self.parallel else self.critic.optimizer.state_dict()
         if self.parallel is None:
             return {"optimizer": self.optimizer.state_dict(), **common}
         return {"optimizer": None, "world_size": self.parallel.world_size, **common}
 
     @collective
     def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
-        """:meth:`state_dict` back; data-parallel: on every rank, with the optimizer's shards read from
-        ``checkpoint_dir`` (the same world size: :class:`torchrl_grpo.run.state.RunState` checks it)."""
+        """:meth:`state_dict` back; data-parallel: on every rank, with the optimizers' shards read from
+        ``checkpoint_dir`` (the same world size: :class:`torchrl_grpo.run.state.RunState` checks it). A checkpoint
+        without a critic's state (a run without one) leaves the critic's optimizer fresh."""
         if self.parallel is None:
             self.optimizer.load_state_dict(state["optimizer"])
         else:
             load_optimizer(self.policy, self.optimizer, Path(checkpoint_dir) / OPTIMIZER_SHARDS)
         self.shuffle.set_state(state["shuffle_rng"])
-        if self.scheduler is not None and state.get("scheduler") is not None:  # older checkpoints have none
-            self.scheduler.load_state_dict(state["scheduler"])
+        _load_state(self.scheduler, state.get("scheduler"))  # older checkpoints have none
+        if self.critic is not None and "critic_scheduler" in state:
+            if self.parallel is None:
+                self.critic.optimizer.load_state_dict(state["critic_optimizer"])
+            else:
+                load_optimizer(self.critic.model, self.critic.optimizer,
+                               Path(checkpoint_dir) / CRITIC_DIR / OPTIMIZER_SHARDS)
+            _load_state(self.critic.scheduler, state["critic_scheduler"])
+
+
+def _state(scheduler) -> dict | None:
+    return None if scheduler is None else scheduler.state_dict()
+
+
+def _load_state(scheduler, state: dict | None) -> None:
+    if scheduler is not None and state is not None:
+        scheduler.load_state_dict(state)
 
 
 def by_length(rows: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
