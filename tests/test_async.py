@@ -82,7 +82,9 @@ def test_a_dying_actor_is_replaced_with_the_current_weights_until_restarts_run_o
     # while step 2 trains; its replacement must start from the weights pushed after step 2 (version 2: step 3
     # is on-policy, where the base weights would be 2 versions stale and dropped), delivers steps 3 and 4 and
     # dies too; with ray.max_actor_restarts=1 that stops the run with one line and a checkpoint of step 4.
-    crashed = run_async([*SMALL, "loss=cispo", "train.total_dialog_turns=80", "logging.checkpoint_frequency=0",
+    # an entropy bonus: every step updates (the tiny model's rewards tie), so that weights are pushed after each
+    crashed = run_async([*SMALL, "loss=cispo", "train.entropy_coeff=0.01", "train.total_dialog_turns=80",
+                         "logging.checkpoint_frequency=0",
                          "ray.max_actor_restarts=1", f"hydra.run.dir={run_dir}",
                          "+ray.init.runtime_env.worker_process_setup_hook=actor_faults.exit_at_third_collect"],
                         cwd=tmp_path, timeout=300, env_extra={"PYTHONPATH": str(Path(__file__).parent)})

@@ -190,7 +190,7 @@ def test_ppo_learns_the_length_task_and_resumes_with_its_critic(tmp_path):
     and schedule come back."""
     args = ["model=tiny", "loss=ppo", "env=length_reward", "inference_model.backend=transformers", "env.num_envs=8",
             "env.repeats=2", "train.optim_batch_size=16", "train.total_dialog_turns=320", "inference_model.max_tokens=16",
-            "optimizer.lr=3e-3", "critic.lr=3e-3", "optimizer.warmup_steps=3", "logging.checkpoint_frequency=10",
+            "optimizer.lr=3e-3", "critic.lr=3e-3", "optimizer.warmup_steps=1", "logging.checkpoint_frequency=14",
             "logging.keep_checkpoints=0", "logging.progress_bar=false"]
     whole_dir, resumed_dir = tmp_path / "whole", tmp_path / "resumed"
     whole = run([*args, f"hydra.run.dir={whole_dir}"], cwd=tmp_path)
@@ -200,15 +200,15 @@ def test_ppo_learns_the_length_task_and_resumes_with_its_critic(tmp_path):
     assert len(rows) == 20 and sum(reward[-5:]) / 5 > sum(reward[:5]) / 5 + 5, reward
     assert "explained_variance" in whole.stdout and "LOAD REPORT" not in whole.stdout + whole.stderr
     assert (whole_dir / "plots" / "critic.png").is_file()
-    for step in ("step_000010", "step_000020"):
+    for step in ("step_000014", "step_000020"):
         assert (whole_dir / "checkpoints" / step / "critic" / "model.safetensors").is_file()
-    resumed = run([*args, f"hydra.run.dir={resumed_dir}", f"train.resume={whole_dir / 'checkpoints' / 'step_000010'}"],
+    resumed = run([*args, f"hydra.run.dir={resumed_dir}", f"train.resume={whole_dir / 'checkpoints' / 'step_000014'}"],
                   cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     timing = [key for key in rows[0] if "time" in key or key.endswith("_per_s")]
     again = metric_rows(resumed_dir)
-    assert [int(float(r["step"])) for r in again] == list(range(11, 21))
-    for mine, theirs in zip(again, rows[10:], strict=True):
+    assert [int(float(r["step"])) for r in again] == list(range(15, 21))
+    for mine, theirs in zip(again, rows[14:], strict=True):
         assert {k: v for k, v in mine.items() if k not in timing} == {k: v for k, v in theirs.items() if k not in timing}
 
 

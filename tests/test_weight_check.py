@@ -20,7 +20,7 @@ from torchrl_grpo.run.build import build_loss, build_optimizer, build_policy
 from torchrl_grpo.run.state import RunState
 from torchrl_grpo.run.loop import Run, run_loop
 from torchrl_grpo.run.sources import LocalSource
-from torchrl_grpo.training.weight_sync import EngineSync
+from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
 from torchrl_grpo.tasks import Reward, Task
 from torchrl_grpo.training.trainer import Trainer
 
@@ -171,3 +171,29 @@ def test_a_step_that_took_no_update_pushes_nothing():
     trainer.updates = 1
     assert "weight_push_time" in sync.push() and pushes == ["engine"]
     assert sync.push() == {} and pushes == ["engine"]
+
+
+def test_actors_get_no_push_and_no_new_version_after_a_step_without_update():
+    """The async sync: nothing to send (and so no policy version that would count the actors' batches stale) while
+    the trainer's weights are those the actors hold; a resume's weights count as held."""
+    sent = []
+
+    class Trainer:
+        updates = 0
+
+        def cpu_weights(self, dtype):
+            return {"w": self.updates}
+
+    class Pool:
+        def push(self, weights, version, probe):
+            sent.append((weights["w"], version))
+
+    trainer = Trainer()
+    sync = ActorSync(trainer)
+    assert not sync.changed
+    trainer.updates = 2
+    assert sync.changed
+    assert "weight_push_time" in sync.push(Pool(), 1) and sent == [(2, 1)] and not sync.changed
+    trainer.updates = 3
+    sync.resume()
+    assert not sync.changed

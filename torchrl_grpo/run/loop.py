@@ -109,6 +109,17 @@ def run_loop(run: Run) -> dict:
     def stopped_by(cause, last_step: int, position):
         return state.stopped_by(cause, last_step, start, trainer, source.tokenizer, position)
 
+    def after_error(cause: Exception, last_step: int, position, keep=lambda: None) -> str:
+        """Called while handling an error of the source, the trainer holding ``last_step``'s update: after a stop
+        request, ``keep()`` then the stop's checkpoint and line (the signal ended the engine's or actors' processes
+        too); otherwise a fault stops the run with a checkpoint, and any other error goes on up."""
+        if not stop.requested:
+            if isinstance(cause, source.faults):
+                raise stopped_by(cause, last_step, position) from None
+            raise
+        keep()
+        return state.stopped_early(last_step, start, trainer, source.tokenizer, position)
+
     with contextlib.ExitStack() as stack:
         try:
             stack.enter_context(source.running(state, trainer, run.total_steps))
@@ -130,12 +141,8 @@ def run_loop(run: Run) -> dict:
                 try:
                     delivery = source.take(step)
                 except Exception as cause:  # the trainer holds the update of the step before
-                    if stop.requested:  # the stop's signal ended the engine's or actors' processes too
-                        telemetry.print(state.stopped_early(step - 1, start, trainer, source.tokenizer, position))
-                        break
-                    if isinstance(cause, source.faults):
-                        raise stopped_by(cause, step - 1, position) from None
-                    raise
+                    telemetry.print(after_error(cause, step - 1, position))
+                    break
                 metrics = delivery.metrics
                 metrics.update(trainer.prepare(delivery.batch))
                 metrics.update(trainer.optimize(delivery.batch))
@@ -144,13 +151,9 @@ def run_loop(run: Run) -> dict:
                     if evaluator is not None and evaluator.due(step):
                         metrics.update(evaluator(eval_engine))
                 except Exception as cause:  # the trainer holds this step's update
-                    if stop.requested:
-                        telemetry.log(step, metrics, scored_samples(delivery))
-                        telemetry.print(state.stopped_early(step, start, trainer, source.tokenizer, source.position))
-                        break
-                    if isinstance(cause, source.faults):
-                        raise stopped_by(cause, step, source.position) from None
-                    raise
+                    telemetry.print(after_error(cause, step, source.position,
+                                                keep=lambda: telemetry.log(step, metrics, scored_samples(delivery))))
+                    break
                 telemetry.log(step, metrics, scored_samples(delivery))
                 warning = trainer.no_signal.observe(metrics)
                 if warning and not trainer.no_signal.stop:

@@ -155,7 +155,7 @@ class ActorSource:
     def finish(self, step: int, delivery: Delivery) -> dict:
         progress, extra = self.progress, delivery.extra
         metrics = {"trainer_version": progress.policy_version, "weight_push_time": 0.0}
-        if step % self.weight_update_frequency == 0 and step < self.total_steps:
+        if step % self.weight_update_frequency == 0 and step < self.total_steps and self.weights.changed:
             progress.policy_version += 1
             metrics.update(self.weights.push(self.pool, progress.policy_version))
         metrics.update(self.weights.landed(self.pool))

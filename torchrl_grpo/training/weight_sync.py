@@ -63,10 +63,18 @@ class ActorSync:
 
     def __init__(self, trainer: Trainer, check: WeightCheck | None = None, engine_dtype: torch.dtype | None = None):
         self.trainer, self.check, self.engine_dtype = trainer, check, engine_dtype
+        self.pushed = trainer.updates  # the trainer's update count the actors' weights are from
 
     def resume(self) -> tuple[dict, Probe | None]:
         """The checkpoint's weights (and their probe) for actors that start from the base weights."""
+        self.pushed = self.trainer.updates
         return self.trainer.cpu_weights(self.engine_dtype), self._probe()
+
+    @property
+    def changed(self) -> bool:
+        """Whether the trainer updated the weights since the actors got them: a step that took no update (every
+        optimizer step without signal, or skipped) leaves nothing to push, and no new policy version."""
+        return self.trainer.updates != self.pushed
 
     def startup(self, pool) -> str | None:
         """Actor 0's engine as started against the trainer (after its first collect): the line to print."""
@@ -76,6 +84,7 @@ class ActorSync:
         """The weights to every actor as policy ``version``; the seconds it took to send them."""
         started = time.perf_counter()
         pool.push(self.trainer.cpu_weights(self.engine_dtype), version, self._probe())
+        self.pushed = self.trainer.updates
         return {"weight_push_time": time.perf_counter() - started}
 
     def landed(self, pool) -> dict:
