@@ -24,9 +24,11 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "needs(*modules): skip unless every module imports (probed once, lazily)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group marks into the tests' ids
 def pytest_collection_modifyitems(items):
     """Under pytest-xdist (pytest.ini: two workers, --dist loadgroup) the tests that start Ray run one after the
-    other on one worker: each ends by checking that no Ray daemon is left on the machine."""
+    other on one worker: each ends by checking that no Ray daemon is left on the machine, and the SLURM script
+    stops every Ray of the machine at its end."""
     for item in items:
         if any("ray" in mark.args for mark in item.iter_markers("needs")):
             item.add_marker(pytest.mark.xdist_group("ray"))
