@@ -101,14 +101,14 @@ def test_after_step_checkpoints_when_due_asked_or_diverged(tmp_path):
     from torchrl_grpo.run.state import RunState
 
     state = RunState(resolve_run(cfg_with("logging.checkpoint_frequency=2")), tmp_path)
-    assert state.after_step(1, 10, FakeTrainer(), FakeTokenizer(), Position(), False) is None
+    assert state.after_step(1, 10, FakeTrainer(), FakeTokenizer(), Position(), lambda: False) is None
     assert not (tmp_path / "checkpoints" / "step_000001").exists()
-    assert state.after_step(2, 10, FakeTrainer(), FakeTokenizer(), Position(), False) is None
+    assert state.after_step(2, 10, FakeTrainer(), FakeTokenizer(), Position(), lambda: False) is None
     assert damage(tmp_path / "checkpoints" / "step_000002") is None
-    stopped = state.after_step(3, 10, FakeTrainer(), FakeTokenizer(), Position(), True)
+    stopped = state.after_step(3, 10, FakeTrainer(), FakeTokenizer(), Position(), lambda: True)
     assert stopped.startswith("stopped after step 3 (checkpoint saved); continue with train.resume=auto")
     with pytest.raises(RunError, match=r"^it diverged; stopped \(checkpoint of step 4 saved in .*checkpoints\)$"):
-        state.after_step(4, 10, FakeTrainer("it diverged"), FakeTokenizer(), Position(), False)
+        state.after_step(4, 10, FakeTrainer("it diverged"), FakeTokenizer(), Position(), lambda: False)
     assert damage(tmp_path / "checkpoints" / "step_000004") is None
 
 

@@ -168,6 +168,42 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
     assert (run_dir / "checkpoints" / f"step_{stopped_at:06d}" / "trainer_state.pt").is_file()
 
 
+# four steps that each update (an entropy bonus: the tiny model's rewards tie), a checkpoint after every one
+PREEMPTED = [*SMALL, "inference_model.backend=transformers", "train.total_dialog_turns=32", "train.entropy_coeff=0.01",
+             "logging.checkpoint_frequency=1", "logging.keep_checkpoints=0"]
+
+
+@pytest.fixture(scope="module")
+def whole_run(tmp_path_factory) -> Path:
+    """The run of :data:`PREEMPTED` left alone: its directory."""
+    run_dir = tmp_path_factory.mktemp("whole") / "run"
+    whole = run([*PREEMPTED, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    return run_dir
+
+
+@pytest.mark.parametrize("point", ["optimizer_step", "checkpoint_write"])
+def test_sigterm_at_a_chosen_point_stops_after_that_step_and_resumes_exactly(point, whole_run, tmp_path):
+    """SIGTERM in the middle of step 2's optimizer step, or of its checkpoint's write: the step is finished, its
+    checkpoint is whole (no temporary folder left), the run ends with 0, and resumed it gives steps 3 and 4 as the
+    run left alone does (the transformers engine: cheap starts; its sampling state is in the checkpoint)."""
+    run_dir = tmp_path / "run"
+    stopped = run([point, "2", *PREEMPTED, f"hydra.run.dir={run_dir}"], cwd=tmp_path, script="tests/trainer_faults.py")
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "SIGTERM: finishing this step and saving a checkpoint" in stopped.stderr
+    assert "stopped after step 2" in stopped.stdout
+    checkpoints = run_dir / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000001", "step_000002"]
+    resumed = run([*PREEMPTED, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {checkpoints / 'step_000002'}" in resumed.stdout
+    rows, alone = metric_rows(run_dir), metric_rows(whole_run)
+    assert [int(float(r["step"])) for r in rows] == [1, 2, 3, 4]
+    timing = [key for key in alone[0] if "time" in key or key.endswith("_per_s")]
+    for mine, theirs in zip(rows, alone, strict=True):
+        assert {k: v for k, v in mine.items() if k not in timing} == {k: v for k, v in theirs.items() if k not in timing}
+
+
 @needs_vllm
 def test_a_run_that_learns_nothing_says_why_and_stops_with_a_checkpoint_when_asked(tmp_path):
     """The tiny model never answers a GSM8K-style question: every group ties at reward 0, step after step."""

@@ -159,7 +159,7 @@ def run_loop(run: Run) -> dict:
                 if warning and not trainer.no_signal.stop:
                     print(f"warning: {warning}", file=sys.stderr, flush=True)
                 stopped = state.after_step(step, run.total_steps, trainer, source.tokenizer, source.position,
-                                           stop.requested, source.exact_engine,
+                                           lambda: stop.requested, source.exact_engine,
                                            source.fault or trainer.no_signal.stop_reason(metrics))
                 if stopped:
                     telemetry.print(stopped)

@@ -5,7 +5,8 @@ builder loads before the trainer exists (:attr:`RunState.resume_from`).
 
 ``trainer_state.pt`` holds ``step``, ``optimizer``, ``sampler`` (the data position), ``rng``, ``shuffle_rng``,
 ``engine_rng`` (the engine's sampling state) and ``config``; a data-parallel run's, ``world_size``
-instead of ``optimizer``, whose shards are in the checkpoint's ``optimizer_shards/``. The files and their atomic
+instead of ``optimizer``, whose shards are in the checkpoint's ``optimizer_shards/``; an actor-critic run's, the
+critic's optimizer and schedule too (its weights in ``critic/``). The files and their atomic
 write are :mod:`torchrl_grpo.core.checkpoint`'s.
 
 What resumes exactly: a sync run (``train.sync_iter=true``) gives, step for step, the metrics of the
@@ -15,6 +16,7 @@ reseeded with the step, and the batches in flight in the actors are drawn again.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from torchrl_grpo.config.settings import CheckpointSettings
@@ -66,17 +68,20 @@ class RunState:
         weights = sum(p.numel() * p.element_size() for p in trainer.policy.parameters())
         return checkpoint.save(self.directory, step, trainer, tokenizer, state, keep=self.keep, weights_bytes=weights)
 
-    def after_step(self, step: int, total_steps: int, trainer, tokenizer, data, stop_requested: bool,
+    def after_step(self, step: int, total_steps: int, trainer, tokenizer, data, stop_requested: Callable[[], bool],
                    engine=None, fault: str | None = None) -> str | None:
         """Checkpoint when due, when a stop was asked (SIGINT/SIGTERM), when training diverged or when ``fault``
         says why the run cannot go on (both then raise a :class:`RunError`). Returns the line to print when the
-        run stops here as asked, else None."""
-        diverged = fault or trainer.divergence()
-        if self.due(step, total_steps) or stop_requested or diverged:
+        run stops here as asked, else None. ``stop_requested`` is asked again after a checkpoint: a signal that
+        came while it was written stops the run on it, not after one more step."""
+        diverged, saved = fault or trainer.divergence(), None
+        if self.due(step, total_steps) or stop_requested() or diverged:
             saved = self.save(step, trainer, tokenizer, data, engine)
         if diverged:
             raise RunError(f"{diverged}; stopped (checkpoint of step {step} saved in {saved.parent})")
-        if stop_requested:
+        if stop_requested():
+            if saved is None:  # the signal came after the first look
+                self.save(step, trainer, tokenizer, data, engine)
             return f"stopped after step {step} (checkpoint saved); {self.continue_hint()}"
         return None
 
