@@ -3,7 +3,6 @@ merged HF-named weights the inference engine reloads."""
 from __future__ import annotations
 
 import contextlib
-
 import logging
 import re
 from collections.abc import Iterator, Mapping, Sequence
@@ -65,10 +64,10 @@ def load_policy(
     devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
     if len(devices) > 1:
         memory = {d.index: torch.cuda.get_device_properties(d.index).total_memory for d in devices}
-        with _quiet_load(value_head):
+        with _errors_only() if value_head else contextlib.nullcontext():
             model = auto_class.from_pretrained(path, dtype=dtype, device_map="auto", max_memory=memory, **kwargs)
     else:
-        with _quiet_load(value_head):
+        with _errors_only() if value_head else contextlib.nullcontext():
             model = auto_class.from_pretrained(path, dtype=dtype, **kwargs)
         model.to(devices[0])
     if value_head:  # its dropout (0.1 by default, before the head) would make the values random
@@ -98,21 +97,18 @@ def without_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
 
 
-def _quiet_load(value_head: bool):
-    """A critic's load leaves out the LM head and adds a fresh value head, which transformers reports in a table of
-    missing and unexpected keys: expected, so not on the console (errors still raise)."""
+@contextlib.contextmanager
+def _errors_only():
+    """transformers' messages below errors left out within: a critic's load leaves out the LM head and adds a fresh
+    value head, which transformers reports in a table of missing and unexpected keys, expected (errors still raise)."""
     from transformers.utils import logging as hf_logging
 
-    @contextlib.contextmanager
-    def quiet():
-        level = hf_logging.get_verbosity()
-        hf_logging.set_verbosity_error()
-        try:
-            yield
-        finally:
-            hf_logging.set_verbosity(level)
-
-    return quiet() if value_head else contextlib.nullcontext()
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
 
 
 def value_head_in_float32(model) -> None:

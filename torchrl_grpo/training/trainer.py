@@ -74,29 +74,29 @@ class Trainer:
                 kl = kl_tokens.sum(-1)
                 batch["reward"] = batch["reward"] - s.kl_in_reward_coeff * kl
                 metrics["kl_penalty_in_reward"] = kl.mean().item()
+        loss_mask = self.loss.token_mask(batch)
         if self.critic is None:
             advantage, tied = group_advantages(batch["reward"], s.group_size, s.reward_scale)
             metrics["tied_group_fraction"] = tied.float().mean().item()
         else:
-            advantage = self.critic_advantages(batch, task_reward, kl_tokens, metrics)
+            advantage = self.critic_advantages(batch, task_reward, kl_tokens, loss_mask, metrics)
         batch["advantage"] = advantage
-        completion = self.loss.token_mask(batch)
         metrics.update({
             "signal_fraction": self.loss.signal_rows(batch).float().mean().item(),
             "reward": batch["reward"].mean().item(),
             "reward_std": batch["reward"].std().item() if len(batch) > 1 else 0.0,
             "advantage_abs_mean": (advantage.abs().mean() if advantage.dim() == 1
-                                   else advantage.abs()[completion].mean()).item(),
+                                   else advantage.abs()[loss_mask].mean()).item(),
             "prepare_time": time.perf_counter() - started,
         })
         return metrics
 
     def critic_advantages(self, batch, task_reward: torch.Tensor, kl_tokens: torch.Tensor | None,
-                          metrics: dict) -> torch.Tensor:
+                          loss_mask: torch.Tensor, metrics: dict) -> torch.Tensor:
         """GAE over the completion tokens from the critic's values (:func:`gae`): the task reward on each
         episode's last token, the KL penalty of the reward on every token; the values are kept as ``value_old``
         and the returns as ``return``, the value loss's targets. Returns the advantages [N, L], whitened over the
-        batch's loss tokens when ``critic.whiten_advantages``; adds the critic's metrics (``explained_variance``
+        batch's loss tokens (``loss_mask``) when ``critic.whiten_advantages``; adds the critic's metrics (``explained_variance``
         of the returns by the values before the update, their means)."""
         c, mask = self.critic.settings, batch["completion_mask"]
         values = self._per_row(lambda mb: token_values(self.critic.model, mb["tokens"], mb["attention_mask"],
@@ -107,7 +107,6 @@ class Trainer:
         metrics.update({"explained_variance": explained_variance(values, returns, mask),
                         "value_mean": values[mask].mean().item() if mask.any() else 0.0,
                         "return_mean": returns[mask].mean().item() if mask.any() else 0.0})
-        loss_mask = self.loss.token_mask(batch)
         return (whiten(advantage, loss_mask) if c.whiten_advantages else advantage).float()
 
     def single_update(self, rows: int) -> bool:
@@ -191,21 +190,19 @@ class Trainer:
                     still += 1
                     history.setdefault("grad_norm", []).append(0.0)
                     continue
-                if self.critic is not None:
-                    history.setdefault("critic_grad_norm", []).append(self._critic_step())
+                if self.critic is not None:  # its own optimizer, clipped like the policy's
+                    history.setdefault("critic_grad_norm", []).append(clipped_step(
+                        self.critic.trainable(), self.critic.optimizer, self.critic.scheduler,
+                        s.clip_grad_norm).item())
                 step_started = time.perf_counter()
-                grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, s.clip_grad_norm or math.inf))
                 lr = self.optimizer.param_groups[0]["lr"]  # this update's
+                grad_norm = clipped_step(params, self.optimizer, self.scheduler, s.clip_grad_norm)
                 if torch.isfinite(grad_norm):
-                    self.optimizer.step()
                     self.updates += 1
-                    if self.scheduler is not None:  # a skipped update leaves the schedule where it is
-                        self.scheduler.step()
                     self.nonfinite_streak = 0
-                else:  # a NaN/inf gradient would poison the weights: drop this update, say so in the metrics
+                else:  # a NaN/inf gradient would poison the weights: the update was dropped, say so in the metrics
                     skipped += 1
                     self.nonfinite_streak += 1
-                self.optimizer.zero_grad(set_to_none=True)
                 optimizer_time += time.perf_counter() - step_started
                 history.setdefault("grad_norm", []).append(grad_norm.item())
         self.policy.eval()
@@ -233,18 +230,6 @@ class Trainer:
         loss, clipped = clipped_value_loss(values, mb["value_old"], mb["return"], self.critic.settings.value_clip)
         return {"value_loss": aggregate(loss, mask, self.loss.aggregation, self.loss.aggregation_constant),
                 "value_clip_fraction": (clipped & mask).sum() / mask.sum().clamp(min=1)}
-
-    def _critic_step(self) -> float:
-        """The critic's optimizer step on its accumulated gradient, clipped like the policy's
-        (``optimizer.clip_grad_norm``); a non-finite norm skips it. Returns the norm before clipping."""
-        grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(self.critic.trainable(),
-                                                               self.settings.clip_grad_norm or math.inf))
-        if torch.isfinite(grad_norm):
-            self.critic.optimizer.step()
-            if self.critic.scheduler is not None:
-                self.critic.scheduler.step()
-        self.critic.optimizer.zero_grad(set_to_none=True)
-        return grad_norm.item()
 
     def divergence(self) -> str | None:
         """Why training cannot go on, or None: ``train.max_nonfinite_updates`` updates in a row were skipped for
@@ -360,6 +345,19 @@ def _state(scheduler) -> dict | None:
 def _load_state(scheduler, state: dict | None) -> None:
     if scheduler is not None and state is not None:
         scheduler.load_state_dict(state)
+
+
+def clipped_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler, clip: float | None):
+    """One optimizer step on the accumulated gradients of ``params``, clipped to norm ``clip`` (None: not clipped),
+    the schedule after it; a non-finite norm skips both (the schedule stays where it is). The gradients are zeroed
+    either way. Returns the norm before clipping (data-parallel: over the whole sharded parameters)."""
+    grad_norm = full_tensor(torch.nn.utils.clip_grad_norm_(params, clip or math.inf))
+    if torch.isfinite(grad_norm):
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
 
 def by_length(rows: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -17,18 +17,34 @@ from torchrl_grpo.engines.weight_check import Probe, WeightCheck
 from torchrl_grpo.training.trainer import Trainer
 
 
-class EngineSync:
+class _Pushes:
+    """The trainer's update count that the engines' weights are from (``pushed``): a step that took no update
+    (every optimizer step without signal, or skipped) leaves nothing to push."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, self.pushed = trainer, trainer.updates
+
+    @property
+    def changed(self) -> bool:
+        """Whether the trainer updated the weights since the engines got them."""
+        return self.trainer.updates != self.pushed
+
+    def _sent(self) -> None:
+        self.pushed = self.trainer.updates
+
+
+class EngineSync(_Pushes):
     """The trainer's weights into ``engine`` after each update (nothing to push into an engine that samples
     with the policy itself: build no ``check`` for it)."""
 
     def __init__(self, trainer: Trainer, engine, check: WeightCheck | None = None):
-        self.trainer, self.engine, self.check = trainer, engine, check
-        self.pushed = trainer.updates  # the trainer's update count the engine's weights are from
+        super().__init__(trainer)
+        self.engine, self.check = engine, check
 
     def resume(self) -> None:
         """The engine started from the base weights: give it the checkpoint's."""
         self.trainer.push_weights(self.engine)
-        self.pushed = self.trainer.updates
+        self._sent()
 
     def startup(self) -> str | None:
         """The engine as started against the trainer: the line to print (None without a check)."""
@@ -37,11 +53,11 @@ class EngineSync:
     def push(self) -> dict:
         """Push, then check (before the next generation); the step's metrics. A step that took no update (every
         optimizer step without signal, or skipped) left the weights as the engine has them: nothing to push."""
-        if self.trainer.updates == self.pushed:
+        if not self.changed:
             return {}
         started = time.perf_counter()
         self.trainer.push_weights(self.engine)
-        self.pushed = self.trainer.updates
+        self._sent()
         metrics = {"weight_push_time": time.perf_counter() - started}
         if self.check is not None:
             started = time.perf_counter()
@@ -55,26 +71,20 @@ class EngineSync:
         return None if self.check is None else self.check.fault
 
 
-class ActorSync:
+class ActorSync(_Pushes):
     """The trainer's weights to the actors of an :class:`~torchrl_grpo.collect.rollout_actors.ActorPool`, cast to
     their engines' ``engine_dtype`` (an engine casts what it loads anyway: half the bytes for bf16 engines)."""
 
     fault = None  # each actor checks itself after a push: a failed check is a RunError there
 
     def __init__(self, trainer: Trainer, check: WeightCheck | None = None, engine_dtype: torch.dtype | None = None):
-        self.trainer, self.check, self.engine_dtype = trainer, check, engine_dtype
-        self.pushed = trainer.updates  # the trainer's update count the actors' weights are from
+        super().__init__(trainer)
+        self.check, self.engine_dtype = check, engine_dtype
 
     def resume(self) -> tuple[dict, Probe | None]:
         """The checkpoint's weights (and their probe) for actors that start from the base weights."""
-        self.pushed = self.trainer.updates
+        self._sent()
         return self.trainer.cpu_weights(self.engine_dtype), self._probe()
-
-    @property
-    def changed(self) -> bool:
-        """Whether the trainer updated the weights since the actors got them: a step that took no update (every
-        optimizer step without signal, or skipped) leaves nothing to push, and no new policy version."""
-        return self.trainer.updates != self.pushed
 
     def startup(self, pool) -> str | None:
         """Actor 0's engine as started against the trainer (after its first collect): the line to print."""
@@ -84,7 +94,7 @@ class ActorSync:
         """The weights to every actor as policy ``version``; the seconds it took to send them."""
         started = time.perf_counter()
         pool.push(self.trainer.cpu_weights(self.engine_dtype), version, self._probe())
-        self.pushed = self.trainer.updates
+        self._sent()
         return {"weight_push_time": time.perf_counter() - started}
 
     def landed(self, pool) -> dict:
