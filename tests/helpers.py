@@ -3,14 +3,17 @@ marks, and the entry scripts run as users run them (a real subprocess, its metri
 
 Fixtures live in conftest.py; this module holds plain names, imported as ``from helpers import ...``.
 """
+import contextlib
 import csv
 import functools
 import math
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -62,6 +65,7 @@ def importable(module: str) -> bool:
 # Probed when a marked test is about to run (conftest.py), not at import: `import vllm` alone takes seconds.
 needs_vllm = pytest.mark.needs("vllm")
 needs_ray_and_vllm = pytest.mark.needs("ray", "vllm")
+needs_ray = pytest.mark.needs("ray")
 
 
 # ------------------------------------------------------------------------------- engines against the trainer
@@ -166,6 +170,52 @@ def start(args, cwd, script="grpo.py", launcher=(), env_extra=None, **popen_kwar
     return subprocess.Popen([sys.executable, *launcher, str(ROOT / script), *args], cwd=cwd,
                             env={**os.environ, **SCRIPT_ENV, **(env_extra or {})}, start_new_session=True,
                             **popen_kwargs)
+
+
+FAULTS = ROOT / "tests" / "faults"  # its sitecustomize.py: preemption at a chosen point, in every process of a run
+GRACE_S = 60  # SIGTERM to SIGKILL: SLURM's default is 30 s; the suite's other worker loads this machine
+
+
+def preempted(args, point: str, nth: int, sig: str, cwd: Path, script="grpo.py", timeout=300,
+              ) -> tuple[subprocess.CompletedProcess, bool]:
+    """``script`` run until ``sig`` (SIGTERM or SIGKILL) reaches every process of it at the ``nth`` call of
+    ``point`` (see tests/faults/sitecustomize.py) in whichever process gets there first; after a SIGTERM, as a
+    scheduler does, SIGKILL to what is left after :data:`GRACE_S`. Returns the run (output captured) and whether
+    the grace ran out. Asserts that the signal was sent and that no process of the run is left."""
+    from faults.sitecustomize import job_processes
+
+    fault_dir = Path(tempfile.mkdtemp(dir=cwd, prefix="fault_"))
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])),
+           "TORCHRL_GRPO_FAULT": f"{point} {nth} {sig}", "TORCHRL_GRPO_FAULT_DIR": str(fault_dir)}
+    with open(fault_dir / "out.log", "w+") as out, open(fault_dir / "err.log", "w+") as err:
+        proc = start(args, cwd=cwd, script=script, env_extra=env, stdout=out, stderr=err)
+        fired = fault_dir / "fired"
+        wait_until(fired.exists, proc, seconds=timeout)
+        grace_out = False
+        try:
+            assert fired.exists(), f"{point} {nth}: not reached; exit code {proc.poll()}"
+            proc.wait(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            grace_out = True
+        finally:
+            if proc.poll() is None or grace_out:
+                kill_all(job_processes(fault_dir))
+            proc.wait(timeout=30)
+        out.seek(0), err.seek(0)
+        done = subprocess.CompletedProcess(proc.args, proc.returncode, out.read(), err.read())
+    deadline = time.time() + 20  # Ray's daemons take a moment to reap their workers
+    while job_processes(fault_dir) and time.time() < deadline:
+        time.sleep(0.2)
+    left = job_processes(fault_dir)
+    kill_all(left)
+    assert not left, f"left running after {point} {nth} {sig}: {left}"
+    return done, grace_out
+
+
+def kill_all(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def failure_excerpt(out: subprocess.CompletedProcess) -> str:

@@ -10,8 +10,8 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from helpers import (CONFIG_DIR, FLOAT32, ROOT, SMALL, finite, metric_rows, needs_ray_and_vllm, ray_processes,
-                     run_async, start, wait_until)
+from helpers import (CONFIG_DIR, FLOAT32, ROOT, SMALL, failure_excerpt, finite, metric_rows, needs_ray,
+                     needs_ray_and_vllm, preempted, ray_processes, run_async, start, wait_until)
 
 
 @needs_ray_and_vllm
@@ -72,6 +72,39 @@ def test_async_trains_within_the_staleness_bound_then_resumes(tmp_path):
     assert all(float(r["staleness"]) == 0 for r in logged[4:])
     assert float(logged[-1]["stale_dropped"]) >= 1
     assert all(finite(r["kl_penalty_in_reward"]) for r in logged[4:]) and not logged[0]["kl_penalty_in_reward"]
+    assert not ray_processes()
+
+
+@needs_ray
+def test_preempted_at_each_point_an_async_run_stops_with_a_checkpoint_and_resumes(tmp_path):
+    """A scheduler's preemption signals every process of the job: the trainer, Ray's daemons, the rollout actors.
+    SIGTERM while an actor generates its third batch, then SIGKILL while the next step's checkpoint is written,
+    then (resumed) SIGTERM in the second optimizer step: each SIGTERM ends the run with 0 within the grace and a
+    checkpoint of the last step the trainer holds (pushes stop with the signal: Ray ends a driver whose object
+    store goes away under a put), the SIGKILL leaves a partial checkpoint that resume skips, and no process of the
+    run is left after any of them. The transformers engine in the actor: cheap starts."""
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    args = [*SMALL, "inference_model.backend=transformers", "train.entropy_coeff=0.01", "train.total_dialog_turns=80",
+            "logging.checkpoint_frequency=1", "logging.keep_checkpoints=0", f"hydra.run.dir={run_dir}",
+            "train.resume=auto"]
+
+    def saved():
+        return [int(p.name.removeprefix("step_")) for p in sorted(checkpoints.glob("step_*"))]
+
+    done, grace_out = preempted(args, "generation", 3, "SIGTERM", cwd=tmp_path, script="grpo-async.py")
+    assert done.returncode == 0 and not grace_out, failure_excerpt(done)
+    first = saved()[-1]
+    assert f"stopped after step {first}" in done.stdout and 1 <= first <= 3, done.stdout[-2000:]
+    assert saved() == list(range(1, first + 1)) == [int(float(r["step"])) for r in metric_rows(run_dir)]
+    done, _ = preempted(args, "checkpoint_write", 1, "SIGKILL", cwd=tmp_path, script="grpo-async.py")
+    assert done.returncode == -9 and saved()[-1] == first
+    assert list(checkpoints.glob(f".tmp_step_{first + 1:06d}_*"))
+    done, grace_out = preempted(args, "optimizer_step", 2, "SIGTERM", cwd=tmp_path, script="grpo-async.py")
+    assert done.returncode == 0 and not grace_out, failure_excerpt(done)
+    assert f"resumed from {checkpoints / f'step_{first:06d}'}" in done.stdout
+    assert f"stopped after step {first + 2}" in done.stdout and saved()[-1] == first + 2
+    assert [int(float(r["step"])) for r in metric_rows(run_dir)] == list(range(1, first + 3))
     assert not ray_processes()
 
 

@@ -112,6 +112,27 @@ def test_after_step_checkpoints_when_due_asked_or_diverged(tmp_path):
     assert damage(tmp_path / "checkpoints" / "step_000004") is None
 
 
+def test_a_repeated_sigterm_is_the_same_stop_request_a_second_ctrl_c_interrupts(capsys):
+    """One preemption can reach the trainer twice (srun passes it on; Ray's daemons signal the driver): it must not
+    turn a stop with a checkpoint into an interrupt. Ctrl-C pressed twice still stops at once."""
+    import os
+    import signal
+
+    from torchrl_grpo.run.stop_request import StopRequest
+
+    before = signal.getsignal(signal.SIGTERM)
+    with StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested
+    assert capsys.readouterr().err.count("SIGTERM: finishing this step and saving a checkpoint") == 1
+    with pytest.raises(KeyboardInterrupt), StopRequest() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested
+        os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler before it is back
+
+
 def test_rng_states_come_back_exactly_through_a_weights_only_load(tmp_path):
     random.seed(3), np.random.seed(4), torch.manual_seed(5)
     np.random.randn()  # numpy now holds a cached Gaussian: part of its state

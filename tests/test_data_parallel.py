@@ -23,8 +23,9 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from helpers import (FLOAT32, LOGPROB_TOL, LORA, SMALL, finite, free_port, max_logprob_gap, metric_rows,
-                     needs_ray_and_vllm, needs_vllm, ray_processes, run_async, start, wait_until)
+from helpers import (FLOAT32, LOGPROB_TOL, LORA, SMALL, failure_excerpt, finite, free_port, max_logprob_gap,
+                     metric_rows, needs_ray_and_vllm, needs_vllm, preempted, ray_processes, run_async, start,
+                     wait_until)
 from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.weight_check import probe_log_probs
@@ -355,6 +356,35 @@ def test_a_rank_killed_stops_the_run_in_one_line_and_it_resumes(tmp_path):
     assert [int(float(r["step"])) for r in metric_rows(run_dir)] == list(range(1, last + 1))
     assert (run_dir / "checkpoints" / f"step_{last:06d}" / "optimizer_shards" / ".metadata").is_file()
     assert live_in_group(proc.pid) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs num_devices=2 is the layer split (fsdp: CPU only)")
+def test_two_ranks_preempted_at_each_point_stop_with_a_checkpoint_or_resume_from_the_last(tmp_path):
+    """Preemption signals every process of the job, both ranks included: SIGTERM during step 2's generation (the
+    ranks sample together), SIGKILL while step 3's checkpoint is written (rank 0 writes the weights, every rank
+    its optimizer shard), then, resumed from step 2, SIGTERM in step 4's optimizer step. Each SIGTERM ends the run
+    with 0 within the grace and a whole checkpoint of that step, shards included; the SIGKILL leaves a partial one
+    that resume skips; no process of the run is left after any of them. (Resumed ranks take the steps of the run
+    left alone: test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes.)"""
+    run_dir = tmp_path / "run"
+    checkpoints = run_dir / "checkpoints"
+    args = [*SMALL, "train_model.num_devices=2", "inference_model.backend=transformers", "train.entropy_coeff=0.01",
+            "train.total_dialog_turns=48", "logging.checkpoint_frequency=1", "logging.keep_checkpoints=0",
+            f"hydra.run.dir={run_dir}", "train.resume=auto"]
+
+    def saved():
+        return [int(p.name.removeprefix("step_")) for p in sorted(checkpoints.glob("step_*"))]
+
+    done, grace_out = preempted(args, "generation", 2, "SIGTERM", cwd=tmp_path)
+    assert done.returncode == 0 and not grace_out, failure_excerpt(done)
+    assert "stopped after step 2" in done.stdout and saved() == [1, 2]
+    done, _ = preempted(args, "checkpoint_write", 1, "SIGKILL", cwd=tmp_path)
+    assert done.returncode == -9 and saved() == [1, 2] and list(checkpoints.glob(".tmp_step_000003_*"))
+    done, grace_out = preempted(args, "optimizer_step", 2, "SIGTERM", cwd=tmp_path)
+    assert done.returncode == 0 and not grace_out, failure_excerpt(done)
+    assert f"resumed from {checkpoints / 'step_000002'}" in done.stdout and "stopped after step 4" in done.stdout
+    assert saved() == [1, 2, 3, 4] and [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2, 3, 4]
+    assert (checkpoints / "step_000004" / "optimizer_shards" / ".metadata").is_file()
 
 
 @needs_ray_and_vllm

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import CONFIG_DIR, SMALL, finite, metric_rows, needs_vllm, run, start, wait_until
+from helpers import (CONFIG_DIR, SMALL, failure_excerpt, finite, metric_rows, needs_vllm, preempted, run, start,
+                     wait_until)
 from torchrl_grpo.config.precision import native_bf16
 from torchrl_grpo.core.allocator import find_tcmalloc
 
@@ -168,40 +169,48 @@ def test_sigterm_stops_after_the_step_with_a_checkpoint(tmp_path):
     assert (run_dir / "checkpoints" / f"step_{stopped_at:06d}" / "trainer_state.pt").is_file()
 
 
-# four steps that each update (an entropy bonus: the tiny model's rewards tie), a checkpoint after every one
-PREEMPTED = [*SMALL, "inference_model.backend=transformers", "train.total_dialog_turns=32", "train.entropy_coeff=0.01",
+# six steps that each update (an entropy bonus: the tiny model's rewards tie), a checkpoint after every one; the
+# transformers engine: cheap starts, and its sampling state is in the checkpoint
+PREEMPTED = [*SMALL, "inference_model.backend=transformers", "train.total_dialog_turns=48", "train.entropy_coeff=0.01",
              "logging.checkpoint_frequency=1", "logging.keep_checkpoints=0"]
 
 
-@pytest.fixture(scope="module")
-def whole_run(tmp_path_factory) -> Path:
-    """The run of :data:`PREEMPTED` left alone: its directory."""
-    run_dir = tmp_path_factory.mktemp("whole") / "run"
-    whole = run([*PREEMPTED, f"hydra.run.dir={run_dir}"], cwd=run_dir.parent)
+def test_preempted_at_each_point_of_a_step_the_run_resumes_to_the_metrics_of_the_run_left_alone(tmp_path):
+    """SIGTERM during step 2's generation, then (resumed) during step 3's optimizer step: each run finishes that
+    step, saves its checkpoint whole and ends with 0 within the grace. SIGKILL during step 4's checkpoint write: a
+    partial checkpoint that resume skips. Resumed from step 3, SIGTERM during step 5's checkpoint write stops on
+    it, not one step later. Resumed to the end, steps 1 to 6 are, metric for metric, those of the run left alone."""
+    run_dir, whole_dir = tmp_path / "run", tmp_path / "whole"
+    whole = run([*PREEMPTED, f"hydra.run.dir={whole_dir}"], cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    return run_dir
+    args, checkpoints = [*PREEMPTED, f"hydra.run.dir={run_dir}", "train.resume=auto"], run_dir / "checkpoints"
 
+    def steps():
+        return [int(float(r["step"])) for r in metric_rows(run_dir)]
 
-@pytest.mark.parametrize("point", ["optimizer_step", "checkpoint_write"])
-def test_sigterm_at_a_chosen_point_stops_after_that_step_and_resumes_exactly(point, whole_run, tmp_path):
-    """SIGTERM in the middle of step 2's optimizer step, or of its checkpoint's write: the step is finished, its
-    checkpoint is whole (no temporary folder left), the run ends with 0, and resumed it gives steps 3 and 4 as the
-    run left alone does (the transformers engine: cheap starts; its sampling state is in the checkpoint)."""
-    run_dir = tmp_path / "run"
-    stopped = run([point, "2", *PREEMPTED, f"hydra.run.dir={run_dir}"], cwd=tmp_path, script="tests/trainer_faults.py")
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
-    assert "SIGTERM: finishing this step and saving a checkpoint" in stopped.stderr
-    assert "stopped after step 2" in stopped.stdout
-    checkpoints = run_dir / "checkpoints"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000001", "step_000002"]
-    resumed = run([*PREEMPTED, f"hydra.run.dir={run_dir}", "train.resume=auto"], cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert f"resumed from {checkpoints / 'step_000002'}" in resumed.stdout
-    rows, alone = metric_rows(run_dir), metric_rows(whole_run)
-    assert [int(float(r["step"])) for r in rows] == [1, 2, 3, 4]
+    for point, nth, sig, stops_after in [("generation", 2, "SIGTERM", 2), ("optimizer_step", 1, "SIGTERM", 3),
+                                         ("checkpoint_write", 1, "SIGKILL", None), ("checkpoint_write", 2, "SIGTERM", 5)]:
+        done, grace_out = preempted(args, point, nth, sig, cwd=tmp_path)
+        saved = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_"))
+        if stops_after is None:  # killed: step 4's files under their temporary name, never taken
+            assert done.returncode == -9 and saved == ["step_000001", "step_000002", "step_000003"]
+            assert [p.name for p in checkpoints.glob(".tmp_step_000004_*")]
+            continue
+        assert done.returncode == 0 and not grace_out, failure_excerpt(done)
+        assert "SIGTERM: finishing this step and saving a checkpoint" in done.stderr
+        assert f"stopped after step {stops_after}" in done.stdout, done.stdout[-2000:]
+        assert saved == [f"step_{s:06d}" for s in range(1, stops_after + 1)] and steps() == saved_steps(saved)
+    assert "resumed from " + str(checkpoints / "step_000003") in done.stdout
+    done = run(args, cwd=tmp_path)
+    assert done.returncode == 0 and steps() == [1, 2, 3, 4, 5, 6], done.stderr[-3000:]
+    rows, alone = metric_rows(run_dir), metric_rows(whole_dir)
     timing = [key for key in alone[0] if "time" in key or key.endswith("_per_s")]
     for mine, theirs in zip(rows, alone, strict=True):
         assert {k: v for k, v in mine.items() if k not in timing} == {k: v for k, v in theirs.items() if k not in timing}
+
+
+def saved_steps(names: list[str]) -> list[int]:
+    return [int(n.removeprefix("step_")) for n in names]
 
 
 @needs_vllm

@@ -17,9 +17,11 @@ the loop turns into one line after a checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
@@ -163,6 +165,21 @@ def ray_init_kwargs(actors: ActorSettings, verbose: bool = False) -> dict:
     return {"address": address, **kwargs}
 
 
+@contextlib.contextmanager
+def sigterm_blocked():
+    """SIGTERM blocked in the processes started meanwhile, and in theirs: a blocked signal stays blocked across
+    fork and exec. Ray's daemons started by ``ray.init`` (and the actors they start) so keep out of a scheduler's
+    preemption, which signals every process of the job: the trainer gets to finish its step and checkpoint, then
+    shuts them down itself. Were they to go at once, Ray would end the trainer the moment it touched its object
+    store ("The connection to the plasma store is failed. Terminate the process"), no checkpoint written. Ray
+    itself keeps SIGINT (Ctrl-C) from its daemons so. Its shutdown then kills them after a second's wait each."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 class ActorPool:
     """Starts Ray and ``ray.num_actors`` actors (each continuing from its saved prompt position and seeded
     ``train.seed + 1000 x actor + start step``), keeps one collect in flight per actor, restarts actors that
@@ -179,7 +196,8 @@ class ActorPool:
         self.max_restarts = settings.max_actor_restarts
         started, self.actors, self.pushes = time.perf_counter(), [], {}
         try:
-            ray.init(**ray_init_kwargs(settings, spec.logging.verbose))
+            with sigterm_blocked():  # in the daemons of a Ray this starts
+                ray.init(**ray_init_kwargs(settings, spec.logging.verbose))
         except Exception as err:  # no cluster at ray.address, a bad ray.init key, ...
             ray.shutdown()
             raise ConfigError(f"ray.address={settings.address}: could not start or join Ray ({one_line(err)})") from None

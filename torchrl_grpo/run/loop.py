@@ -79,8 +79,9 @@ class BatchSource(Protocol):
     def take(self, step: int) -> Delivery:
         """The batch of ``step``."""
 
-    def finish(self, step: int, delivery: Delivery) -> dict:
-        """After the update of ``step``: sync the weights; the step's remaining metrics."""
+    def finish(self, step: int, delivery: Delivery, stopping: bool) -> dict:
+        """After the update of ``step``: sync the weights (``stopping``: a stop was asked for, the run ends after
+        this step); the step's remaining metrics."""
 
     @property
     def fault(self) -> str | None:
@@ -147,7 +148,7 @@ def run_loop(run: Run) -> dict:
                 metrics.update(trainer.prepare(delivery.batch))
                 metrics.update(trainer.optimize(delivery.batch))
                 try:
-                    metrics.update(source.finish(step, delivery))
+                    metrics.update(source.finish(step, delivery, stop.requested))
                     if evaluator is not None and evaluator.due(step):
                         metrics.update(evaluator(eval_engine))
                 except Exception as cause:  # the trainer holds this step's update

@@ -77,7 +77,8 @@ class LocalSource:
         batch, metrics, samples = self.collector.collect(version, sampled)
         return Delivery(batch, metrics, samples, version, started)
 
-    def finish(self, step: int, delivery: Delivery) -> dict:
+    def finish(self, step: int, delivery: Delivery, stopping: bool) -> dict:
+        """Pushes even when ``stopping``: this step's evaluation samples the engine."""
         metrics = {}
         if self.prefetch:
             metrics["batch_wait_time"] = self.prefetch.finish()
@@ -152,10 +153,14 @@ class ActorSource:
                                 {"actor": actor, "staleness": staleness, "wait_time": wait_time})
             progress.stale_dropped += 1
 
-    def finish(self, step: int, delivery: Delivery) -> dict:
+    def finish(self, step: int, delivery: Delivery, stopping: bool) -> dict:
+        """No push after the last step, nor once a stop is asked for: the run ends after this step, within a
+        scheduler's grace; and the daemons of a Ray cluster this run did not start may be going with the same
+        signal (Ray ends a driver whose object store goes away under a put)."""
         progress, extra = self.progress, delivery.extra
         metrics = {"trainer_version": progress.policy_version, "weight_push_time": 0.0}
-        if step % self.weight_update_frequency == 0 and step < self.total_steps and self.weights.changed:
+        due = step % self.weight_update_frequency == 0 and step < self.total_steps and not stopping
+        if due and self.weights.changed:
             progress.policy_version += 1
             metrics.update(self.weights.push(self.pool, progress.policy_version))
         metrics.update(self.weights.landed(self.pool))
