@@ -11,6 +11,7 @@ from torchrl_grpo.tasks.competition_math import HUB_DATASET as MATH_HUB
 from torchrl_grpo.tasks.competition_math import build_math_task
 from torchrl_grpo.tasks.gsm8k import build_gsm8k_task
 from torchrl_grpo.tasks.ifeval import build_ifeval_task
+from torchrl_grpo.tasks.openenv import build_openenv_task
 from torchrl_grpo.tasks.prompts import build_prompts_task
 from torchrl_grpo.tasks.reasoning_gym_tasks import build_reasoning_gym_task
 
@@ -27,6 +28,7 @@ TASK_BUILDERS: dict[str, Callable[[Any], Task]] = {
     MATH_HUB: build_math_task,
     "HuggingFaceH4/MATH-500": build_math_task,
     "prompts": build_prompts_task,
+    "openenv": build_openenv_task,
 }
 DEFAULT_DATASET = "openai/gsm8k"
 # reward callables handed over as Python objects (the Python API's reward_funcs), by their env.rewards _target_
