@@ -10,7 +10,9 @@ inherits (engine processes, ranks, Ray's daemons and actors), so that all of the
 records, over those processes: the resident set (MiB), open files, threads, the count of processes, and what
 ``/dev/shm`` holds (MiB). At the end it prints, for each quantity and case, the slope after warm-up (the first
 fifth of the samples left out) per 1,000 steps by least squares, with the spread of the samples around that
-line: a slope within the spread is flat.
+line: a slope within the spread is flat. The resident set is also split: ``anon_mib``, the processes' own
+memory (heaps, tensors), and ``rss_shmem_mib``, pages of shared memory they touched (a driver's pushes into Ray's
+object store: bounded by the store and plateauing, not a leak of the process).
 """
 import argparse
 import csv
@@ -37,7 +39,7 @@ CASES = {  # case -> (script, overrides without the length)
 }
 DEFAULT_STEPS = {"sync": 2000, "async": 2000, "ranks": 2000, "smollm2": 300}
 MARKER = "TORCHRL_GRPO_SOAK"
-QUANTITIES = ("rss_mib", "open_files", "threads", "processes", "shm_mib")
+QUANTITIES = ("rss_mib", "anon_mib", "rss_shmem_mib", "open_files", "threads", "processes", "shm_mib")
 
 
 def completions_per_step(overrides: list[str]) -> int:
@@ -72,6 +74,17 @@ def shm_mib() -> float:
     return total / 2**20
 
 
+def resident_parts(pid: int) -> tuple[float, float]:
+    """(anonymous, shared-memory) parts of a process's resident set, MiB: the shared part is pages of mapped
+    shared memory it touched (Ray's object store, which a driver writes each push into), not its own heap."""
+    parts = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssShmem:")):
+                parts[line.split(":")[0]] = int(line.split()[1]) / 1024
+    return parts.get("RssAnon", 0.0), parts.get("RssShmem", 0.0)
+
+
 def label(proc: psutil.Process) -> str:
     """A process's name as a reader knows it: Ray's title (ray::RolloutActor), else its script or command."""
     command = proc.cmdline()
@@ -83,19 +96,21 @@ def label(proc: psutil.Process) -> str:
 
 def sample(tag: str) -> tuple[dict, dict]:
     """The run's totals, and each process's resident set (MiB) by :func:`label`."""
-    rss, files, threads, alive, each = 0, 0, 0, 0, {}
+    rss, anon, shmem, files, threads, alive, each = 0, 0.0, 0.0, 0, 0, 0, {}
     for proc in processes_of(tag):
         try:
             with proc.oneshot():
                 mine = proc.memory_info().rss
                 files += proc.num_fds()
                 threads += proc.num_threads()
+                mine_anon, mine_shmem = resident_parts(proc.pid)
                 each[label(proc)] = mine / 2**20
-                rss, alive = rss + mine, alive + 1
-        except psutil.Error:
+                each[label(proc) + " anon"] = mine_anon
+                rss, anon, shmem, alive = rss + mine, anon + mine_anon, shmem + mine_shmem, alive + 1
+        except (psutil.Error, OSError):
             pass
-    totals = {"rss_mib": rss / 2**20, "open_files": files, "threads": threads, "processes": alive,
-              "shm_mib": shm_mib()}
+    totals = {"rss_mib": rss / 2**20, "anon_mib": anon, "rss_shmem_mib": shmem, "open_files": files,
+              "threads": threads, "processes": alive, "shm_mib": shm_mib()}
     return totals, each
 
 
@@ -154,7 +169,7 @@ def report(case: str, samples: list[tuple[int, dict, dict]]) -> None:
         b, spread = slope(points)
         first, last = points[0][1] if points else float("nan"), points[-1][1] if points else float("nan")
         print(f"  {quantity:<11} first {first:9.1f}  last {last:9.1f}  slope {b:+9.2f}  spread {spread:7.2f}")
-    print("  resident set by process (MiB per 1,000 steps; those alive throughout):")
+    print("  resident set (and its anonymous part) by process, MiB per 1,000 steps; those alive throughout:")
     alive = set.intersection(*(set(each) for _, _, each in samples)) if samples else set()
     for name in sorted(alive, key=lambda n: -slope([(step, each[n]) for step, _, each in samples])[0]):
         b, spread = slope([(step, each[name]) for step, _, each in samples])

@@ -10,8 +10,7 @@ import urllib.request
 
 import pytest
 
-from helpers import (ROOT, SMALL, cfg_with, failure_excerpt, free_port, metric_rows, needs_ray, ray_processes, run,
-                     run_async)
+from helpers import ROOT, SMALL, cfg_with, failure_excerpt, free_port, metric_rows, needs_ray, ray_processes, run
 from test_multi_turn import ScriptedPolicy, rendered
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.spec import resolve_run
@@ -134,22 +133,14 @@ ARGS = [*SMALL, "env=openenv", "env.size=8", "inference_model.backend=transforme
         "logging.eval_frequency=2", "eval.num_prompts=2"]
 
 
-def test_grpo_py_trains_on_an_openenv_server(server_url, tmp_path):
+@pytest.mark.parametrize("script", ["grpo.py", pytest.param("grpo-async.py", marks=needs_ray)])
+def test_the_entry_points_train_on_an_openenv_server(script, server_url, tmp_path):
+    """grpo.py, and grpo-async.py, whose rollout actor opens its own sessions in its own process; both evaluate on
+    held-out seeds."""
     run_dir = tmp_path / "run"
-    done = run([*ARGS, f"env.url={server_url}", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    done = run([*ARGS, f"env.url={server_url}", f"hydra.run.dir={run_dir}"], cwd=tmp_path, script=script)
     assert done.returncode == 0, failure_excerpt(done)
     rows = metric_rows(run_dir)
     assert [r["step"] for r in rows] == ["0", "1", "2"] and all(r["reward/env_reward"] for r in rows[1:])
     assert float(rows[1]["turns/engine_turns"]) > 1 and float(rows[-1]["eval/prompts"]) == 2
-    assert "reward/env_reward" in done.stdout
-
-
-@needs_ray
-def test_grpo_async_trains_on_an_openenv_server(server_url, tmp_path):
-    """The rollout actor, in its own process, opens its own sessions."""
-    run_dir = tmp_path / "run"
-    done = run_async([*ARGS, f"env.url={server_url}", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
-    assert done.returncode == 0, failure_excerpt(done)
-    rows = metric_rows(run_dir)
-    assert [r["step"] for r in rows] == ["0", "1", "2"] and all(r["reward/env_reward"] for r in rows[1:])
-    assert not ray_processes()
+    assert "reward/env_reward" in done.stdout and not ray_processes()
