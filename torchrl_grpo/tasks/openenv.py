@@ -178,7 +178,8 @@ def build_openenv_task(env_cfg: Any) -> Task:
 
     if importlib.util.find_spec("openenv") is None:
         raise ConfigError("env.dataset=openenv: the OpenEnv client (openenv-core) is not installed; "
-                          "pip install -e \".[openenv]\"")
+                          "pip install -e \".[openenv]\" (beside vLLM 0.33, whose pillow pin its web UI's gradio "
+                          "refuses: pip install --no-deps openenv-core==0.3.0 && pip install fastmcp websockets)")
     url = env_value(env_cfg, "url")
     if not isinstance(url, str) or not url.startswith(("http://", "https://", "ws://", "wss://")):
         raise ConfigError(f"env.url={url!r}: give the OpenEnv server's address, e.g. http://localhost:8000")
