@@ -29,7 +29,8 @@ def pytest_collection_modifyitems(items):
     """Under pytest-xdist (pytest.ini: two workers, --dist loadgroup) the tests that start Ray run one after the
     other on one worker: each ends by checking that no Ray daemon is left on the machine, and the SLURM script
     stops every Ray of the machine at its end. They come first: the scheduler hands out work in this order, and
-    the group (minutes of tests in a row) started last would hold the suite's end while the other worker idles."""
+    the group (minutes of tests in a row) started last would hold the suite's end while the other worker idles.
+    Other groups (a module's tests that share one engine in order) come first too, for the same reason."""
     for item in items:
         if any("ray" in mark.args for mark in item.iter_markers("needs")):
             item.add_marker(pytest.mark.xdist_group("ray"))

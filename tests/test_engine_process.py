@@ -23,6 +23,9 @@ from torchrl_grpo.engines import weight_stream
 from torchrl_grpo.engines.vllm import MULTIPROCESSING_ENV, VLLMEngine, wants_own_process
 from torchrl_grpo.models.loading import load_policy, merged_state_dict
 
+# one xdist worker runs them in order: the tests on the `own` engine follow one another (the close test checks
+# what the push test made), and the engine starts once
+pytestmark = pytest.mark.xdist_group("own_engine")
 SHM = "/dev/shm"
 PUSH_PREFIX = "torchrl_grpo_push_"
 QUESTIONS = ["Ana has 5 apples.", "Each box holds 3 eggs. There are 12 boxes. How many eggs are there in total?"]
