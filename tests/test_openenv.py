@@ -80,6 +80,7 @@ def test_an_episode_holds_the_sampled_and_the_servers_ids_and_earns_its_return(t
         assert ids == whole[: len(ids)] and tokenizer.decode(whole[len(ids):]) == "\n"
     assert batch["reward"].tolist() == [1.0] * 4 and metrics["turns/env_errors"] == 0
     assert metrics["turns/engine_turns"] == 2.5
+    assert not c.task.server.idle and not c.task.server.ended  # every session closed, nothing kept
 
 
 def test_a_step_that_raises_or_hangs_ends_its_episode_as_env_reward_errors_says(tokenizer, server_url):

@@ -104,9 +104,7 @@ class OpenEnvServer:
         """Play ``text`` in an episode of ``seed`` that played ``earlier`` turns: the server's reply, or None where
         the episode ended (its return, or the error that ended it, is kept for :meth:`episode_return`)."""
         played = (seed, *earlier, text)
-        with self.lock:
-            waiting = self.idle.get((seed, *earlier))
-            session = waiting.pop() if waiting else None
+        session = self._take(self.idle, (seed, *earlier))
         try:
             if session is None:
                 if earlier:
@@ -136,21 +134,28 @@ class OpenEnvServer:
         with self.lock:
             table.setdefault(key, []).append(value)
 
+    def _take(self, table: dict, key: tuple):
+        """One of ``table[key]``, or None; a key left with none goes (a long run's episodes leave nothing)."""
+        with self.lock:
+            kept = table.get(key)
+            if not kept:
+                return None
+            value = kept.pop()
+            if not kept:
+                del table[key]
+            return value
+
     def episode_return(self, seed: int, turns: tuple[str, ...]) -> float:
         """The return of an episode of ``seed`` that played ``turns``, the last one played now unless the server
         already ended the episode on it; its session closes. Raises the :class:`ServerError` that ended it."""
         played = (seed, *turns)
-        with self.lock:
-            ended = self.ended.get(played)
-            result = ended.pop() if ended else None
+        result = self._take(self.ended, played)
         if result is None:
             if self.turn(seed, turns[:-1], turns[-1]) is not None:  # the server wanted more: the episode is over
-                with self.lock:
-                    session = self.idle[played].pop()
+                session = self._take(self.idle, played)
                 self._close(session)
                 return session.returns
-            with self.lock:
-                result = self.ended[played].pop()
+            result = self._take(self.ended, played)
         if isinstance(result, ServerError):
             raise result
         return result
