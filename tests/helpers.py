@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_dir
 
+from faults.sitecustomize import job_processes, processes_with_env  # noqa: F401 (tests import it from here)
 from torchrl_grpo.config import CONFIG_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -182,8 +183,6 @@ def preempted(args, point: str, nth: int, sig: str, cwd: Path, script="grpo.py",
     ``point`` (see tests/faults/sitecustomize.py) in whichever process gets there first; after a SIGTERM, as a
     scheduler does, SIGKILL to what is left after :data:`GRACE_S`. Returns the run (output captured) and whether
     the grace ran out. Asserts that the signal was sent and that no process of the run is left."""
-    from faults.sitecustomize import job_processes
-
     fault_dir = Path(tempfile.mkdtemp(dir=cwd, prefix="fault_"))
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(FAULTS), os.environ.get("PYTHONPATH")])),
            "TORCHRL_GRPO_FAULT": f"{point} {nth} {sig}", "TORCHRL_GRPO_FAULT_DIR": str(fault_dir)}

@@ -16,7 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import LOGPROB_TOL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb, run
+from helpers import (LOGPROB_TOL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb,
+                     processes_with_env, run)
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines import vllm as vllm_engine
 from torchrl_grpo.engines import weight_stream
@@ -227,19 +228,6 @@ def test_own_process_close_leaves_no_process_and_nothing_in_shm(own):
         own.engine.generate([[1, 2]], n=1, max_tokens=2)
 
 
-def _processes_with_env(marker: str) -> list[int]:
-    """Live processes whose environment holds ``marker`` (what a run's processes inherit, orphans included)."""
-    pids = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if marker.encode() in f.read():
-                    pids.append(int(pid))
-        except OSError:  # gone meanwhile, or not ours to read
-            pass
-    return pids
-
-
 @needs_vllm
 def test_grpo_py_with_its_engine_in_its_own_process(own_engine_run, tmp_path):
     """Two steps of grpo.py with engine_process=own: the step-2 batch was sampled after a push through /dev/shm,
@@ -268,9 +256,9 @@ def test_grpo_py_with_its_engine_in_its_own_process(own_engine_run, tmp_path):
     for key in ("reward", "loss", "entropy", "grad_norm"):  # the same samples: the trainer's numbers bit for bit
         assert resumed[key] == rows[1][key], (key, resumed[key], rows[1][key])
     deadline = time.time() + 10
-    while _processes_with_env(f"TORCHRL_GRPO_TEST_RUN={tag}") and time.time() < deadline:
+    while processes_with_env(f"TORCHRL_GRPO_TEST_RUN={tag}") and time.time() < deadline:
         time.sleep(0.2)
-    assert not _processes_with_env(f"TORCHRL_GRPO_TEST_RUN={tag}")
+    assert not processes_with_env(f"TORCHRL_GRPO_TEST_RUN={tag}")
     # the runs' push folders (named after the process that pushes) went with their engines
     ours = (f"{PUSH_PREFIX}{done.pid}_", f"{PUSH_PREFIX}{again.pid}_")
     assert not [name for name in _push_dirs() if name.startswith(ours)]

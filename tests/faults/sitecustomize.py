@@ -21,17 +21,23 @@ import sys
 FAULT, FAULT_DIR = os.environ.get("TORCHRL_GRPO_FAULT"), os.environ.get("TORCHRL_GRPO_FAULT_DIR")
 
 
-def job_processes(fault_dir) -> list[int]:
-    """The live processes of the run preempted through ``fault_dir``: their environment names it."""
-    mark, found = f"TORCHRL_GRPO_FAULT_DIR={fault_dir}".encode(), []
+def processes_with_env(entry: str) -> list[int]:
+    """The live processes whose environment holds ``entry`` (``NAME=value``): those of one run, which its
+    processes inherit (orphans included). The tests find a run's processes with it too."""
+    mark, found = entry.encode(), []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/environ", "rb") as f:
                 if mark in f.read().split(b"\0"):
                     found.append(int(pid))
-        except OSError:
+        except OSError:  # gone meanwhile, or not ours to read
             pass
     return found
+
+
+def job_processes(fault_dir) -> list[int]:
+    """The live processes of the run preempted through ``fault_dir``."""
+    return processes_with_env(f"TORCHRL_GRPO_FAULT_DIR={fault_dir}")
 
 
 def _fire(sig: signal.Signals) -> None:
