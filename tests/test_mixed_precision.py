@@ -88,3 +88,38 @@ def test_a_cpu_without_native_bf16_is_warned_once(tiny_model_path, monkeypatch, 
         other = cfg_with("model=tiny", default_or_off)
         build_trainer(other, resolve_run(other), tiny_model_path, None)
         assert "without native bf16" not in capsys.readouterr().err
+
+
+def test_weight_casts_are_made_again_in_the_backward_not_kept_by_the_graph(tiny_model_path):
+    """Autocast's bf16 casts of the weights (and the transposed views of them that linear layers save) are not
+    held from the forward to the backward (:mod:`torchrl_grpo.training.recast`): the graph keeps exactly their
+    bytes less, and the gradients are the same bit for bit."""
+    from torchrl_grpo.objective.loss import token_log_probs
+    from torchrl_grpo.training.recast import pack_saved, unpack_saved
+
+    policy = load_policy(tiny_model_path, dtype=torch.float32, device="cpu")
+    batch = make_batch(policy.config.vocab_size)
+
+    def backward(pack):
+        kept = {}
+
+        def counted(saved):
+            packed = pack(saved)
+            if isinstance(packed, torch.Tensor):
+                kept[packed.untyped_storage().data_ptr()] = packed.untyped_storage().nbytes()
+            return packed
+
+        policy.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), \
+                torch.autograd.graph.saved_tensors_hooks(counted, unpack_saved):
+            taken, _ = token_log_probs(policy, batch["tokens"], batch["attention_mask"], wanted=batch["completion_mask"])
+            loss = (taken * torch.linspace(-1, 1, taken.numel()).view_as(taken)).sum()
+        loss.backward()
+        params = {p.untyped_storage().data_ptr() for p in policy.parameters()}
+        return sum(n for ptr, n in kept.items() if ptr not in params), [p.grad.clone() for p in policy.parameters()]
+
+    kept_all, grads = backward(lambda saved: saved)
+    kept_fewer, recast_grads = backward(pack_saved)
+    weights = {m.weight.data_ptr(): m.weight.numel() for m in policy.modules() if isinstance(m, torch.nn.Linear)}
+    assert kept_all - kept_fewer == 2 * sum(weights.values())  # one bf16 copy of every linear weight
+    assert all(torch.equal(a, b) for a, b in zip(grads, recast_grads))

@@ -31,6 +31,7 @@ from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, token_log_probs, 
 from torchrl_grpo.objective.terms import aggregate, group_advantages
 from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.no_signal import NoSignalWatch
+from torchrl_grpo.training.recast import weights_recast_in_backward
 from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, gathered, load_optimizer, save_optimizer
 
 
@@ -176,7 +177,7 @@ class Trainer:
                 total = self.loss.accumulation_weight(batch[window])  # every row of the window counts
                 share_weights += weights
                 for mb, weight in zip(micro, weights):
-                    with self._autocast(), torch.set_grad_enabled(moves):
+                    with self._autocast(), weights_recast_in_backward(), torch.set_grad_enabled(moves):
                         losses = self.loss(mb)
                         if self.critic is not None:
                             losses.update(self._value_loss(mb))
