@@ -5,10 +5,11 @@ completions x 24 tokens, SmolLM2-135M-Instruct) in this process, piece by piece,
 (``VmRSS``) and its peak (``VmHWM``, reset between pieces through ``/proc/self/clear_refs``) after each: imports,
 policy, engine (its weights and KV cache), then a few steps (generate, log-probs, forward/backward and optimizer,
 weight push). Prints each piece's growth, the tensors' own sizes (weights, gradients, optimizer state, KV cache)
-and the peak of the whole process.
+and the peak of the whole process; with the profiler, the tensors live at the peak of the last step's training.
 
     .venv/bin/python bench/memory.py                                     # the default config, 3 steps
     .venv/bin/python bench/memory.py train.optim_batch_size=4 train.gradient_accumulation_steps=4
+    .venv/bin/python bench/memory.py --every-row-trains --live inference_model.max_tokens=128   # the peak's parts
 """
 import argparse
 import os
@@ -65,15 +66,34 @@ def tensor_bytes(tensors) -> float:
     return sum(t.numel() * t.element_size() for t in tensors) / GiB
 
 
+def live_peak(work) -> float:
+    """The most tensor memory live at once while ``work()`` runs, in GiB, from the profiler's memory timeline
+    (tensors made before it count from when it first touches them)."""
+    import numpy as np
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler._memory_profiler import MemoryProfileTimeline
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        work()
+    _, sizes = MemoryProfileTimeline(prof._memory_profile())._coalesce_timeline(torch.device("cpu"))
+    return float(np.array(sizes).sum(1).max()) / GiB
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--data", default=GSM8K_DATA, help="env.data_path")
+    parser.add_argument("--every-row-trains", action="store_true",
+                        help="random advantages, so that every row of every step trains (TRL's case)")
+    parser.add_argument("--live", action="store_true",
+                        help="then train on the last step's batch again under the profiler: the tensors live at "
+                             "that training's peak")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides")
     opts = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ledger = Ledger()
-    import torch  # noqa: F401
+    import torch
     import transformers  # noqa: F401
     import vllm  # noqa: F401
     ledger.mark("imports (torch, transformers, vllm)")
@@ -99,12 +119,16 @@ def main() -> None:
             ledger.mark(f"step {step}: generate")
             trainer.prepare(batch)
             ledger.mark(f"step {step}: log-probs, advantages")
+            if opts.every_row_trains:  # random advantages: no row is skipped, no step is still
+                batch["advantage"] = torch.randn(batch["advantage"].shape, generator=torch.Generator().manual_seed(step))
             trainer.optimize(batch)
             ledger.mark(f"step {step}: forward/backward, optimizer")
             trainer.push_weights(engine)
             if check is not None:
                 check.after_push(engine)
             ledger.mark(f"step {step}: weight push and check")
+        if opts.live:  # the last step's training again, profiled, after the ledger's readings
+            live = live_peak(lambda: trainer.optimize(batch))
         kv = (engine.llm.llm_engine.vllm_config.cache_config.kv_cache_memory_bytes or float("nan")) / GiB
     finally:
         engine.close()
@@ -113,6 +137,11 @@ def main() -> None:
     state = [t for s in trainer.optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
     print(f"tensors: policy weights {tensor_bytes(params):.2f} GiB, gradients {tensor_bytes(params):.2f} GiB "
           f"(freed after each step), optimizer state {tensor_bytes(state):.2f} GiB, engine KV cache {kv:.2f} GiB")
+    if not opts.live:
+        return
+    held = 2 * tensor_bytes(params) + tensor_bytes(state)
+    print(f"live tensors at the peak of step {opts.steps}'s training (replayed): {live:.2f} GiB, of which "
+          f"activations and temporaries {live - held:.2f} GiB (the rest: weights, gradients, optimizer state)")
 
 
 if __name__ == "__main__":

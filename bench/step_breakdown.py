@@ -39,7 +39,7 @@ PARTS = {  # label -> how to read it from a metrics row
     "log-probs (prepare)": lambda r: r["prepare_time"],
     "forward+backward": lambda r: r["train_time"] - r["optimizer_time"],
     "optimizer": lambda r: r["optimizer_time"],
-    "weight push": lambda r: r["weight_push_time"],
+    "weight push": lambda r: r.get("weight_push_time", 0.0),  # none after a step that took no update
     "weight check": lambda r: r.get("weight_check_time", 0.0),
 }
 
@@ -72,11 +72,11 @@ def split(rows: list[dict]) -> dict[str, float]:
     return {"step": step, **med}
 
 
-def bare_generate_tokens_per_s(engine, prompts: list[list[int]], repeats: int) -> float:
+def bare_generate_tokens_per_s(engine, prompts: list[list[int]], repeats: int, max_tokens: int) -> float:
     """Tokens/s of the engine's own ``vllm.LLM.generate``: same prompts, n, length and temperature."""
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(n=8, max_tokens=24, temperature=1.0, seed=0)
+    params = SamplingParams(n=8, max_tokens=max_tokens, temperature=1.0, seed=0)
     tokens, seconds = 0, 0.0
     for i in range(repeats):
         chunk = [TokensPrompt(prompt_token_ids=p) for p in prompts[2 * i: 2 * i + 2]]
@@ -87,8 +87,10 @@ def bare_generate_tokens_per_s(engine, prompts: list[list[int]], repeats: int) -
     return tokens / seconds
 
 
-def bare_train_step_s(model_path: str, prompts: list[list[int]], repeats: int, bf16_autocast: bool) -> float:
-    """Median seconds of forward (completion logits only) + log-softmax + backward + AdamW step, 16 sequences."""
+def bare_train_step_s(model_path: str, prompts: list[list[int]], repeats: int, bf16_autocast: bool,
+                      max_tokens: int) -> float:
+    """Median seconds of forward (completion logits only) + log-softmax + backward + AdamW step, 16 sequences of
+    ``max_tokens`` completion tokens."""
     import torch
 
     from torchrl_grpo.models.loading import load_policy
@@ -98,12 +100,12 @@ def bare_train_step_s(model_path: str, prompts: list[list[int]], repeats: int, b
     times = []
     for i in range(repeats + 1):
         pair = prompts[2 * i: 2 * i + 2]
-        length = max(len(p) for p in pair) + 24
-        ids = torch.tensor([(p + [0] * 24 + [0] * length)[:length] for p in pair for _ in range(8)])
+        length = max(len(p) for p in pair) + max_tokens
+        ids = torch.tensor([(p + [0] * max_tokens + [0] * length)[:length] for p in pair for _ in range(8)])
         started = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16_autocast):
-            logits = model(input_ids=ids, logits_to_keep=25).logits[:, :-1].float()
-        taken = torch.log_softmax(logits, -1).gather(-1, ids[:, -24:].unsqueeze(-1))
+            logits = model(input_ids=ids, logits_to_keep=max_tokens + 1).logits[:, :-1].float()
+        taken = torch.log_softmax(logits, -1).gather(-1, ids[:, -max_tokens:].unsqueeze(-1))
         taken.sum().backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -116,6 +118,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--data", default=GSM8K_DATA, help="env.data_path")
     parser.add_argument("--out", type=Path, default=ROOT / "outputs" / "bench-step-breakdown")
+    parser.add_argument("--run-only", action="store_true", help="the run's split and peak, not the two ceilings")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the run")
     opts = parser.parse_args()
     rows = run([f"env.data_path={opts.data}", *opts.overrides], opts.steps, opts.out)[1:]
@@ -127,6 +130,8 @@ def main() -> None:
     print(f"median step {step:.2f} s over steps 2-{opts.steps}:")
     for name, seconds in parts.items():
         print(f"  {name:<22}{seconds:>8.2f} s {100 * seconds / step:>6.1f}%")
+    if opts.run_only:
+        return
 
     from omegaconf import OmegaConf
 
@@ -138,7 +143,7 @@ def main() -> None:
     from torchrl_grpo.tasks import build_task
 
     cfg = workload_config(opts.data, *opts.overrides)  # the ceilings take the run's dtypes
-    precision = resolve_run(cfg).precision
+    precision, max_tokens = resolve_run(cfg).precision, int(cfg.inference_model.max_tokens)
     engine_dtype = str(precision.engine).removeprefix("torch.")
     model_path = resolve_model("smollm2-135m-instruct")
     task = build_task(OmegaConf.create({"dataset": "gsm8k", "data_path": opts.data, "split": "train",
@@ -146,13 +151,13 @@ def main() -> None:
     prompts = prompt_token_ids(task, load_tokenizer(model_path), [task.rows[i] for i in range(2 * (opts.steps + 1))])
     engine = VLLMEngine(model_path, dtype=engine_dtype, device="cpu", max_model_len=1024, seed=0)
     try:
-        bare_generate_tokens_per_s(engine, prompts, 1)  # warm-up
-        bare = bare_generate_tokens_per_s(engine, prompts, opts.steps)
+        bare_generate_tokens_per_s(engine, prompts, 1, max_tokens)  # warm-up
+        bare = bare_generate_tokens_per_s(engine, prompts, opts.steps, max_tokens)
     finally:
         engine.close()
     ours = statistics.median(r["generation_tokens_per_s"] for r in rows)
     print(f"rollout efficiency: {ours:.0f} tokens/s in the run, bare vllm generate {bare:.0f} -> {100 * ours / bare:.0f}%")
-    bare_step = bare_train_step_s(model_path, prompts, opts.steps - 1, precision.autocast_bf16)
+    bare_step = bare_train_step_s(model_path, prompts, opts.steps - 1, precision.autocast_bf16, max_tokens)
     trained = statistics.median(r["prepare_time"] + r["train_time"] for r in rows)
     outside = step - parts["generate"] - parts["log-probs (prepare)"] - parts["forward+backward"] - parts["optimizer"]
     print(f"trainer: log-probs + train {trained:.2f} s per step, bare forward+backward+step {bare_step:.2f} s "

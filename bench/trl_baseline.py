@@ -26,6 +26,7 @@ TRL lives in its own venv on top of the repo's packages (``.venv`` stays untouch
 
     ../trl-venv/bin/python bench/trl_baseline.py          # float32, 10 steps
     ../trl-venv/bin/python bench/trl_baseline.py --bf16   # TRL's bf16=True (autocast over float32 weights)
+    ../trl-venv/bin/python bench/trl_baseline.py --bf16 --gradient-checkpointing --max-completion-length 128
 """
 import argparse
 import json
@@ -72,6 +73,7 @@ def main() -> None:
     p.add_argument("--bf16", action="store_true", help="TRL's bf16=True (autocast); default float32")
     p.add_argument("--max-steps", type=int, default=10)
     p.add_argument("--gradient-checkpointing", action="store_true", help="TRL's default; off here unless given")
+    p.add_argument("--max-completion-length", type=int, default=24, help="tokens per completion at most")
     args = p.parse_args()
     if args.max_steps < 2:
         p.error("--max-steps must be at least 2 (step 1 is not timed)")
@@ -101,7 +103,7 @@ def main() -> None:
         config = GRPOConfig(
             output_dir=out, use_cpu=True, bf16=args.bf16, seed=0, max_steps=args.max_steps,
             per_device_train_batch_size=PER_STEP, gradient_accumulation_steps=1, num_generations=8,
-            num_iterations=1, shuffle_dataset=False, max_completion_length=24, temperature=1.0,
+            num_iterations=1, shuffle_dataset=False, max_completion_length=args.max_completion_length, temperature=1.0,
             learning_rate=2e-5, lr_scheduler_type="constant", max_grad_norm=1.0, beta=0.0,
             loss_type="grpo", scale_rewards="group", gradient_checkpointing=args.gradient_checkpointing,
             report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True,
@@ -113,7 +115,8 @@ def main() -> None:
 
     steps = [b - a for a, b in zip(timer.marks, timer.marks[1:])][1:]  # steps 2..N
     rss_kib = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
-    mode = ("bf16" if args.bf16 else "float32") + (", gradient checkpointing" if args.gradient_checkpointing else "")
+    mode = (("bf16" if args.bf16 else "float32") + (", gradient checkpointing" if args.gradient_checkpointing else "")
+            + f", {args.max_completion_length} tokens")
     print(f"TRL {trl.__version__} {mode}: median step {statistics.median(steps):.1f} s, "
           f"{PER_STEP * len(steps) / sum(steps):.2f} completions/s (steps 2-{args.max_steps}), "
           f"peak RSS {rss_kib / 2**20:.1f} GiB")
