@@ -80,3 +80,40 @@ def test_a_copied_config_edited_and_run_from_the_users_folder(tmp_path):
     assert "  name: tiny\n" in (run_dir / ".hydra" / "config.yaml").read_text()
     out = cli("config", "grpo_arithmetic", "mine", cwd=tmp_path)
     assert out.returncode == 2 and "mine exists and is not empty" in out.stderr
+
+
+def _pins(path: Path) -> dict[str, str]:
+    """name -> the text after it, for each requirement line of ``path`` (comments and -r lines left out)."""
+    pins = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line and not line.startswith("-"):
+            name = _name(line)
+            pins[name] = line[len(name):].strip()
+    return pins
+
+
+def test_the_recipe_requirements_pin_the_gpu_stack_exactly_and_cover_the_package():
+    """``pip install -r requirements_gsm8k.txt`` is how the original recipe's users install on GPUs: every line is
+    an exact version, the same as constraints/gpu.txt (the stack that was resolved together), and every dependency
+    of the package is there (without ``gguf`` the default model cannot load; a ``>=`` would take the next vLLM and
+    the torch it pins)."""
+    import tomllib
+
+    recipe, gpu = _pins(ROOT / "requirements_gsm8k.txt"), _pins(ROOT / "constraints" / "gpu.txt")
+    assert all(spec.startswith("==") for spec in recipe.values()), recipe
+    assert {name: spec for name, spec in recipe.items() if gpu.get(name) != spec} == {}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    needed = {_name(dep) for dep in project["dependencies"] + project["optional-dependencies"]["gpu"]}
+    assert needed - set(recipe) == set()
+    ifeval = _pins(ROOT / "requirements_ifeval.txt")
+    assert all(spec.startswith("==") and gpu.get(name) == spec for name, spec in ifeval.items()), ifeval
+    extra = {_name(dep) for dep in project["optional-dependencies"]["ifeval"]}
+    assert extra - set(ifeval) == set()
+
+
+def _name(requirement: str) -> str:
+    """A requirement's package name, lower-case."""
+    for mark in "=<>[ ;":
+        requirement = requirement.split(mark)[0]
+    return requirement.lower()
