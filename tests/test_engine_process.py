@@ -190,6 +190,7 @@ def test_own_process_push_streams_through_shm_and_the_engine_then_holds_the_new_
     largest = max(t.numel() * t.element_size() for t in weights.values())
     # buckets of at most 16 KiB: most of a decoder layer's tensors arrive in different buckets
     monkeypatch.setattr(weight_stream, "BUCKET_BYTES", 16 * 1024)
+    monkeypatch.setattr(own.engine, "weight_transfer", "shm")
     before = _push_dirs()
     own.engine.push_weights(weights)
     made = sorted(_push_dirs() - before)
@@ -204,6 +205,43 @@ def test_own_process_push_streams_through_shm_and_the_engine_then_holds_the_new_
     assert max_logprob_gap(old, ids, completions, 1.0) > 100 * LOGPROB_TOL  # a push that did nothing fails here
     own.engine.push_weights(merged_state_dict(old))  # a second push reuses the same buffer
     assert sorted(_push_dirs() - before) == made
+    again = own.engine.generate(ids, n=3, max_tokens=16, temperature=1.0)
+    assert max_logprob_gap(old, ids, again, 1.0) < LOGPROB_TOL
+
+
+@needs_vllm
+def test_own_process_push_over_vllms_weight_transfer_api_with_our_gloo_engine(own, tied_model_path, prompts,
+                                                                             monkeypatch):
+    """The default transport (inference_model.weight_transfer=auto): vLLM's weight-transfer API, its worker given
+    our gloo engine by vLLM's factory; broadcast in buckets of at most 16 KiB here. Nothing goes through /dev/shm;
+    the engine holds each push's weights. A push whose weights fail to arrive half-way raises on both sides
+    instead of hanging, and the next push loads whole."""
+    from torchrl_grpo.engines import weight_transfer
+
+    _, ids = prompts
+    old, new = _policy(tied_model_path), _policy(tied_model_path)
+    perturb(new, scale=0.2)
+    monkeypatch.setattr(weight_transfer, "TRANSFER_BUCKET_BYTES", 16 * 1024)
+    assert own.engine.weight_transfer == "collective"
+    before = _push_dirs()
+    own.engine.push_weights(merged_state_dict(new))
+    assert _push_dirs() == before
+    [attached] = own.engine.llm.collective_rpc(weight_transfer.attach_in_worker, args=("gloo",))
+    assert attached == "GlooWeightTransferEngine"
+    completions = own.engine.generate(ids, n=3, max_tokens=16, temperature=1.0)
+    assert max_logprob_gap(new, ids, completions, 1.0) < LOGPROB_TOL
+    assert max_logprob_gap(old, ids, completions, 1.0) > 100 * LOGPROB_TOL  # a push that did nothing fails here
+
+    def failing():  # the trainer's side fails while the workers wait for the fourth tensor's bucket
+        for i, item in enumerate(merged_state_dict(old).items()):
+            if i == 3:
+                raise OSError("gather failed")
+            yield item
+
+    names = list(merged_state_dict(old).items())
+    with pytest.raises(OSError, match="gather failed"):
+        own.engine.push_weights(weight_stream.StreamedWeights(names, failing()))
+    own.engine.push_weights(merged_state_dict(old))
     again = own.engine.generate(ids, n=3, max_tokens=16, temperature=1.0)
     assert max_logprob_gap(old, ids, again, 1.0) < LOGPROB_TOL
 

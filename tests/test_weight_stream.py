@@ -156,7 +156,7 @@ def test_a_push_in_the_engines_dtype_sends_floats_cast_and_half_the_bytes(tmp_pa
 
 def test_a_trainer_failure_reaches_the_workers_and_the_next_push_works(tmp_path, monkeypatch):
     stream = WeightStream(str(tmp_path), workers=1, bucket_bytes=512)
-    real_view, calls = weight_stream._view, []
+    real_view, calls = weight_stream.entry_view, []
 
     def failing_view(buffer, entry):
         calls.append(entry.name)
@@ -164,7 +164,7 @@ def test_a_trainer_failure_reaches_the_workers_and_the_next_push_works(tmp_path,
             raise ValueError("no such tensor")
         return real_view(buffer, entry)
 
-    monkeypatch.setattr(weight_stream, "_view", failing_view)
+    monkeypatch.setattr(weight_stream, "entry_view", failing_view)
     try:
         seen = {}
         with pytest.raises(ValueError, match="no such tensor"):
@@ -178,7 +178,7 @@ def test_a_trainer_failure_reaches_the_workers_and_the_next_push_works(tmp_path,
         with pytest.raises(ValueError, match="no such tensor") as raised:  # the root cause, not the echo
             stream.push(_weights(), like_vllm)
         assert "Worker failed with error" in str(raised.value.__cause__)
-        monkeypatch.setattr(weight_stream, "_view", real_view)
+        monkeypatch.setattr(weight_stream, "entry_view", real_view)
         [(count, loaded)] = stream.push(_weights(), lambda wire: _run_workers(wire, 1)).values()
         assert count == len(_weights()) and torch.equal(loaded["head.weight"], _weights()[-1][1])
     finally:

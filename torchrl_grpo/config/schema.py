@@ -20,6 +20,7 @@ from torchrl_grpo.objective.terms import (AGGREGATIONS, IMPORTANCE_LEVELS, KL_ES
                                           MODIFIER_HINTS, OVERLONG, REWARD_SCALES)
 
 ENGINE_PROCESSES = ("auto", "same", "own")  # inference_model.engine_process
+WEIGHT_TRANSFERS = ("auto", "collective", "shm")  # inference_model.weight_transfer
 ADVANTAGES = ("group", "gae")  # loss.advantage
 
 # kind -> (accepts(value), the default complaint)
@@ -168,6 +169,9 @@ class InferenceModel(Devices):
     max_model_len: int = key("int>0", "prompt + completion tokens the engine accepts")
     engine_process: str = key("choice", "where vLLM's engine runs: same (this process), own (its own), auto "
                               "(same on CPU, own on a GPU)", choices=ENGINE_PROCESSES)
+    weight_transfer: str = key("choice", "how weights reach an engine in its own process: collective (vLLM's "
+                               "weight-transfer API: NCCL on GPUs, gloo on CPUs), shm (a buffer in /dev/shm), auto "
+                               "(collective)", choices=WEIGHT_TRANSFERS)
 
 
 @dataclass

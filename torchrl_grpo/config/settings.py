@@ -68,6 +68,7 @@ class EngineSettings:
     gpu_memory_utilization: float   # inference_model.gpu_memory_utilization
     max_model_len: int              # inference_model.max_model_len
     engine_process: str             # inference_model.engine_process: same | own | auto
+    weight_transfer: str            # inference_model.weight_transfer: auto | collective | shm
     trust_remote_code: bool         # model.trust_remote_code
     prompts_per_step: int           # env.num_envs: with the two below, what a step's KV cache must hold
     completions_per_step: int       # env.num_envs x env.repeats
@@ -78,6 +79,7 @@ class EngineSettings:
         inference = cfg.inference_model
         return cls(backend=str(inference.backend), gpu_memory_utilization=float(inference.gpu_memory_utilization),
                    max_model_len=int(inference.max_model_len), engine_process=str(inference.engine_process),
+                   weight_transfer=str(inference.weight_transfer),
                    trust_remote_code=bool(cfg.model.trust_remote_code), prompts_per_step=plan.prompts_per_step,
                    completions_per_step=plan.completions_per_step, max_tokens=plan.max_tokens)
 

@@ -8,7 +8,8 @@ from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.base import Engine
 
 # vllm.LLM arguments the transformers backend ignores, so that one config can drive either backend.
-_VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "kv_cache_tokens", "engine_process")
+_VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "kv_cache_tokens", "engine_process",
+                     "weight_transfer")
 
 
 def engine_options(settings: EngineSettings) -> dict:
@@ -16,7 +17,7 @@ def engine_options(settings: EngineSettings) -> dict:
     each rollout actor's); the caller adds its own dtype, device and seed."""
     return {"gpu_memory_utilization": settings.gpu_memory_utilization, "max_model_len": settings.max_model_len,
             "kv_cache_tokens": kv_cache_tokens(settings), "trust_remote_code": settings.trust_remote_code,
-            "engine_process": settings.engine_process}
+            "engine_process": settings.engine_process, "weight_transfer": settings.weight_transfer}
 
 
 def kv_cache_tokens(settings: EngineSettings) -> int:
@@ -36,7 +37,7 @@ def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
     transformers: loads its own copy of ``model_path`` (``dtype`` default "float32", ``device`` default
     "cpu"), unless ``model=`` (e.g. the trainer's model object) and optionally ``tokenizer=`` are given;
     ``seed`` and ``trust_remote_code`` are honoured and vLLM-only arguments (gpu_memory_utilization, max_model_len,
-    enable_prefix_caching, kv_cache_tokens, engine_process) are ignored.
+    enable_prefix_caching, kv_cache_tokens, engine_process, weight_transfer) are ignored.
     """
     # vLLM and transformers import in seconds: only the backend asked for
     if backend == "vllm":

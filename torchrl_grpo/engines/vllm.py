@@ -16,7 +16,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from torchrl_grpo.config.schema import ENGINE_PROCESSES
+from torchrl_grpo.config.schema import ENGINE_PROCESSES, WEIGHT_TRANSFERS
 from torchrl_grpo.core.console import child_process_quiet_env
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines import vllm_cpu_fixes
@@ -199,9 +199,13 @@ class VLLMEngine(Engine):
     it by setting ``CUDA_VISIBLE_DEVICES`` to that one GPU while the engine starts (vLLM always uses the
     first visible device; an existing ``CUDA_VISIBLE_DEVICES`` list is honoured, K indexes into it). A
     list of devices shows them all and shards the model over them (``tensor_parallel_size``).
-    ``gpu_memory_utilization`` is the fraction of that GPU vLLM may take. Weight pushes then are streamed
-    through a bounded buffer in /dev/shm (:mod:`torchrl_grpo.engines.weight_stream`; each tensor-parallel worker reads
-    it), as they are on CPU with ``engine_process=own`` (tests/test_engine_process.py); CUDA IPC is not built.
+    ``gpu_memory_utilization`` is the fraction of that GPU vLLM may take.
+
+    ``weight_transfer`` (``inference_model.weight_transfer``) is how pushes reach an engine in its own process:
+    ``collective`` (``auto``) through vLLM's weight-transfer API (:mod:`torchrl_grpo.engines.weight_transfer`:
+    vLLM's NCCL engine on GPUs, untested here; our gloo engine on CPUs, tests/test_engine_process.py), ``shm``
+    streamed through a bounded buffer in /dev/shm (:mod:`torchrl_grpo.engines.weight_stream`; each tensor-parallel
+    worker reads it). An engine in this process takes the tensors in place.
     Do not use ``engine_process=same`` on a GPU unless the engine should use the process's first visible GPU: an in-process engine cannot be moved
     by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
 
@@ -224,6 +228,7 @@ class VLLMEngine(Engine):
         kv_cache_tokens: int | None = None,
         trust_remote_code: bool = False,
         engine_process: str = "auto",
+        weight_transfer: str = "auto",
         **llm_kwargs,
     ):
         self.model_path = str(model_path)
@@ -237,6 +242,11 @@ class VLLMEngine(Engine):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         own_process = wants_own_process(engine_process, self._on_cpu)
         self._in_process = not own_process
+        if weight_transfer not in WEIGHT_TRANSFERS:
+            raise ConfigError(f"inference_model.weight_transfer={weight_transfer!r}: choose one of "
+                              f"{', '.join(WEIGHT_TRANSFERS)}")
+        self.weight_transfer = "in place" if self._in_process else (
+            "collective" if weight_transfer == "auto" else weight_transfer)
         vllm_cpu_fixes.quiet_expected_reload_warnings()
         if own_process:  # the weight stream's worker side is a function sent through collective_rpc
             vllm_cpu_fixes.allow_pickled_rpc()
@@ -271,28 +281,32 @@ class VLLMEngine(Engine):
             _IN_PROCESS_ENGINES.add(id(self))
         else:
             _fail_pending_calls_when_the_engine_dies(self.llm)
-        if self._on_cpu and own_process:
-            self.llm.collective_rpc(vllm_cpu_fixes.apply_in_worker)
+        if own_process:
+            self.llm.collective_rpc(vllm_cpu_fixes.apply_in_worker, args=(self._on_cpu,))
         if self._on_cpu:
             self.llm.collective_rpc(vllm_cpu_fixes.redispatch_cpu_gemm)  # drops the input embedding's packed copy
         self.start_s = time.perf_counter() - t0
         # The engine's own stream for the (in-process) global torch generator vLLM samples from.
         self._rng_state = torch.Generator().manual_seed(seed).get_state()
-        self._seed, self._generate_calls = seed, 0  # an engine in its own process seeds each request
+        # an engine in its own process, or on a GPU, seeds each request (:meth:`_request_seeds`)
+        self._seeded_requests = not (self._in_process and self._on_cpu)
+        self._seed, self._generate_calls = seed, 0
         self._sampling_params_cls = vllm.SamplingParams
         self.tokenizer = self.llm.get_tokenizer()
         hf_config = self.llm.llm_engine.model_config.hf_config
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
-        self._weight_stream: WeightStream | None = None  # made at the first push to an engine in its own process
+        # made at the first push to an engine in its own process, by the transport it uses
+        self._weight_stream: WeightStream | None = None
+        self._transfer, self._transfer_source = None, None
         log.info("vLLM engine on %s started in %.1f s (%s, %s)", self.device, self.start_s, self.model_path, dtype)
 
     # -- sampling ------------------------------------------------------------------------------------
 
     @contextlib.contextmanager
     def _engine_rng(self) -> Iterator[None]:
-        """In one process, sample from the engine's generator state, then give the caller's back."""
-        if not self._in_process:
+        """In one process on a CPU, sample from the engine's generator state, then give the caller's back."""
+        if self._seeded_requests:
             yield
             return
         caller = torch.get_rng_state()
@@ -304,30 +318,33 @@ class VLLMEngine(Engine):
             torch.set_rng_state(caller)
 
     def _request_seeds(self, count: int) -> list[int | None]:
-        """A seed per request for an engine in its own process, else None (its generator: :meth:`_engine_rng`).
-        Its engine core starts scheduling while requests still arrive, so the batch a request is sampled in,
-        and the draws it gets from one shared generator, varied from run to run (three runs of one seed gave
-        three different first steps); a seed of its own per request (vLLM gives a prompt's n samples seed + i)
-        makes each sample independent of that. The seeds follow the engine's seed and its count of calls."""
-        if self._in_process:
+        """A seed per request for an engine in its own process or on a GPU, else None (an in-process CPU engine's
+        generator: :meth:`_engine_rng`). An engine core in its own process starts scheduling while requests
+        still arrive, so the batch a request is sampled in, and the draws it gets from one shared generator,
+        varied from run to run (three runs of one seed gave three different first steps); on CUDA, vLLM's V2
+        model runner draws an unseeded request's samples from numpy's global generator, which neither this
+        class nor a checkpoint holds, even in this process. A seed of its own per request (vLLM gives a
+        prompt's n samples seed + i) makes each sample independent of both. The seeds follow the engine's seed
+        and its count of calls."""
+        if not self._seeded_requests:
             return [None] * count
         self._generate_calls += 1
         state = np.random.SeedSequence([self._seed, self._generate_calls]).generate_state(count)
         return [int(s) for s in state]
 
     def sampling_state(self) -> dict:
-        """What the next samples follow from: in one process, the torch generator state vLLM samples from; in
-        its own process, the seed and count of calls the requests' seeds are drawn from."""
-        if self._in_process:
+        """What the next samples follow from: in one process on a CPU, the torch generator state vLLM samples
+        from; otherwise the seed and count of calls the requests' seeds are drawn from."""
+        if not self._seeded_requests:
             return {"torch": self._rng_state.clone()}
         return {"seed": self._seed, "generate_calls": self._generate_calls}
 
     def load_sampling_state(self, state: dict) -> None:
         """Continue from a :meth:`sampling_state`; one of an engine in the other kind of process (the run was
         resumed with another ``inference_model.engine_process``) cannot be continued: this engine keeps its seed."""
-        if self._in_process and "torch" in state:
+        if not self._seeded_requests and "torch" in state:
             self._rng_state = state["torch"].clone()
-        elif not self._in_process and "seed" in state:
+        elif self._seeded_requests and "seed" in state:
             self._seed, self._generate_calls = int(state["seed"]), int(state["generate_calls"])
         else:
             log.warning("the checkpoint's sampling state is another engine process's: sampling is reseeded")
@@ -383,9 +400,9 @@ class VLLMEngine(Engine):
         of the embedding-like modules are rebuilt (tied-embedding trap, see
         ``vllm_cpu_fixes.redispatch_cpu_gemm``) and the prefix cache is reset. With tied embeddings a
         ``lm_head.weight`` entry is dropped (the embedding is the head). In one process the tensors are
-        read in place; otherwise they are streamed through a bounded buffer in /dev/shm
-        (:mod:`torchrl_grpo.engines.weight_stream`), cast to the engine's dtype on the way: float32 master weights reach
-        a bf16 engine in half the bytes, and its workers do not warn about each narrowing load.
+        read in place; otherwise they travel by ``weight_transfer`` (a collective, or a bounded buffer in
+        /dev/shm), cast to the engine's dtype on the way: float32 master weights reach a bf16 engine in half the
+        bytes, and its workers do not warn about each narrowing load.
         :class:`StreamedWeights` are read as they are loaded, never all held at once.
         """
         if self.llm is None:
@@ -394,8 +411,15 @@ class VLLMEngine(Engine):
         kept = [(name, t) for name, t in specs if not (self.tied_embeddings and name == "lm_head.weight")]
         names = {name for name, _ in kept}
         tensors = ((name, t.detach()) for name, t in weights.items() if name in names)
-        if self._in_process:
+        if self.weight_transfer == "in place":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+        elif self.weight_transfer == "collective":
+            self._collective().set(kept, tensors)
+            try:
+                self._transfer.send_weights()
+            except BaseException:  # the group may hold a broadcast that never ends: the next push forms a new one
+                self._close_transfer()
+                raise
         else:
             counts = self._stream().push(kept, lambda wire: self.llm.collective_rpc(receive_weights, args=(wire,)),
                                          self.dtype, source=tensors)
@@ -404,6 +428,24 @@ class VLLMEngine(Engine):
         if self._on_cpu:
             self.llm.collective_rpc(vllm_cpu_fixes.redispatch_cpu_gemm)
         self.llm.reset_prefix_cache()
+
+    def _collective(self):
+        """The trainer's side of vLLM's weight-transfer API into this engine's workers, made at the first push
+        (:mod:`torchrl_grpo.engines.weight_transfer`: vLLM's NCCL on GPUs, our gloo on CPUs); its source, which
+        each push fills."""
+        if self._transfer is None:
+            from torchrl_grpo.engines import weight_transfer
+
+            on = torch.device("cuda", torch.cuda.current_device()) if not self._on_cpu else torch.device("cpu")
+            self._transfer_source = weight_transfer.PushSource(self.dtype, on)
+            self._transfer = weight_transfer.trainer_engine(weight_transfer.backend_for(self.device), self.llm,
+                                                            self._transfer_source, workers=len(self.devices))
+        return self._transfer_source
+
+    def _close_transfer(self) -> None:
+        transfer, self._transfer = getattr(self, "_transfer", None), None
+        if transfer is not None:
+            transfer.shutdown()
 
     def _stream(self) -> WeightStream:
         """This engine's weight stream (its buffer and FIFOs in a folder of /dev/shm named after this process),
@@ -420,6 +462,7 @@ class VLLMEngine(Engine):
         """Shut the engine down and free its memory (and its process, if it has one). Idempotent."""
         llm, self.llm = getattr(self, "llm", None), None
         _IN_PROCESS_ENGINES.discard(id(self))
+        self._close_transfer()
         if llm is not None:
             try:
                 # vLLM's default grace is 5 s, then SIGKILL: on 2 busy cores an engine process and its worker

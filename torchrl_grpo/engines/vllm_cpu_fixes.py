@@ -22,12 +22,13 @@ def allow_pickled_rpc() -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 
 
-def apply_in_worker(worker) -> None:
-    """The workarounds that patch vLLM's modules (:func:`skip_rank_count_compile`,
-    :func:`quiet_expected_reload_warnings`), applied inside an engine that runs in its own process (through
-    ``collective_rpc``): patched in the caller's process only, they never reach the worker that samples.
+def apply_in_worker(worker, on_cpu: bool = True) -> None:
+    """The workarounds that patch vLLM's modules, applied inside an engine that runs in its own process (through
+    ``collective_rpc``): patched in the caller's process only, they never reach the worker that samples. The
+    reload-warnings filter on every device, :func:`skip_rank_count_compile` on a CPU.
     Pinned by ``test_own_process_worker_has_the_cpu_fixes``."""
-    skip_rank_count_compile()
+    if on_cpu:
+        skip_rank_count_compile()
     quiet_expected_reload_warnings()
 
 

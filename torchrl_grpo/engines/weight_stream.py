@@ -104,7 +104,7 @@ def _nbytes(entry: Entry) -> int:
     return numel * getattr(torch, entry.dtype).itemsize
 
 
-def _view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
+def entry_view(buffer: torch.Tensor, entry: Entry) -> torch.Tensor:
     return buffer[entry.offset:entry.offset + _nbytes(entry)].view(getattr(torch, entry.dtype)).view(entry.shape)
 
 
@@ -156,7 +156,7 @@ class WeightStream:
                         name, tensor = next(tensors)
                         if name != entry.name:
                             raise RuntimeError(f"weight stream: got {name} where {entry.name} was planned")
-                        _view(self._buffer, entry).copy_(tensor)
+                        entry_view(self._buffer, entry).copy_(tensor)
                     self._tell(channel.push, k)
             except BaseException as e:  # the workers are told, so they raise instead of waiting
                 failure.append(e)
@@ -227,7 +227,7 @@ def read_buckets(channel: Channel, rank: int = 0) -> Iterator[tuple[str, torch.T
                 raise RuntimeError("weight stream: the trainer failed while filling the buffer")
             if message != (channel.push, k):
                 raise RuntimeError(f"weight stream out of step: expected {(channel.push, k)}, got {message}")
-            copies = [(entry.name, _view(buffer, entry).clone()) for entry in bucket]
+            copies = [(entry.name, entry_view(buffer, entry).clone()) for entry in bucket]
             os.write(done, _MESSAGE.pack(channel.push, k))
             yield from copies
     finally:

@@ -1,7 +1,8 @@
 """The trainer's weights into the engines that sample, verified and timed: the one place a push happens.
 
-:class:`EngineSync`: an engine in this process (it takes the tensors) or in its own process (the /dev/shm stream
-of :mod:`torchrl_grpo.engines.weight_stream`; data-parallel ranks feed it from their shards, tensor by tensor),
+:class:`EngineSync`: an engine in this process (it takes the tensors) or in its own process (over a collective,
+:mod:`torchrl_grpo.engines.weight_transfer`, or the /dev/shm stream of :mod:`torchrl_grpo.engines.weight_stream`;
+data-parallel ranks feed either from their shards, tensor by tensor),
 checked here after each push. :class:`ActorSync`: Ray rollout actors, through the object store as numbered
 policy versions, each actor checking itself. Both check with ``train.weight_sync_check``'s probe
 (:class:`~torchrl_grpo.engines.weight_check.WeightCheck`), and time what they do (``weight_push_time``,

@@ -1,0 +1,103 @@
+"""What ``VLLMEngine`` asks of vLLM on GPUs, checked without one: a stand-in ``vllm.LLM`` records the keyword
+arguments, the environment it was started in and the calls made to it. On CUDA the engine gets only its devices
+(``CUDA_VISIBLE_DEVICES``), tensor parallelism over several, none of the CPU-only keys, its own process by
+default, the reload-warnings filter in its worker, and a seed in every request, in this process too (vLLM's V2
+model runner samples unseeded requests from numpy's global generator)."""
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from helpers import needs_vllm
+from torchrl_grpo.engines import vllm as vllm_engine
+from torchrl_grpo.engines import vllm_cpu_fixes
+from torchrl_grpo.engines.vllm import MULTIPROCESSING_ENV, VLLMEngine
+
+pytestmark = needs_vllm
+
+
+class StandInLLM:
+    """Records what a ``vllm.LLM`` is built with and asked; generates one token per sample."""
+
+    built: list["StandInLLM"] = []
+
+    def __init__(self, **kwargs):
+        self.kwargs = kwargs
+        self.env = {key: os.environ.get(key) for key in ("CUDA_VISIBLE_DEVICES", MULTIPROCESSING_ENV)}
+        self.rpcs, self.requests = [], []
+        config = SimpleNamespace(tie_word_embeddings=False)
+        self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(hf_config=config),
+                                          engine_core=SimpleNamespace(shutdown=lambda timeout=None: None))
+        StandInLLM.built.append(self)
+
+    def collective_rpc(self, method, args=(), kwargs=None):
+        self.rpcs.append((method, args))
+        return [None]
+
+    def get_tokenizer(self):
+        return SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.requests.append([p.seed for p in params])
+        sample = SimpleNamespace(index=0, token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}],
+                                 finish_reason="length")
+        return [SimpleNamespace(outputs=[sample]) for _ in prompts]
+
+
+@pytest.fixture
+def stand_in(monkeypatch):
+    vllm = vllm_engine.import_vllm()
+    monkeypatch.setattr(vllm, "LLM", StandInLLM)
+    monkeypatch.setattr(vllm_engine, "_IN_PROCESS_ENGINES", set())  # a real engine of another test may run here
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
+    StandInLLM.built.clear()
+    engines = []
+
+    def make(**kwargs):
+        engines.append(VLLMEngine("some/model", **kwargs))
+        return engines[-1], StandInLLM.built[-1]
+
+    yield make
+    for engine in engines:
+        engine.close()
+
+
+def test_several_gpus_are_shown_alone_and_shard_the_model(stand_in):
+    engine, llm = stand_in(device=["cuda:1", "cuda:2"], dtype="bfloat16", gpu_memory_utilization=0.3)
+    assert llm.env == {"CUDA_VISIBLE_DEVICES": "1,2", MULTIPROCESSING_ENV: "1"}  # GPUs: vLLM's own process
+    assert llm.kwargs["tensor_parallel_size"] == 2 and llm.kwargs["gpu_memory_utilization"] == 0.3
+    assert llm.kwargs["dtype"] == "bfloat16" and llm.kwargs["logprobs_mode"] == "processed_logprobs"
+    assert not {"kv_cache_memory_bytes", "enforce_eager"} & set(llm.kwargs)  # CPU-only keys
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ  # given back after the start
+    assert llm.rpcs == [(vllm_cpu_fixes.apply_in_worker, (False,))]  # the warnings filter, no CPU GEMM re-packing
+
+
+def test_one_gpu_indexes_into_the_visible_list(stand_in, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6")
+    engine, llm = stand_in(device="cuda:2")
+    assert llm.env["CUDA_VISIBLE_DEVICES"] == "6" and "tensor_parallel_size" not in llm.kwargs
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,5,6"
+
+
+@pytest.mark.parametrize("engine_process", ["same", "own"])
+def test_a_gpu_engine_seeds_every_request_and_keeps_the_seeds_state(stand_in, engine_process):
+    engine, llm = stand_in(device="cuda:0", engine_process=engine_process, seed=3)
+    assert llm.env[MULTIPROCESSING_ENV] == ("0" if engine_process == "same" else "1")
+    engine.generate([[1, 2], [3]], n=2, max_tokens=1)
+    state = engine.sampling_state()
+    engine.generate([[1, 2], [3]], n=2, max_tokens=1)
+    first, second = llm.requests
+    assert None not in first + second and len(set(first + second)) == 4
+    assert state == {"seed": 3, "generate_calls": 1}
+    engine.load_sampling_state(state)  # a resume draws the same seeds again
+    engine.generate([[1, 2], [3]], n=2, max_tokens=1)
+    assert llm.requests[-1] == second
+
+
+def test_an_in_process_cpu_engine_samples_from_its_generator(stand_in):
+    """The CPU default keeps its generator-state sampling (its numerics unchanged): no seed per request."""
+    engine, llm = stand_in(device="cpu", engine_process="same", kv_cache_tokens=None)
+    engine.generate([[1]], n=1, max_tokens=1)
+    assert llm.requests == [[None]] and "torch" in engine.sampling_state()
+    assert llm.kwargs["enforce_eager"] is True and "kv_cache_memory_bytes" in llm.kwargs

@@ -1,0 +1,319 @@
+"""Weights to a vLLM engine in another process over a collective, through vLLM's weight-transfer API
+(``vllm.distributed.weight_transfer``): the worker's ``init_weight_transfer_engine`` / ``start_weight_update`` /
+``update_weights`` / ``finish_weight_update``, driven from the trainer by a trainer-side engine.
+
+On GPUs the transport is vLLM's own NCCL engine. On CPUs it is :class:`GlooWeightTransferEngine`, ours, registered
+in vLLM's factories under ``gloo``: the trainer (rank 0) and the engine's workers form a gloo group of their own
+(a TCP store the trainer opens on a free port; nothing touches the default process group, which data-parallel
+ranks use), and the trainer broadcasts the weights a bucket at a time, cast to the engine's dtype on the way
+(:func:`~torchrl_grpo.engines.weight_stream.plan_buckets`); each worker copies a bucket's tensors out and loads
+them through vLLM's layer-wise reload, as ``reload_weights`` does. Unlike the /dev/shm stream
+(:mod:`~torchrl_grpo.engines.weight_stream`) it needs no shared file system between the two sides.
+
+The worker side is attached after the engine starts (:func:`attach_in_worker`, through ``collective_rpc``), so no
+vLLM plugin has to be installed in the engine's process. This module imports vLLM: import it only where vLLM runs. Pinned by tests/test_engine_process.py.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
+from vllm.config.weight_transfer import WeightTransferConfig
+from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine,
+                                                   WeightSource, WeightTransferEngine, WeightTransferInitInfo,
+                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+from vllm.v1.worker.worker_base import WorkerWrapperBase
+
+from torchrl_grpo.engines.weight_stream import Entry, bucket_size, entry_view, plan_buckets, wire_dtype
+
+GLOO = "gloo"  # our backend's name in vLLM's factories
+TIMEOUT_S = 300.0  # a rendezvous or broadcast that waits longer than this fails
+TRANSFER_BUCKET_BYTES = 128 * 2 ** 20
+_ABORT = -1  # a bucket header: the trainer failed while filling the bucket
+_POLL_S = 0.001
+
+
+def backend_for(device: torch.device) -> str:
+    """The weight-transfer backend for an engine on ``device``: vLLM's NCCL on CUDA, our gloo elsewhere."""
+    return "nccl" if device.type == "cuda" else GLOO
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _gloo_group(host: str, port: int, rank: int, world_size: int, store=None):
+    """A gloo process group of ``world_size`` ranks that meet at ``host:port`` (rank 0 holds the TCP store), apart
+    from torch.distributed's default group. Returns (group, store)."""
+    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+    if store is None:
+        store = TCPStore(host, port, world_size, is_master=rank == 0, wait_for_workers=False, timeout=timeout)
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_device(hostname=host)]
+    return ProcessGroupGloo(PrefixStore("torchrl_grpo_weights", store), rank, world_size, options), store
+
+
+def _broadcast(group, tensor: torch.Tensor, peers_failed: Callable[[], bool] | None = None) -> None:
+    """Rank 0 sends ``tensor`` to the group, the others receive it. ``peers_failed``: the sender's way to stop
+    waiting for receivers that will never come (their call already ended), rather than until the timeout."""
+    options = BroadcastOptions()
+    options.rootRank = 0
+    work = group.broadcast([tensor], options)
+    if peers_failed is None:
+        work.wait()
+        return
+    while not work.is_completed():
+        if peers_failed():
+            raise RuntimeError("weight transfer: the engine's workers stopped receiving")
+        time.sleep(_POLL_S)
+    work.wait()  # raises the broadcast's own error, if any
+
+
+def _close_group(group) -> None:
+    if group is not None:  # before the process exits (a live gloo group aborts the interpreter's exit); abort: a
+        group.abort()      # broadcast left pending by a failed push never ends
+
+
+def _entries(bucket: Sequence[Sequence]) -> list[Entry]:
+    return [Entry(name, dtype, tuple(shape), offset) for name, dtype, shape, offset in bucket]
+
+
+def register() -> None:
+    """Our gloo engines in vLLM's worker and trainer factories (idempotent; loaded when first used)."""
+    for factory, name in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
+                          (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
+        if GLOO not in factory._registry:
+            factory.register_engine(GLOO, __name__, name)
+
+
+def attach_in_worker(worker, backend: str) -> str:
+    """Runs in vLLM's worker (``collective_rpc``): give it a weight-transfer engine of ``backend``, made by vLLM's
+    factory (vLLM makes one only when the engine is started with a ``weight_transfer_config``)."""
+    register()
+    if isinstance(worker, WorkerWrapperBase):  # what collective_rpc hands a function: the worker is inside
+        worker = worker.worker
+    if worker.weight_transfer_engine is None:
+        config = WeightTransferConfig(backend=backend)
+        worker.vllm_config.weight_transfer_config = config
+        worker.weight_transfer_engine = WeightTransferEngineFactory.create_engine(
+            config, worker.vllm_config, worker.device, worker.model_runner.get_model())
+    return type(worker.weight_transfer_engine).__name__
+
+
+class RpcClient:
+    """vLLM's ``VLLMWeightSyncClient`` over ``LLM.collective_rpc``: the worker's weight-update methods, as the
+    trainer-side engines call them."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
+
+    def start_weight_update(self) -> None:
+        self.llm.collective_rpc("start_weight_update")
+
+    def update_weights(self, update_info: dict) -> None:
+        self.llm.collective_rpc("update_weights", args=(update_info,))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.collective_rpc("finish_weight_update")
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.collective_rpc("shutdown_weight_transfer_engine")
+
+
+class PushSource(WeightSource):
+    """The weights of the push under way as vLLM's ``WeightSource``: names, wire dtypes and whole shapes up front
+    (:meth:`metadata`), then the tensors once, in that order, cast to the wire dtype (:func:`wire_dtype`) on
+    ``device``. :meth:`set` gives each push's weights: ``specs`` (name, tensor or meta tensor) and the tensors,
+    which may be gathered from data-parallel shards only as they are read."""
+
+    def __init__(self, dtype: torch.dtype | None, device: torch.device):
+        self.dtype, self.device = dtype, device
+        self.specs: list[tuple[str, torch.Tensor]] = []
+        self.tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
+
+    def set(self, specs: list[tuple[str, torch.Tensor]], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.specs, self.tensors = specs, tensors
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(name, wire_dtype(t, self.dtype), tuple(t.shape)) for name, t in self.specs]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for (name, spec), (got, t) in zip(self.specs, self.tensors):
+            if got != name:
+                raise RuntimeError(f"weight transfer: got {got} where {name} was planned")
+            yield name, t.detach().to(self.device, wire_dtype(spec, self.dtype)).contiguous()
+
+
+def trainer_engine(backend: str, llm, source: PushSource, workers: int, host: str = "127.0.0.1"):
+    """The trainer's side of a weight transfer to ``llm``'s ``workers`` (rank 0, the sender), the worker side
+    attached and the group formed; ``send_weights()`` then pushes what ``source`` holds."""
+    register()
+    llm.collective_rpc(attach_in_worker, args=(backend,))
+    if backend == "nccl":
+        info = NCCLTrainerInitInfo(host, free_port(host), workers + 1, rank=0)
+    else:
+        info = GlooTrainerInitInfo(host, workers + 1, rank=0)
+    return WeightTransferTrainerFactory.trainer_init(info, client=RpcClient(llm), source=source)
+
+
+@dataclass
+class GlooInitInfo(WeightTransferInitInfo):
+    master_address: str
+    master_port: int
+    world_size: int
+    rank_offset: int = 1
+
+
+@dataclass
+class GlooUpdateInfo(WeightTransferUpdateInfo):
+    buckets: list  # per bucket: [name, dtype, shape, offset] of each tensor in the broadcast buffer
+
+
+class GlooWeightTransferEngine(WeightTransferEngine):
+    """The worker's side: joins the trainer's gloo group, receives each bucket by broadcast, copies its tensors
+    out (layer-wise reload keeps a layer's tensors until the layer is whole, maybe in the next bucket) and loads
+    them."""
+
+    init_info_cls, update_info_cls = GlooInitInfo, GlooUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group, self.store, self.buffer = None, None, torch.empty(0, dtype=torch.uint8)
+
+    def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
+        self.shutdown()  # a trainer that joins again (after a failed push) forms a new group
+        parallel = self.parallel_config
+        rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        self.group, self.store = _gloo_group(init_info.master_address, init_info.master_port, rank,
+                                             init_info.world_size)
+
+    def start_weight_update(self) -> None:
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def update_weights(self, update_info: dict) -> None:  # no device sync: gloo's broadcast is done on return
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: GlooUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer: init_weight_transfer_engine was not called")
+        try:
+            self._receive(update_info.buckets)
+        except BaseException:  # the layers loaded so far are processed, the others keep their weights
+            finalize_layerwise_reload(self.model, self.model_config)
+            raise
+
+    def _receive(self, buckets: list) -> None:
+        header = torch.empty(1, dtype=torch.int64)
+        for k, bucket in enumerate(buckets):
+            _broadcast(self.group, header)
+            if int(header) != k:
+                raise RuntimeError("gloo weight transfer: the trainer failed while sending the weights"
+                                   if int(header) == _ABORT else f"gloo weight transfer out of step at bucket {k}")
+            entries = _entries(bucket)
+            size = bucket_size(entries)
+            if self.buffer.numel() < size:
+                self.buffer = torch.empty(size, dtype=torch.uint8)
+            _broadcast(self.group, self.buffer[:size])
+            self.model.load_weights([(e.name, entry_view(self.buffer, e).clone()) for e in entries])
+
+    def shutdown(self) -> None:
+        _close_group(self.group)
+        self.group, self.store = None, None
+
+
+@dataclass
+class GlooTrainerInitInfo(TrainerInitInfo):
+    backend: ClassVar[str] = GLOO
+    master_address: str
+    world_size: int
+
+
+class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
+    """The trainer's side (rank 0 of the group): opens the store on a free port, has the workers join, then per
+    push broadcasts the source's tensors packed into buckets of at most ``TRANSFER_BUCKET_BYTES`` (a larger tensor
+    gets a bucket of its own) while the workers' ``update_weights`` receives them."""
+
+    init_info_cls = GlooTrainerInitInfo
+
+    @classmethod
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
+        if source is None:
+            raise ValueError("gloo weight transfer needs a WeightSource")
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        store = TCPStore(init_info.master_address, 0, init_info.world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=TIMEOUT_S))
+        worker_info = {"master_address": init_info.master_address, "master_port": store.port,
+                       "world_size": init_info.world_size}
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            joined = pool.submit(client.init_weight_transfer_engine, worker_info)
+            engine.group, engine.store = _gloo_group(init_info.master_address, store.port, 0,
+                                                     init_info.world_size, store)
+            joined.result()
+        return engine
+
+    def send_weights(self) -> None:
+        meta = self.source.metadata()
+        buckets = plan_buckets([(m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")) for m in meta],
+                               TRANSFER_BUCKET_BYTES)
+        buffer = torch.empty(max(bucket_size(b) for b in buckets), dtype=torch.uint8)
+        wire = [[[e.name, e.dtype, list(e.shape), e.offset] for e in bucket] for bucket in buckets]
+        self.client.start_weight_update()
+        pool = ThreadPoolExecutor(max_workers=1)
+        try:
+            received = pool.submit(self.client.update_weights, {"buckets": wire})
+            try:
+                _send(self.group, buckets, iter(self.source), buffer, received.done)
+            except BaseException as cause:
+                if received.done() and received.exception() is not None:
+                    raise received.exception() from cause  # the workers' error comes first
+                raise
+            received.result()
+        finally:
+            pool.shutdown(wait=False)  # a worker stuck in its broadcast would never return
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        _close_group(self.group)
+        self.group, self.store = None, None
+
+
+def _send(group, buckets: list[list[Entry]], tensors: Iterator[tuple[str, torch.Tensor]], buffer: torch.Tensor,
+          workers_ended: Callable[[], bool]) -> None:
+    """Fill ``buffer`` with each bucket's tensors in turn and broadcast it, after a header with the bucket's index;
+    stop early when the workers' call already ended (it failed before joining the broadcast). Should reading the
+    tensors fail, the header says so: the workers raise instead of waiting for a bucket that never comes."""
+    for k, bucket in enumerate(buckets):
+        if workers_ended():
+            return
+        try:
+            for entry in bucket:
+                name, tensor = next(tensors)
+                if name != entry.name:
+                    raise RuntimeError(f"weight transfer: got {name} where {entry.name} was planned")
+                entry_view(buffer, entry).copy_(tensor)
+        except BaseException:
+            _broadcast(group, torch.tensor([_ABORT]), workers_ended)
+            raise
+        _broadcast(group, torch.tensor([k]), workers_ended)
+        _broadcast(group, buffer[:bucket_size(bucket)], workers_ended)
