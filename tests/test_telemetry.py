@@ -1,5 +1,6 @@
 """What a run leaves besides its checkpoints: samples.jsonl every logging.samples_frequency steps, trimmed on
-resume like metrics.csv; the memory figures of each step (telemetry/hardware.py: the CUDA calls stood in for)."""
+resume like metrics.csv; the memory figures of each step (telemetry/hardware.py: the CUDA calls stood in for), and
+the console's and the summary's speed and memory."""
 import json
 import math
 from types import SimpleNamespace
@@ -206,3 +207,27 @@ def test_the_gpus_of_a_model_are_those_its_parameters_are_on():
         torch.device("cuda:1"), torch.device("cuda:0"), torch.device("cuda:2")]
     assert hardware.cuda_devices(model("cpu"), None) == []
 
+
+def test_the_step_line_shows_tokens_per_second_and_peak_memory_and_the_summary_their_run_figures(tmp_path, capsys):
+    settings = LoggingSettings.from_config(cfg_with("logging.progress_bar=false", "logging.log_frequency=1",
+                                                    "logging.samples_frequency=0"))
+    steps = [  # a GPU run's steps, then a step as on the CPU (no GPU figures), then one without either
+        {"reward": 0.5, "train_tokens_per_s": 1000.0, "train_flops_per_s": 1e12, "mfu": 0.2,
+         "generation_tokens_per_s": 300.0, "memory/train/peak_gib": 2.5, "memory/inference/used_gib": 70.0,
+         "memory/peak_rss_gib": 1.25},
+        {"reward": 0.5, "train_tokens_per_s": 2000.0, "train_flops_per_s": 3e12, "mfu": 0.3,
+         "generation_tokens_per_s": 500.0, "memory/train/peak_gib": 3.0, "memory/inference/used_gib": 69.0,
+         "memory/peak_rss_gib": 1.5},
+        {"reward": 0.5, "train_tokens_per_s": 3000.0, "memory/peak_rss_gib": 0.75},
+        {"reward": 0.5},
+    ]
+    with Telemetry(settings, {}, tmp_path, total_steps=4, start_step=0, resumed=False) as telemetry:
+        for step, metrics in enumerate(steps, 1):
+            telemetry.log(step, metrics, [])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "step 1 | reward 0.5 | tok/s 1000 | mem 2.5"  # the train GPUs' peak over the process's
+    assert lines[2] == "step 3 | reward 0.5 | tok/s 3000 | mem 0.75"  # the CPU: the process's peak
+    assert lines[3] == "step 4 | reward 0.5"
+    telemetry.summary([], total_steps=4)
+    assert ("  hardware: train 2000 tokens/s, 2 TFLOP/s, MFU 25.0%, generation 400 tokens/s | peak memory GiB: "
+            "train 3.00, inference 70.00, process RSS 1.50") in capsys.readouterr().out.splitlines()

@@ -79,15 +79,15 @@ def test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint(tmp_path):
     assert "vLLM engine on cpu started" in out and "cpu_worker.py" not in out + whole.stderr
     assert "Loading" not in whole.stderr and "FutureWarning" not in out + whole.stderr
     assert "][vllm.v1.worker.cpu_worker][WARNING] - " in (whole_dir / "grpo.log").read_text()
-    assert f"plots: {whole_dir / 'plots'} (2 figures)" in out  # no evaluation: reward and policy
-    assert sorted(p.name for p in (whole_dir / "plots").iterdir()) == ["policy.png", "reward.png"]
+    assert f"plots: {whole_dir / 'plots'} (3 figures)" in out  # no evaluation: reward, policy and throughput
+    assert sorted(p.name for p in (whole_dir / "plots").iterdir()) == ["policy.png", "reward.png", "throughput.png"]
     for key in ("reward", "reward/accuracy", "reward/answer_format", "loss_objective", "kl_to_ref", "entropy",
                 "grad_norm", "clip_fraction", "ess", "generation_tokens_per_s", "step_time", "train_flops_per_s",
                 "memory/rss_gib", "memory/peak_rss_gib"):
         assert all(finite(r[key]) for r in alone), key
-    # on the CPU: the process's memory, no GPU's, and no MFU (no peak known)
+    # on the CPU: the process's memory, no GPU's, and no MFU (no peak known); the summary's speed and memory
     assert not [key for key in alone[0] if key.startswith(("memory/train", "memory/ref", "memory/inference"))]
-    assert "mfu" not in alone[0]
+    assert "mfu" not in alone[0] and "  hardware: train " in out and "process RSS" in out
     if native_bf16("cpu"):
         assert ("precision: trainer bf16 autocast over float32 weights (train.mixed_precision=auto), engine bfloat16 "
                 "(inference_model.torch_dtype=auto), old log-probs the trainer's (loss.old_log_probs=auto)") in out
