@@ -87,7 +87,7 @@ def capture(dest: Path, names: list[str]) -> None:
 
 
 def timing(column: str) -> bool:
-    return "time" in column or column.endswith("_per_s") or "rss" in column or "memory" in column
+    return "time" in column or column.endswith("_per_s") or "rss" in column or "memory" in column or column == "mfu"
 
 
 def rows(path: Path) -> list[dict]:

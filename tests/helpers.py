@@ -248,6 +248,17 @@ def metric_rows(run_dir: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def measured(column: str) -> bool:
+    """Whether a metrics.csv column measures the machine (times, throughput, memory), so that two runs of the same
+    steps differ in it."""
+    return "time" in column or column.endswith("_per_s") or column.startswith("memory/") or column == "mfu"
+
+
+def training_values(row: dict) -> dict:
+    """A metrics.csv row without its :func:`measured` columns: what a run resumed exactly must repeat."""
+    return {k: v for k, v in row.items() if not measured(k)}
+
+
 def finite(cell: str) -> bool:
     """Whether a metrics.csv cell holds a finite number (not empty, nan or inf)."""
     try:

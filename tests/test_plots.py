@@ -95,6 +95,39 @@ def test_an_evaluation_over_several_tasks_gets_its_per_task_accuracy_panel():
     assert per_task.columns == ("eval/products/accuracy", "eval/chain_sum/accuracy")
 
 
+def test_a_throughput_figure_draws_the_speed_and_memory_columns_a_run_logged(tmp_path, monkeypatch):
+    """A GPU run's columns give every panel; a CPU run's (no MFU, no GPU memory) the panels it has, with the
+    lines it has."""
+    drawn, save = {}, plots._save
+
+    def recorded(path, title, panels, *rest):  # each run's throughput panels and the columns drawn on them
+        if path.name == "throughput.png":
+            drawn[path.parent.parent.name] = [(panel.title, [c for c, _ in lines]) for panel, lines in panels]
+        return save(path, title, panels, *rest)
+
+    monkeypatch.setattr(plots, "_save", recorded)
+    common = {"reward": 0.5, "train_tokens_per_s": 900.0, "generation_tokens_per_s": 300.0, "train_flops_per_s": 2e12,
+              "memory/rss_gib": 1.0, "memory/peak_rss_gib": 1.5}
+    gpu = {**common, "mfu": 0.25, "memory/train/peak_gib": 3.0, "memory/inference/used_gib": 70.0}
+    for name, metrics in (("gpu", gpu), ("cpu", common)):
+        (tmp_path / name).mkdir()
+        with Telemetry(LOGGING, {}, tmp_path / name, 3, 0, resumed=False) as telemetry:
+            for step in (1, 2, 3):
+                telemetry.log(step, metrics, [])
+        plots.plot_run(tmp_path / name)
+        assert_valid_png(tmp_path / name / "plots" / "throughput.png")
+    assert drawn["gpu"] == [
+        ("tokens per second", ["train_tokens_per_s", "generation_tokens_per_s"]),
+        ("training model FLOP/s", ["train_flops_per_s"]),
+        ("model FLOPs utilization", ["mfu"]),
+        ("GPU memory per role", ["memory/train/peak_gib", "memory/inference/used_gib"]),
+        ("trainer process memory", ["memory/rss_gib", "memory/peak_rss_gib"])]
+    assert drawn["cpu"] == [
+        ("tokens per second", ["train_tokens_per_s", "generation_tokens_per_s"]),
+        ("training model FLOP/s", ["train_flops_per_s"]),
+        ("trainer process memory", ["memory/rss_gib", "memory/peak_rss_gib"])]
+
+
 def test_ema_is_an_unbiased_running_mean():
     assert plots.ema([2.0] * 30) == [2.0] * 30  # no pull towards zero at the start
     smoothed = plots.ema([0.0] * 10 + [1.0] * 10)

@@ -1,11 +1,19 @@
 """What a run leaves besides its checkpoints: samples.jsonl every logging.samples_frequency steps, trimmed on
-resume like metrics.csv."""
+resume like metrics.csv; the memory figures of each step (telemetry/hardware.py: the CUDA calls stood in for), and
+the console's and the summary's speed and memory."""
 import json
 import math
+from types import SimpleNamespace
+
+import pytest
+import torch
 
 from helpers import cfg_with
 from torchrl_grpo.config.settings import LoggingSettings
+from torchrl_grpo.telemetry import hardware
 from torchrl_grpo.telemetry.recorder import Telemetry
+
+GIB = 2**30
 
 
 def _lines(path):
@@ -108,3 +116,118 @@ def test_a_tracker_without_its_package_is_one_line_naming_the_extra(monkeypatch)
     with pytest.raises(ConfigError, match=r'^logging.mlflow.enabled=true: the mlflow package is not installed; pip '
                                           r'install -e "\.\[trackers\]" \(or set logging.mlflow.enabled=false\)$'):
         validate(cfg_with("logging.mlflow.enabled=true"))
+
+
+class FakeGPUs:
+    """torch.cuda's allocator counters and mem_get_info, per device index, as the CUDA allocator keeps them."""
+
+    def __init__(self, allocated: dict[int, int], reserved: dict[int, int], free_total: dict[int, tuple[int, int]]):
+        self.allocated, self.reserved, self.free_total = allocated, reserved, free_total
+        self.peak = dict(allocated)
+        self.resets: list[int] = []
+
+    def use(self, monkeypatch):
+        for name, function in (("memory_allocated", lambda d: self.allocated[d.index]),
+                               ("memory_reserved", lambda d: self.reserved[d.index]),
+                               ("max_memory_allocated", lambda d: self.peak[d.index]),
+                               ("reset_peak_memory_stats", self.reset_peak),
+                               ("mem_get_info", lambda d: self.free_total[d.index])):
+            monkeypatch.setattr(torch.cuda, name, function)
+
+    def reset_peak(self, device):
+        self.resets.append(device.index)
+        self.peak[device.index] = self.allocated[device.index]
+
+    def hold(self, index: int, nbytes: int) -> None:
+        """Tensors of ``nbytes`` (negative: freed) on GPU ``index``."""
+        self.allocated[index] += nbytes
+        self.peak[index] = max(self.peak[index], self.allocated[index])
+
+
+def test_each_roles_gpus_report_their_memory_in_gib_and_the_peak_starts_again_each_step(monkeypatch):
+    """Train on GPUs 0 and 1 (a layer split), the reference on 1 and 2 (GPU 1 is counted with train), the engine on
+    GPU 3 (and a CPU device, which has no GPU figure)."""
+    gpus = FakeGPUs(allocated={0: 1 * GIB, 1: 2 * GIB, 2: GIB // 2}, reserved={0: 4 * GIB, 1: 4 * GIB, 2: GIB},
+                    free_total={3: (30 * GIB, 80 * GIB)})
+    gpus.use(monkeypatch)
+    cuda = [torch.device(f"cuda:{i}") for i in range(3)]
+    gpus.hold(0, 5 * GIB)  # before the probe: model loading, not a step's peak
+    gpus.hold(0, -5 * GIB)
+    probe = hardware.MemoryProbe(train=cuda[:2], ref=cuda[1:], inference=["cuda:3", "cpu"])
+    assert sorted(gpus.resets) == [0, 1, 2]
+    gpus.hold(0, 3 * GIB)  # step 1: activations on GPU 0, 2 GiB of them kept (optimizer state)
+    gpus.hold(0, -GIB)
+    gpus.hold(2, GIB // 4)
+    gpus.hold(2, -GIB // 4)
+    first = probe.read()
+    assert set(first) == {"memory/rss_gib", "memory/peak_rss_gib", "memory/inference/used_gib",
+                          *(f"memory/{role}/{kind}_gib" for role in ("train", "ref")
+                            for kind in ("allocated", "reserved", "peak"))}
+    assert {k: v for k, v in first.items() if "rss" not in k} == {
+        "memory/train/allocated_gib": 3 + 2, "memory/train/reserved_gib": 8, "memory/train/peak_gib": 4 + 2,
+        "memory/ref/allocated_gib": 0.5, "memory/ref/reserved_gib": 1, "memory/ref/peak_gib": 0.75,
+        "memory/inference/used_gib": 50}
+    second = probe.read()  # step 2 allocated nothing more: its peak is what is held
+    assert second["memory/train/peak_gib"] == 5 and second["memory/ref/peak_gib"] == 0.5
+
+
+def test_a_reference_on_the_train_gpus_and_an_engine_on_the_cpu_have_no_figures_of_their_own(monkeypatch):
+    gpus = FakeGPUs(allocated={0: GIB}, reserved={0: 2 * GIB}, free_total={})
+    gpus.use(monkeypatch)
+    metrics = hardware.MemoryProbe([torch.device("cuda:0")], [torch.device("cuda:0")], ["cpu"]).read()
+    assert sorted(k for k in metrics if "rss" not in k) == [
+        "memory/train/allocated_gib", "memory/train/peak_gib", "memory/train/reserved_gib"]
+
+
+def test_on_the_cpu_the_process_resident_set_is_reported_current_and_peak():
+    probe = hardware.MemoryProbe([], [], ["cpu"])
+    before = probe.read()
+    assert set(before) == {"memory/rss_gib", "memory/peak_rss_gib"}
+    assert 0 < before["memory/rss_gib"] <= before["memory/peak_rss_gib"]
+    held = b"x" * (256 * 2**20)  # 256 MiB written: resident
+    after = probe.read()
+    assert after["memory/rss_gib"] - before["memory/rss_gib"] > 0.2
+    assert after["memory/peak_rss_gib"] >= after["memory/rss_gib"] and len(held) == 256 * 2**20
+
+
+def test_process_memory_reads_proc_status_in_gib_and_falls_back_to_getrusage(tmp_path):
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nVmHWM:\t 3145728 kB\nVmRSS:\t  1048576 kB\nThreads:\t4\n")
+    assert hardware.process_memory(status) == {"memory/rss_gib": 1.0, "memory/peak_rss_gib": 3.0}
+    fallback = hardware.process_memory(tmp_path / "no_proc")  # macOS: the peak alone
+    assert list(fallback) == ["memory/peak_rss_gib"]
+    assert fallback["memory/peak_rss_gib"] == pytest.approx(hardware.process_memory()["memory/peak_rss_gib"], rel=0.05)
+
+
+def test_the_gpus_of_a_model_are_those_its_parameters_are_on():
+    def model(*devices):
+        return SimpleNamespace(parameters=lambda: [SimpleNamespace(device=torch.device(d)) for d in devices])
+
+    assert hardware.cuda_devices(model("cuda:1", "cuda:1", "cuda:0"), None, model("cpu", "cuda:2")) == [
+        torch.device("cuda:1"), torch.device("cuda:0"), torch.device("cuda:2")]
+    assert hardware.cuda_devices(model("cpu"), None) == []
+
+
+def test_the_step_line_shows_tokens_per_second_and_peak_memory_and_the_summary_their_run_figures(tmp_path, capsys):
+    settings = LoggingSettings.from_config(cfg_with("logging.progress_bar=false", "logging.log_frequency=1",
+                                                    "logging.samples_frequency=0"))
+    steps = [  # a GPU run's steps, then a step as on the CPU (no GPU figures), then one without either
+        {"reward": 0.5, "train_tokens_per_s": 1000.0, "train_flops_per_s": 1e12, "mfu": 0.2,
+         "generation_tokens_per_s": 300.0, "memory/train/peak_gib": 2.5, "memory/inference/used_gib": 70.0,
+         "memory/peak_rss_gib": 1.25},
+        {"reward": 0.5, "train_tokens_per_s": 2000.0, "train_flops_per_s": 3e12, "mfu": 0.3,
+         "generation_tokens_per_s": 500.0, "memory/train/peak_gib": 3.0, "memory/inference/used_gib": 69.0,
+         "memory/peak_rss_gib": 1.5},
+        {"reward": 0.5, "train_tokens_per_s": 3000.0, "memory/peak_rss_gib": 0.75},
+        {"reward": 0.5},
+    ]
+    with Telemetry(settings, {}, tmp_path, total_steps=4, start_step=0, resumed=False) as telemetry:
+        for step, metrics in enumerate(steps, 1):
+            telemetry.log(step, metrics, [])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "step 1 | reward 0.5 | tok/s 1000 | mem 2.5"  # the train GPUs' peak over the process's
+    assert lines[2] == "step 3 | reward 0.5 | tok/s 3000 | mem 0.75"  # the CPU: the process's peak
+    assert lines[3] == "step 4 | reward 0.5"
+    telemetry.summary([], total_steps=4)
+    assert ("  hardware: train 2000 tokens/s, 2 TFLOP/s, MFU 25.0%, generation 400 tokens/s | peak memory GiB: "
+            "train 3.00, inference 70.00, process RSS 1.50") in capsys.readouterr().out.splitlines()

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import (CONFIG_DIR, SMALL, failure_excerpt, finite, metric_rows, needs_vllm, preempted, run, start,
-                     wait_until)
+from helpers import (CONFIG_DIR, SMALL, failure_excerpt, finite, measured, metric_rows, needs_vllm, preempted, run,
+                     start, training_values, wait_until)
 from torchrl_grpo.config.precision import native_bf16
 from torchrl_grpo.core.allocator import find_tcmalloc
 
@@ -58,10 +58,9 @@ def test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint(tmp_path):
     assert whole.returncode == 0, whole.stderr[-3000:]
     resumed, alone = metric_rows(run_dir), metric_rows(whole_dir)
     assert [int(float(r["step"])) for r in resumed] == list(range(1, 7))
-    timing = [key for key in alone[0] if "time" in key or key.endswith("_per_s")]
-    assert timing and "reward" in alone[0] and "grad_norm" in alone[0]
+    assert any(map(measured, alone[0])) and "reward" in alone[0] and "grad_norm" in alone[0]
     for mine, theirs in zip(resumed, alone, strict=True):
-        assert {k: v for k, v in mine.items() if k not in timing} == {k: v for k, v in theirs.items() if k not in timing}
+        assert training_values(mine) == training_values(theirs)
     # 6 optimizer steps: linear warmup over 2 from 0, then cosine to 0 (SMALL: optimizer.lr=1e-3)
     expected = [1e-3 * k / 2 if k < 2 else 1e-3 * 0.5 * (1 + math.cos(math.pi * (k - 2) / 4)) for k in range(6)]
     assert [float(r["lr"]) for r in alone] == pytest.approx(expected, rel=1e-6, abs=1e-12)
@@ -80,11 +79,15 @@ def test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint(tmp_path):
     assert "vLLM engine on cpu started" in out and "cpu_worker.py" not in out + whole.stderr
     assert "Loading" not in whole.stderr and "FutureWarning" not in out + whole.stderr
     assert "][vllm.v1.worker.cpu_worker][WARNING] - " in (whole_dir / "grpo.log").read_text()
-    assert f"plots: {whole_dir / 'plots'} (2 figures)" in out  # no evaluation: reward and policy
-    assert sorted(p.name for p in (whole_dir / "plots").iterdir()) == ["policy.png", "reward.png"]
+    assert f"plots: {whole_dir / 'plots'} (3 figures)" in out  # no evaluation: reward, policy and throughput
+    assert sorted(p.name for p in (whole_dir / "plots").iterdir()) == ["policy.png", "reward.png", "throughput.png"]
     for key in ("reward", "reward/accuracy", "reward/answer_format", "loss_objective", "kl_to_ref", "entropy",
-                "grad_norm", "clip_fraction", "ess", "generation_tokens_per_s", "step_time"):
+                "grad_norm", "clip_fraction", "ess", "generation_tokens_per_s", "step_time", "train_flops_per_s",
+                "memory/rss_gib", "memory/peak_rss_gib"):
         assert all(finite(r[key]) for r in alone), key
+    # on the CPU: the process's memory, no GPU's, and no MFU (no peak known); the summary's speed and memory
+    assert not [key for key in alone[0] if key.startswith(("memory/train", "memory/ref", "memory/inference"))]
+    assert "mfu" not in alone[0] and "  hardware: train " in out and "process RSS" in out
     if native_bf16("cpu"):
         assert ("precision: trainer bf16 autocast over float32 weights (train.mixed_precision=auto), engine bfloat16 "
                 "(inference_model.torch_dtype=auto), old log-probs the trainer's (loss.old_log_probs=auto)") in out
@@ -204,9 +207,8 @@ def test_preempted_at_each_point_of_a_step_the_run_resumes_to_the_metrics_of_the
     done = run(args, cwd=tmp_path)
     assert done.returncode == 0 and steps() == [1, 2, 3, 4, 5, 6], done.stderr[-3000:]
     rows, alone = metric_rows(run_dir), metric_rows(whole_dir)
-    timing = [key for key in alone[0] if "time" in key or key.endswith("_per_s")]
     for mine, theirs in zip(rows, alone, strict=True):
-        assert {k: v for k, v in mine.items() if k not in timing} == {k: v for k, v in theirs.items() if k not in timing}
+        assert training_values(mine) == training_values(theirs)
 
 
 def saved_steps(names: list[str]) -> list[int]:
@@ -250,11 +252,10 @@ def test_ppo_learns_the_length_task_and_resumes_with_its_critic(tmp_path):
     resumed = run([*args, f"hydra.run.dir={resumed_dir}", f"train.resume={whole_dir / 'checkpoints' / 'step_000014'}"],
                   cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    timing = [key for key in rows[0] if "time" in key or key.endswith("_per_s")]
     again = metric_rows(resumed_dir)
     assert [int(float(r["step"])) for r in again] == list(range(15, 21))
     for mine, theirs in zip(again, rows[14:], strict=True):
-        assert {k: v for k, v in mine.items() if k not in timing} == {k: v for k, v in theirs.items() if k not in timing}
+        assert training_values(mine) == training_values(theirs)
 
 
 def test_every_loss_preset_trains_with_finite_metrics(tmp_path):

@@ -375,3 +375,53 @@ def test_the_learning_rate_follows_its_schedule_skips_with_an_update_and_resumes
     resumed.load_state_dict(first.state_dict())
     rates += [resumed.optimize(make_batch())["lr"] for _ in range(4)]
     assert rates == pytest.approx(expected, rel=1e-12, abs=1e-15)
+
+
+def test_the_update_counts_the_model_flops_of_each_micro_batch_three_times_when_it_has_a_backward():
+    """One row per optimizer step: rows 0 and 1 (a group with signal, 4 and 3 tokens) train with a backward, rows 2
+    and 3 (a tied group, 5 and 3 tokens) are still updates, a forward alone. A hand-made shape, N=10, L=2, H=3, Q=4:
+    a row of T tokens costs 20 T + 96 T^2 forward."""
+    from torchrl_grpo.models.flops import ModelShape
+
+    policy = TableLM(1)
+    trainer = Trainer(policy, None, GRPOLoss(policy, temperature=0.7), torch.optim.SGD(policy.parameters(), lr=0.1),
+                      dataclasses.replace(SETTINGS, kl_in_reward_coeff=0.0), torch.device("cpu"), None)
+    batch = make_batch()
+    trainer.prepare(batch)
+    assert trainer.model_shapes is None and "train_flops_per_s" not in trainer.optimize(batch.clone())  # no config
+    trainer.model_shapes = [ModelShape(matmul_params=10, layers=2, heads=3, head_dim=4)]
+    metrics = trainer.optimize(batch.clone())
+    forward = {3: 20 * 3 + 96 * 9, 4: 20 * 4 + 96 * 16, 5: 20 * 5 + 96 * 25}  # 924, 1616, 2500
+    expected = 3 * forward[4] + 3 * forward[3] + forward[5] + forward[3]
+    assert metrics["still_updates"] == 2 and expected == 11044
+    assert metrics["train_flops_per_s"] * metrics["train_time"] == pytest.approx(expected, rel=1e-9)
+    assert "mfu" not in metrics  # no peak known (the CPU)
+    trainer.peak_flops = 1e6
+    metrics = trainer.optimize(batch.clone())
+    assert metrics["mfu"] == pytest.approx(metrics["train_flops_per_s"] / 1e6, rel=1e-12)
+
+
+def test_mfu_divides_by_the_bf16_peak_of_every_training_gpu_when_the_trainer_computes_in_bf16(monkeypatch):
+    """The CUDA branch with stand-ins: a tiny transformers model (on the CPU) whose trainer names cuda:0, a GPU
+    called an H100 SXM; bf16 autocast, or bf16 weights, else no peak; a GPU not in the table, or the CPU, none."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    names = {"cuda:0": "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: names[str(device)])
+    cuda = torch.device("cuda:0")
+    mixed = dataclasses.replace(SETTINGS, mixed_precision=True)
+
+    def peak(policy, settings, device=cuda, parallel=None):
+        return Trainer(policy, None, GRPOLoss(policy), None, settings, device, None, parallel).peak_flops
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    assert peak(model, mixed) == 989e12
+    assert peak(model, mixed, parallel=SimpleNamespace(world_size=4)) == 4 * 989e12  # data-parallel: every rank's GPU
+    assert peak(model, SETTINGS) is None  # float32 weights, no autocast
+    assert peak(model, mixed, device=torch.device("cpu")) is None
+    assert peak(model.to(torch.bfloat16), SETTINGS) == 989e12  # bf16 weights
+    names["cuda:0"] = "NVIDIA GeForce RTX 4090"
+    assert peak(model, mixed) is None

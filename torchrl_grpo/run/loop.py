@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -24,6 +25,7 @@ from torchrl_grpo.core.files import NotWritten
 from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.state import RunState
 from torchrl_grpo.run.stop_request import StopRequest
+from torchrl_grpo.telemetry.hardware import MemoryProbe, cuda_devices
 from torchrl_grpo.telemetry.recorder import Telemetry
 from torchrl_grpo.training.trainer import Trainer
 
@@ -59,6 +61,7 @@ class BatchSource(Protocol):
     reward_names: list[str]
     tokenizer: object
     exact_engine: object  # an engine whose sampling state a checkpoint keeps (None: nothing samples exactly)
+    engine_devices: Sequence  # the devices of the engine this process drives, whose memory is logged (empty: none)
 
     @property
     def position(self):
@@ -129,6 +132,8 @@ def run_loop(run: Run) -> dict:
         telemetry = stack.enter_context(Telemetry(run.spec.logging, run.spec.config, state.run_dir,
                                                   run.total_steps, start, resumed=start > 0))
         stop = stack.enter_context(StopRequest())
+        memory = MemoryProbe(cuda_devices(trainer.policy, trainer.critic and trainer.critic.model),
+                             cuda_devices(trainer.ref_policy), source.engine_devices)
         eval_engine = source.eval_engine(trainer) if evaluator is not None else None
         if start == 0 and evaluator is not None and evaluator.due(0):
             telemetry.record(0, evaluator(eval_engine))
@@ -155,6 +160,7 @@ def run_loop(run: Run) -> dict:
                     telemetry.print(after_error(cause, step, source.position,
                                                 keep=lambda: telemetry.log(step, metrics, scored_samples(delivery))))
                     break
+                metrics.update(memory.read())
                 telemetry.log(step, metrics, scored_samples(delivery))
                 warning = trainer.no_signal.observe(metrics)
                 if warning and not trainer.no_signal.stop:

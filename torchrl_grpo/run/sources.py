@@ -44,6 +44,8 @@ class LocalSource:
         self.collector, self.weights, self.overlap = collector, weights, overlap
         self.reward_names, self.tokenizer = collector.task.reward_names, collector.tokenizer
         self.exact_engine = None if overlap else collector.engine  # a prefetching engine samples while we save
+        # a vLLM engine's devices; the transformers engine samples with the trained policy, on the train devices
+        self.engine_devices = getattr(collector.engine, "devices", [])
         self.prefetch: Prefetch | None = None
         self.total_steps = 0
 
@@ -100,6 +102,7 @@ class ActorSource:
 
     faults = (ActorFault,)
     exact_engine = None  # the actors sample while the trainer saves
+    engine_devices = ()  # Ray gives the actors' engines their GPUs: this process does not know which
 
     def __init__(self, spec: RunSpec, weights: ActorSync, tokenizer, reward_names: list[str]):
         self.spec, self.weights, self.tokenizer, self.reward_names = spec, weights, tokenizer, reward_names

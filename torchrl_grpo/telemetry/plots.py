@@ -1,9 +1,9 @@
 """Figures of a run, and of several runs side by side.
 
 A run: its ``metrics.csv`` (telemetry.py) -> a few multi-panel PNGs in ``<run dir>/plots/`` (reward and its
-components; completion length, KL, entropy, clip fraction, gradient norm; evaluation accuracy and pass@k),
-each per-step series drawn raw (faint) and smoothed (an EMA). Written at the end of every run
-(:func:`write_run_plots`, which never raises) and on demand by ``plot.py``.
+components; completion length, KL, entropy, clip fraction, gradient norm; tokens/s, FLOP/s, MFU and memory per
+role; evaluation accuracy and pass@k), each per-step series drawn raw (faint) and smoothed (an EMA). Written at
+the end of every run (:func:`write_run_plots`, which never raises) and on demand by ``plot.py``.
 
 Several runs (a Hydra sweep directory ``multirun/<date>/<time>/`` with its job folders, or run folders
 named one by one): their curves overlaid, one line per job named by its overrides, and a table ranking
@@ -97,6 +97,14 @@ def figures(columns) -> dict[str, list[Panel]]:
                   overlay=("value_mean",)),
             Panel("value loss clipped", "fraction of tokens", ("value_clip_fraction",)),
             Panel("critic gradient norm", "L2 norm, before clipping", ("critic_grad_norm",)),
+        ],
+        "throughput": [  # telemetry/hardware.py and the trainer's model FLOPs
+            Panel("tokens per second", "tokens/s", ("train_tokens_per_s", "generation_tokens_per_s")),
+            Panel("training model FLOP/s", "FLOP/s", ("train_flops_per_s",)),
+            Panel("model FLOPs utilization", "fraction of the GPUs' bf16 peak", ("mfu",)),
+            Panel("GPU memory per role", "GiB: a step's peak (the engine's GPUs: in use)",
+                  ("memory/train/peak_gib", "memory/ref/peak_gib", "memory/inference/used_gib")),
+            Panel("trainer process memory", "GiB resident", ("memory/rss_gib", "memory/peak_rss_gib")),
         ],
         "eval": [
             Panel("evaluation: accuracy and pass@k", "fraction of prompts", ("eval/accuracy", *pass_at), False,

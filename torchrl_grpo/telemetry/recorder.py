@@ -18,6 +18,7 @@ from torchrl_grpo.config.settings import LoggingSettings
 from torchrl_grpo.core.files import append_whole, write_replacing
 from torchrl_grpo.telemetry.trackers import start_trackers
 
+# (metric, or the first present of several; its label): shown when the step has it
 CONSOLE_KEYS = (
     ("reward", "reward"),
     ("kl_to_ref", "kl_ref"),
@@ -28,6 +29,8 @@ CONSOLE_KEYS = (
     ("turns/tool_calls", "calls"),
     ("grad_norm", "gnorm"),
     ("step_time", "s/step"),
+    ("train_tokens_per_s", "tok/s"),
+    (("memory/train/peak_gib", "memory/peak_rss_gib"), "mem"),  # GiB: the train GPUs' peak, else the process's
 )
 
 EVAL_CONSOLE_KEYS = ("accuracy", "reward")
@@ -145,9 +148,9 @@ class Telemetry:
         self.bar.update(1)
         self.bar.set_postfix(reward=f"{row.get('reward', float('nan')):.3f}")
         if step % self.log_frequency == 0:
-            parts = [f"step {step}"] + [
-                f"{short} {row[key]:.4g}" for key, short in CONSOLE_KEYS if isinstance(row.get(key), float)
-            ]
+            shown = [(short, _first_number(row, (keys,) if isinstance(keys, str) else keys))
+                     for keys, short in CONSOLE_KEYS]
+            parts = [f"step {step}"] + [f"{short} {value:.4g}" for short, value in shown if value is not None]
             self.print(" | ".join(parts))
             for sample in samples[: self.show_completions]:
                 self.print(f"    sample (reward {sample['reward']:.2f}): {sample['completion'].strip()[:200]!r}")
@@ -179,8 +182,8 @@ class Telemetry:
 
     def summary(self, reward_names: list[str], total_steps: int) -> dict[str, Trend]:
         """Print and return the end-of-run summary: the reward and each component (and a critic's explained
-        variance) over the first step, the first and the last steps; and the first vs the last evaluation, when
-        there were several. Then the run's figures."""
+        variance) over the first step, the first and the last steps; the first vs the last evaluation, when
+        there were several; the throughput and the peak memory (:func:`hardware_line`). Then the run's figures."""
         window = max(1, min(5, total_steps // 4))
         rows = self.csv.rows()
         trends = summarize(rows, ["reward"] + [f"reward/{n}" for n in reward_names] + ["explained_variance"], window)
@@ -193,8 +196,34 @@ class Telemetry:
             first, last = evaluated[0], evaluated[-1]
             self.print(f"  eval, step {int(first['step'])} -> step {int(last['step'])}: " + " | ".join(
                 f"{key} {float(first[f'eval/{key}']):.3f} -> {float(last[f'eval/{key}']):.3f}" for key in ("accuracy", "reward")))
+        if line := hardware_line(rows):
+            self.print(line)
         self.write_plots()
         return trends
+
+
+def _first_number(row: dict, keys: tuple[str, ...]) -> float | None:
+    return next((row[key] for key in keys if isinstance(row.get(key), float)), None)
+
+
+# the summary's speed (means over the steps: column, format, scale) and peak memory (maxima: column, label)
+SPEED = (("train_tokens_per_s", "train {:.4g} tokens/s", 1), ("train_flops_per_s", "{:.4g} TFLOP/s", 1e-12),
+         ("mfu", "MFU {:.1%}", 1), ("generation_tokens_per_s", "generation {:.4g} tokens/s", 1))
+PEAK_MEMORY = (("memory/train/peak_gib", "train"), ("memory/ref/peak_gib", "ref"),
+               ("memory/inference/used_gib", "inference"), ("memory/peak_rss_gib", "process RSS"))
+
+
+def hardware_line(rows: list[dict]) -> str | None:
+    """The summary's line on speed and memory: the mean training tokens/s, TFLOP/s and MFU, the mean generation
+    tokens/s, and the peak GiB of each role's GPUs and of this process's resident set, each when logged; None when
+    none is."""
+    def values(key):
+        return [float(r[key]) for r in rows if r.get(key) not in (None, "") and math.isfinite(float(r[key]))]
+
+    speed = [form.format(sum(v) / len(v) * scale) for key, form, scale in SPEED if (v := values(key))]
+    memory = [f"{label} {max(v):.2f}" for key, label in PEAK_MEMORY if (v := values(key))]
+    parts = ([", ".join(speed)] if speed else []) + ([f"peak memory GiB: {', '.join(memory)}"] if memory else [])
+    return f"  hardware: {' | '.join(parts)}" if parts else None
 
 
 def _plain(value):

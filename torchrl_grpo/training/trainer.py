@@ -25,6 +25,7 @@ from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.core.checkpoint import CRITIC_DIR, OPTIMIZER_SHARDS
 from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.engines.weight_stream import StreamedWeights, wire_dtype
+from torchrl_grpo.models.flops import bf16_peak_flops, model_shape, update_flops
 from torchrl_grpo.models.loading import merged_state_dict, merged_weights
 from torchrl_grpo.objective.critic import clipped_value_loss, explained_variance, gae, token_rewards, token_values, whiten
 from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, token_log_probs, total_loss
@@ -49,6 +50,20 @@ class Trainer:
         self.nonfinite_streak = 0  # optimizer steps in a row skipped for a non-finite gradient norm
         self.updates = 0  # optimizer steps taken by this trainer: the weights changed when it moved
         self.no_signal = NoSignalWatch(settings.no_signal_patience, settings.min_ess, settings.no_signal_stop)
+        shapes = [model_shape(m) for m in (policy, *([] if critic is None else [critic.model]))]
+        self.model_shapes = None if None in shapes else shapes  # None: a model without a transformers config
+        self.peak_flops = self._peak_flops()
+
+    def _peak_flops(self) -> float | None:
+        """What ``mfu`` divides by: the dense bf16 peak of the GPUs the policy trains on (all ranks'), when its
+        matmuls run in bf16 (autocast, or bf16 weights); None elsewhere (a CPU, float32, a GPU not in the table)."""
+        if self.model_shapes is None or self.device.type != "cuda":
+            return None
+        if not (self.settings.mixed_precision or self.policy.get_input_embeddings().weight.dtype == torch.bfloat16):
+            return None
+        peak = bf16_peak_flops(torch.cuda.get_device_name(self.device))
+        devices = len({p.device for p in self.policy.parameters()}) * (self.parallel.world_size if self.parallel else 1)
+        return None if peak is None else peak * devices
 
     @collective
     def prepare(self, batch) -> dict:
@@ -148,12 +163,13 @@ class Trainer:
         then over the rows trained (``trained_row_fraction``). With a critic, its value loss is aggregated and
         weighted like the policy's in the same micro-batches, every row with a loss token trains it, and it steps
         with its own optimizer beside the policy's. Data-parallel: this rank's share of each micro-batch, weights
-        normalised over the whole window's."""
+        normalised over the whole window's. ``train_flops_per_s``: the model FLOPs of every forward and backward
+        (:mod:`torchrl_grpo.models.flops`; all ranks') over ``train_time``; ``mfu``: that over :meth:`_peak_flops`."""
         s, parallel = self.settings, self.parallel
         params = [p for p in self.policy.parameters() if p.requires_grad]
         history: dict[str, list[float]] = {}
         share_weights: list[float] = []  # each micro-batch's accumulation weight (data-parallel metrics)
-        trained_tokens, trained_rows, skipped, still, optimizer_time = 0, 0, 0, 0, 0.0
+        trained_tokens, trained_rows, skipped, still, optimizer_time, flops = 0, 0, 0, 0, 0.0, 0
         started = time.perf_counter()
         lr = None  # the learning rate of the step's last update taken
         self.policy.train()
@@ -176,7 +192,7 @@ class Trainer:
                 weights = [self.loss.accumulation_weight(mb) for mb in micro]
                 total = self.loss.accumulation_weight(batch[window])  # every row of the window counts
                 share_weights += weights
-                for mb, weight in zip(micro, weights):
+                for mb, weight, idx in zip(micro, weights, order):
                     with self._autocast(), weights_recast_in_backward(), torch.set_grad_enabled(moves):
                         losses = self.loss(mb)
                         if self.critic is not None:
@@ -187,6 +203,8 @@ class Trainer:
                     for key, value in losses.items():
                         history.setdefault(key, []).append(value.detach().float().item())
                     trained_tokens += int(mb["attention_mask"].sum())
+                    if self.model_shapes is not None:  # the lengths from the batch as collected: no device sync
+                        flops += update_flops(self.model_shapes, batch["attention_mask"][idx].sum(-1).tolist(), moves)
                 if not moves:
                     still += 1
                     history.setdefault("grad_norm", []).append(0.0)
@@ -213,6 +231,7 @@ class Trainer:
         if parallel is not None:
             history = parallel.global_history(history, share_weights)
             trained_tokens = parallel.sum(trained_tokens)
+            flops = parallel.sum(flops)
         metrics = {key: sum(v) / len(v) for key, v in history.items()}
         metrics["loss"] = sum(metrics[k] for k in metrics if k.startswith("loss_"))
         metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
@@ -221,6 +240,10 @@ class Trainer:
                         "trained_row_fraction": trained_rows / (len(batch) * s.epochs),
                         "lr": self.optimizer.param_groups[0]["lr"] if lr is None else lr,
                         "train_time": elapsed, "optimizer_time": optimizer_time, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
+        if self.model_shapes is not None:
+            metrics["train_flops_per_s"] = flops / max(elapsed, 1e-9)
+        if self.peak_flops is not None:
+            metrics["mfu"] = metrics["train_flops_per_s"] / self.peak_flops
         return metrics
 
     def _value_loss(self, mb) -> dict[str, torch.Tensor]:
