@@ -11,7 +11,8 @@ them through vLLM's layer-wise reload, as ``reload_weights`` does. Unlike the /d
 (:mod:`~torchrl_grpo.engines.weight_stream`) it needs no shared file system between the two sides.
 
 The worker side is attached after the engine starts (:func:`attach_in_worker`, through ``collective_rpc``), so no
-vLLM plugin has to be installed in the engine's process. This module imports vLLM: import it only where vLLM runs. Pinned by tests/test_engine_process.py.
+vLLM plugin has to be installed in the engine's process. This module imports vLLM: import it only where vLLM
+runs. Pinned by tests/test_engine_process.py.
 """
 from __future__ import annotations
 
@@ -24,7 +25,6 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-
 from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
 from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine,
@@ -261,6 +261,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         if source is None:
             raise ValueError("gloo weight transfer needs a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
+        engine.buffer = torch.empty(0, dtype=torch.uint8)
         store = TCPStore(init_info.master_address, 0, init_info.world_size, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=TIMEOUT_S))
         worker_info = {"master_address": init_info.master_address, "master_port": store.port,
@@ -276,14 +277,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         meta = self.source.metadata()
         buckets = plan_buckets([(m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")) for m in meta],
                                TRANSFER_BUCKET_BYTES)
-        buffer = torch.empty(max(bucket_size(b) for b in buckets), dtype=torch.uint8)
+        size = max(bucket_size(b) for b in buckets)
+        if self.buffer.numel() < size:  # kept from push to push, as the workers keep theirs
+            self.buffer = torch.empty(size, dtype=torch.uint8)
         wire = [[[e.name, e.dtype, list(e.shape), e.offset] for e in bucket] for bucket in buckets]
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             received = pool.submit(self.client.update_weights, {"buckets": wire})
             try:
-                _send(self.group, buckets, iter(self.source), buffer, received.done)
+                _send(self.group, buckets, iter(self.source), self.buffer, received.done)
             except BaseException as cause:
                 if received.done() and received.exception() is not None:
                     raise received.exception() from cause  # the workers' error comes first

@@ -217,11 +217,8 @@ def hardware_line(rows: list[dict]) -> str | None:
     """The summary's line on speed and memory: the mean training tokens/s, TFLOP/s and MFU, the mean generation
     tokens/s, and the peak GiB of each role's GPUs and of this process's resident set, each when logged; None when
     none is."""
-    def values(key):
-        return [float(r[key]) for r in rows if r.get(key) not in (None, "") and math.isfinite(float(r[key]))]
-
-    speed = [form.format(sum(v) / len(v) * scale) for key, form, scale in SPEED if (v := values(key))]
-    memory = [f"{label} {max(v):.2f}" for key, label in PEAK_MEMORY if (v := values(key))]
+    speed = [form.format(sum(v) / len(v) * scale) for key, form, scale in SPEED if (v := logged(rows, key))]
+    memory = [f"{label} {max(v):.2f}" for key, label in PEAK_MEMORY if (v := logged(rows, key))]
     parts = ([", ".join(speed)] if speed else []) + ([f"peak memory GiB: {', '.join(memory)}"] if memory else [])
     return f"  hardware: {' | '.join(parts)}" if parts else None
 
@@ -262,8 +259,13 @@ def summarize(rows: list[dict], keys: list[str], window: int) -> dict[str, Trend
     """The end-of-run summary: a :class:`Trend` per key, means over ``window`` steps."""
     out = {}
     for key in keys:
-        values = [float(r[key]) for r in rows if r.get(key) not in (None, "") and not math.isnan(float(r[key]))]
-        if values:
+        if values := logged(rows, key):
             head, tail = values[:window], values[-window:]
             out[key] = Trend(values[0], sum(head) / len(head), sum(tail) / len(tail))
     return out
+
+
+def logged(rows: list[dict], key: str) -> list[float]:
+    """The values of column ``key`` in metrics.csv rows, empty cells and NaN (a step that did not log it, a reward
+    that did not apply) left out."""
+    return [float(r[key]) for r in rows if r.get(key) not in (None, "") and not math.isnan(float(r[key]))]

@@ -202,9 +202,10 @@ class Trainer:
                         (objective * (weight / max(total, 1e-9))).backward()
                     for key, value in losses.items():
                         history.setdefault(key, []).append(value.detach().float().item())
-                    trained_tokens += int(mb["attention_mask"].sum())
-                    if self.model_shapes is not None:  # the lengths from the batch as collected: no device sync
-                        flops += update_flops(self.model_shapes, batch["attention_mask"][idx].sum(-1).tolist(), moves)
+                    lengths = batch["attention_mask"][idx].sum(-1).tolist()  # from the batch as collected: no sync
+                    trained_tokens += sum(lengths)
+                    if self.model_shapes is not None:
+                        flops += update_flops(self.model_shapes, lengths, moves)
                 if not moves:
                     still += 1
                     history.setdefault("grad_norm", []).append(0.0)
