@@ -55,10 +55,11 @@ def test_placement_with_gpus():
     assert (three.train, three.inference, three.ref, three.shared) == (["cuda:0"], ["cuda:1"], ["cuda:2"], False)
     one = place(cfg_with(), needs_ref=True, gpu_count=1)
     assert one.train == one.inference == one.ref == ["cuda:0"] and one.shared
-    two = place(cfg_with("train_model.num_devices=2", "inference_model.devices=[3]"), needs_ref=False, gpu_count=4)
-    assert two.train == ["cuda:0", "cuda:1"] and two.inference == ["cuda:3"]
+    split = ("train.strategy=layer_split", "train_model.num_devices=2", "inference_model.devices=[3]")
+    two = place(cfg_with(*split), needs_ref=False, gpu_count=4)
+    assert two.train == ["cuda:0", "cuda:1"] and two.inference == ["cuda:3"] and two.strategy == "layer_split"
     with pytest.raises(ConfigError, match=r"^train_model.num_devices=5 but this machine has 4 GPU"):
-        place(cfg_with("train_model.num_devices=5"), needs_ref=False, gpu_count=4)
+        place(cfg_with("train.strategy=layer_split", "train_model.num_devices=5"), needs_ref=False, gpu_count=4)
     with pytest.raises(ConfigError, match=r"^ref_model.devices=\[7\]: GPU\(s\) \[7\] do not exist"):
         place(cfg_with("ref_model.devices=[7]"), needs_ref=True, gpu_count=2)
 
@@ -89,10 +90,10 @@ def test_fsdp_ranks_must_divide_the_micro_batch():
     validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2", "mode=async", "logging.eval_frequency=5"))
     validate(cfg_with("train.strategy=fsdp", "train_model.num_devices=2", "inference_model.backend=transformers"))
     validate(cfg_with("train.strategy=layer_split", "train_model.num_devices=3"))
-    # auto: gloo ranks for several train devices on a machine without GPUs, the layer split with GPUs
-    assert train_strategy(cfg_with("train_model.num_devices=2"), gpu_count=0) == "fsdp"
-    assert train_strategy(cfg_with("train_model.num_devices=2"), gpu_count=2) == "layer_split"
-    assert train_strategy(cfg_with(), gpu_count=0) == "layer_split"
+    # auto: data-parallel ranks for several train devices (gloo without GPUs, nccl with), one process for one
+    assert train_strategy(cfg_with("train_model.num_devices=2")) == "fsdp"  # gloo ranks on a CPU, nccl on GPUs
+    assert train_strategy(cfg_with()) == "layer_split"  # one device: one process
+    assert train_strategy(cfg_with("train_model.num_devices=2", "train_model.devices=[1,2]")) == "layer_split"
     assert place(cfg_with("train_model.num_devices=2"), needs_ref=True, gpu_count=0).train == ["cpu"]
     with pytest.raises(ConfigError, match=r"^train.strategy=auto \(fsdp\) with train_model.num_devices=3"):
         validate(cfg_with("train_model.num_devices=3"))
@@ -112,6 +113,8 @@ def test_fsdp_ranks_on_gpus_take_gpus_0_to_n_and_the_engine_the_next():
     with pytest.raises(ConfigError, match=r"^train_model.devices=\[1, 2\] with train.strategy=fsdp: .*CUDA_VISIBLE"):
         place(cfg_with(*fsdp, "train_model.devices=[1,2]"), needs_ref=True, gpu_count=4)
     validate(cfg_with(*fsdp))  # no longer refused where GPUs are
+    auto = place(cfg_with(*fsdp[1:]), needs_ref=True, gpu_count=4)  # what auto picks for several GPUs
+    assert (auto.strategy, auto.ranks, auto.train, auto.inference) == ("fsdp", 2, ["cuda:0", "cuda:1"], ["cuda:2"])
 
 
 def test_torchrun_ranks(monkeypatch):
@@ -126,7 +129,7 @@ def test_torchrun_ranks(monkeypatch):
     for key, value in {**rendezvous, "RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}.items():
         monkeypatch.setenv(key, value)
     cfg = cfg_with()
-    assert train_strategy(cfg, gpu_count=4) == "fsdp"
+    assert train_strategy(cfg) == "fsdp"
     adopt_torchrun_ranks(cfg, torchrun_launch())
     assert cfg.train_model.num_devices == 4
     validate(cfg)

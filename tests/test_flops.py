@@ -83,3 +83,20 @@ def test_forward_flops_follow_the_palm_formula_row_by_row():
 ])
 def test_a_gpu_is_matched_by_the_words_of_its_name(name, peak):
     assert bf16_peak_flops(name) == peak
+
+
+def test_the_throughput_bench_trains_the_recipe_and_counts_its_flops(monkeypatch):
+    """bench/train_throughput.py on its tiny shape: the run's trainer learns from every row, and its FLOP/s over
+    its tokens/s is the hand count of a row of that length (every row is as long), 3 forwards' worth."""
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "bench"))
+    import train_throughput
+
+    assert train_throughput.plan(2048, 131072, 16384) == (64, 8, 8)
+    assert train_throughput.plan(16384, 131072, 16384) == (8, 1, 8)
+    row = train_throughput.measure("tiny", 64, steps=1, overrides=[], step_tokens=512, micro_tokens=128)
+    assert (row["rows_per_step"], row["micro_batch_rows"], row["loss_finite"]) == (8, 2, True)
+    # tiny: hidden 64, 4 heads of 16, 2 key-value heads (32 wide), MLP 128, vocabulary 512 tied, 2 layers
+    layer = 64 * 64 + 2 * 64 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64 + 2 * 16  # q, k, v, o, MLP, norms, q/k norms
+    n = 2 * layer + 64 + 512 * 64
+    per_token = 3 * (2 * n + 4 * 2 * 4 * 16 * 64)
+    assert row["train_flops_per_s"] / row["train_tokens_per_s"] == pytest.approx(per_token, rel=1e-9)

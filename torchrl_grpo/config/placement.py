@@ -36,7 +36,7 @@ class Placement:
 def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Placement:
     """Assign devices to the roles of ``cfg``; ``gpu_count`` defaults to what torch sees."""
     available = torch.cuda.device_count() if gpu_count is None else gpu_count
-    strategy = train_strategy(cfg, available)
+    strategy = train_strategy(cfg)
     ranks = strategy == "fsdp"
     world = int(cfg.train_model.num_devices) if ranks else 1
     # data-parallel ranks shard the reference like the policy, on their own devices
@@ -95,17 +95,18 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
     )
 
 
-def train_strategy(cfg: DictConfig, gpu_count: int | None = None) -> str:
+def train_strategy(cfg: DictConfig) -> str:
     """``train.strategy`` resolved: ``auto`` is ``fsdp`` under ``torchrun`` (the ranks it started) and for
-    several train devices on a machine without GPUs (``train_model.num_devices`` data-parallel gloo ranks), else
-    ``layer_split`` (FSDP on GPUs has not run yet)."""
+    several train devices (``train_model.num_devices`` data-parallel ranks: nccl on GPUs, gloo without), else
+    ``layer_split``: one device (one process, no ranks), or GPUs named in ``train_model.devices`` (the layers split
+    over those, in one process)."""
     chosen = cfg.get("train", {}).get("strategy", "auto")
     if chosen != "auto":
         return chosen
     if torchrun_launch() is not None:
         return "fsdp"
-    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
-    return "fsdp" if int(cfg.train_model.get("num_devices", 1)) > 1 and gpus == 0 else "layer_split"
+    several = int(cfg.train_model.get("num_devices", 1)) > 1 and not cfg.train_model.get("devices")
+    return "fsdp" if several else "layer_split"
 
 
 @dataclass(frozen=True)

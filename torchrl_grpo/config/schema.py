@@ -139,7 +139,7 @@ class Train:
     sync_iter: bool = key("bool", "sync mode: false generates the next batch while this one trains")
     strategy: str = key("choice", "training over train_model.num_devices: layer_split (the layers split over the "
                         "GPUs) | fsdp (data-parallel ranks, FSDP2, started by grpo.py or torchrun; gloo on the CPU, "
-                        "nccl on GPUs) | auto (fsdp without GPUs or under torchrun, else layer_split)",
+                        "nccl on GPUs) | auto (fsdp for several train devices or under torchrun, else layer_split)",
                         choices=("auto", "fsdp", "layer_split"))
 
 
