@@ -29,25 +29,7 @@ print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, transformers {tran
 PY
 
 echo "## 1. imports" >> "$RESULTS"
-"$PYTHON" - >> "$RESULTS" 2> "$OUTDIR/imports.log" <<'PY' || status=1
-import importlib, importlib.util, pkgutil, sys, traceback
-import torchrl_grpo
-has_vllm = importlib.util.find_spec("vllm") is not None
-ok, need_vllm, failed = [], [], []
-for info in pkgutil.walk_packages(torchrl_grpo.__path__, "torchrl_grpo."):
-    try:
-        importlib.import_module(info.name)
-        ok.append(info.name)
-    except ModuleNotFoundError as error:
-        (need_vllm if error.name.split(".")[0] == "vllm" and not has_vllm else failed).append(f"{info.name} ({error})")
-    except Exception as error:
-        failed.append(f"{info.name} ({type(error).__name__}: {error})")
-        traceback.print_exc()
-print(f"{len(ok)} modules import; {len(need_vllm)} need vLLM, absent here: {', '.join(n.split(' ')[0] for n in need_vllm) or '-'}")
-for line in failed:
-    print(f"- FAILED {line}")
-sys.exit(1 if failed else 0)
-PY
+"$PYTHON" bench/import_all.py >> "$RESULTS" 2> "$OUTDIR/imports.log" || status=1
 
 echo -e "\n## 2. train.strategy=fsdp, nccl, one rank, bf16: learning, checkpoint and resume" >> "$RESULTS"
 LEARN=(model=tiny env=gsm8k "env.data_path=$GSM8K_DATA" env.num_envs=4 env.repeats=8

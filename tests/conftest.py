@@ -13,7 +13,7 @@ if worker := os.environ.get("PYTEST_XDIST_WORKER"):  # pytest.ini: one worker pe
 
 import pytest
 
-from helpers import FLOAT32, SMALL, importable, run
+from helpers import FLOAT32, SMALL, VLLM_DEVICE, importable, run
 
 # ===================================================================================================
 # skip marks for optional stacks (tests/helpers.py: needs_vllm, needs_ray_and_vllm)
@@ -68,17 +68,20 @@ def tokenizer(tiny_model_path):
 
 @pytest.fixture(scope="session")
 def vllm_engine(tiny_model_path):
-    """A float32 CPU VLLMEngine on the tiny model, shared by the session and closed at its end.
+    """A float32 VLLMEngine on the tiny model (on the CPU, or GPU 0 with a CUDA build of vLLM), shared by the
+    session and closed at its end.
 
     Tests that push weights into it must push the original weights back before they return.
     """
+    if VLLM_DEVICE is None:
+        pytest.skip("vLLM's CUDA build on a machine without a GPU: no engine can start")
     try:
         import vllm  # noqa: F401
     except Exception as e:  # missing, or a broken install
         pytest.skip(f"vllm is not importable here ({type(e).__name__}: {e})")
     from torchrl_grpo.engines.vllm import VLLMEngine
 
-    engine = VLLMEngine(tiny_model_path, dtype="float32", device="cpu", max_model_len=512, seed=0)
+    engine = VLLMEngine(tiny_model_path, dtype="float32", device=VLLM_DEVICE, max_model_len=512, seed=0)
     yield engine
     engine.close()
 

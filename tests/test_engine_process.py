@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (LOGPROB_TOL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb,
+from helpers import (VLLM_DEVICE, LOGPROB_TOL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb,
                      processes_with_env, run)
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines import vllm as vllm_engine
@@ -97,7 +97,7 @@ def own(tied_model_path):
     torch.manual_seed(3)
     expected_rand = torch.rand(4)
     torch.manual_seed(3)
-    engine = VLLMEngine(tied_model_path, dtype="float32", device="cpu", max_model_len=512, seed=0,
+    engine = VLLMEngine(tied_model_path, dtype="float32", device=VLLM_DEVICE, max_model_len=512, seed=0,
                         engine_process="own")
     state = SimpleNamespace(
         engine=engine, env_before=env_before, set_num_threads=set_num_threads, expected_rand=expected_rand,

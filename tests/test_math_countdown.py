@@ -7,7 +7,7 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import SMALL, cfg_with, metric_rows, run
+from helpers import SMALL, cfg_with, metric_rows, needs_vllm, run
 from torchrl_grpo.config.validate import validate
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks import build_task, eval_env_config
@@ -126,6 +126,7 @@ def test_countdown_is_generated_offline_and_scored_by_its_checker():
     assert task.score(f"<answer>{numbers[0]}</answer>", row)["accuracy"] < 1.0
 
 
+@needs_vllm
 def test_grpo_py_trains_on_local_math_files_with_per_subject_metrics(tmp_path):
     write_jsonl(tmp_path / "train.jsonl", MATH_ROWS)
     write_jsonl(tmp_path / "test.jsonl", MATH_ROWS[:2])

@@ -76,6 +76,7 @@ def test_a_cpu_without_native_bf16_is_warned_once(tiny_model_path, monkeypatch, 
     from torchrl_grpo.config.spec import resolve_run
     from torchrl_grpo.run.build import build_trainer
 
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # a CPU trainer, on a machine with GPUs too
     cfg = cfg_with("model=tiny", "train.mixed_precision=true")
     build_trainer(cfg, resolve_run(cfg), tiny_model_path, None)
     assert "without native bf16" not in capsys.readouterr().err

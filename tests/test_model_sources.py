@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import LORA
+from helpers import LORA, needs_vllm
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.models import loading as models
 from torchrl_grpo.models import packaged_smollm2
@@ -171,6 +171,7 @@ def test_a_folder_asking_to_run_its_own_code_needs_trust_remote_code(tiny_dir, t
     assert model_sources.resolve_model(str(folder), trust_remote_code=True) == str(folder)
 
 
+@needs_vllm
 def test_every_loader_is_told_trust_remote_code_explicitly(tiny_dir, monkeypatch):
     import transformers
 

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-from helpers import metric_rows, run
+from helpers import metric_rows, needs_vllm, run
 from torchrl_grpo.tasks import build_task
 from torchrl_grpo.tasks.openr1 import (CosineScaled, RepetitionPenalty, SoftOverlong, accuracy, length,
                                        reasoning_steps, tag_count)
@@ -68,6 +68,7 @@ def test_parameterised_rewards_are_made_from_their_config_entries(tmp_path):
     assert scores == {"cosine": pytest.approx(0.75), "RepetitionPenalty": 0.0, "accuracy": 1.0}
 
 
+@needs_vllm
 def test_the_recipe_runs_offline_on_a_local_sample_of_its_dataset(tmp_path):
     rows = [{"problem": f"What is {i} + {i}?", "solution": f"Adding gives $\\boxed{{{2 * i}}}$.", "answer": str(2 * i),
              "problem_type": "Algebra", "source": "synthetic"} for i in range(8)]

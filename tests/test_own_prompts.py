@@ -10,7 +10,7 @@ import sys
 import pandas as pd
 import pytest
 
-from helpers import SCRIPT_ENV, metric_rows
+from helpers import SCRIPT_ENV, metric_rows, needs_vllm
 from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.tasks import build_task, register_reward
 from torchrl_grpo.tasks.prompts import _held_out
@@ -202,6 +202,7 @@ print("DIRS", json.dumps([str(run_dir), str(eval_dir)]))
 '''
 
 
+@needs_vllm
 def test_trl_quick_start_trains_from_a_plain_script_and_its_reward_rises(tmp_path):
     """TRL's first GRPO example (reward_len on a prompt-only dataset shaped like trl-lib/tldr), through
     ``from torchrl_grpo import train, evaluate`` with Python objects: a Dataset and the function itself."""

@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import torch
 
-from helpers import SMALL, metric_rows, run
+from helpers import SMALL, metric_rows, needs_vllm, run
 from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.tasks import build_task
 
@@ -45,7 +45,8 @@ def test_a_reward_model_scores_batches_as_each_pair_alone(tmp_path, reward_model
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     task = build_task({"dataset": "prompts", "data_path": write_rows(tmp_path),
-                       "reward_model": {"path": reward_model_path, "batch_size": 2, "weight": 0.5}})
+                       "reward_model": {"path": reward_model_path, "batch_size": 2, "weight": 0.5,
+                                        "device": "cpu"}})  # float32, as the forward it is compared with
     assert task.reward_weights == {"reward_model": 0.5}
     rows = [task.rows[0], task.rows[1], task.rows[0]]
     completions = ["Apple.", "A long answer: blue, or maybe green, or red.", "Pear"]
@@ -169,6 +170,7 @@ def test_bad_judge_config_is_one_line(tmp_path, judge_server, extra, message):
         build_task({"dataset": "prompts", "data_path": write_rows(tmp_path), "judge": judge_spec(judge_server, **extra)})
 
 
+@needs_vllm
 def test_a_run_with_a_judge_and_a_reward_model_keeps_the_key_out_of_its_files(tmp_path, judge_server, reward_model_path):
     """grpo.py with both scorers beside the task's own rewards (weight 0: logged, not trained on): each logs its
     component every step; the API key, in the environment only, is in no file of the run directory."""

@@ -69,6 +69,7 @@ def test_metrics_rows_live_in_the_file_not_in_memory(tmp_path):
     assert summarize(rows, ["reward"], 2)["reward"].last_mean == (399 / 3 + 400 / 3) / 2
 
 
+@pytest.mark.needs("mlflow", "tensorboard")  # the trackers extra
 def test_tensorboard_and_mlflow_get_each_step_once_across_a_resume(tmp_path):
     """Both trackers on, as a run writes them: steps 1-4, then a run resumed from the checkpoint of step 2 writes
     steps 3-4 again. TensorBoard keeps the resumed values only (purge_step); MLflow (a SQLite store in the run
