@@ -23,7 +23,7 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from helpers import (FLOAT32, LOGPROB_TOL, LORA, SMALL, failure_excerpt, finite, free_port, max_logprob_gap,
+from helpers import (FLOAT32, LOGPROB_TOL, LORA, SCRIPT_ENV, SMALL, failure_excerpt, finite, free_port, max_logprob_gap,
                      metric_rows, needs_ray_and_vllm, needs_vllm, preempted, ray_processes, run_async, start,
                      wait_until)
 from torchrl_grpo.config.settings import TrainSettings
@@ -195,7 +195,7 @@ def main(rank: int, store: str, model_path: str, out: str) -> None:
 def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path):
     assert set(AGGREGATIONS) <= {case[0]["aggregation"] for case in CASES.values()}
     out = tmp_path / "ranks.pt"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, **SCRIPT_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}  # gloo
     started = time.perf_counter()
     ranks = [subprocess.Popen([sys.executable, __file__, str(r), str(tmp_path / "store"), tiny_model_path, str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
