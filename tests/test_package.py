@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT, SCRIPT_ENV, metric_rows
+from helpers import ROOT, SCRIPT_ENV, metric_rows, needs_vllm
 from torchrl_grpo.config.shipped import shipped_recipes
 
 COMMAND = Path(sys.executable).parent / "torchrl-grpo"  # the console script `pip install -e .` put in the venv
@@ -60,6 +60,7 @@ def test_bad_commands_are_one_line_and_exit_2(tmp_path, args, says):
     assert out.returncode == 2 and says in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
 
+@needs_vllm
 def test_a_copied_config_edited_and_run_from_the_users_folder(tmp_path):
     """``config NAME DEST`` then ``train --config-path DEST`` (relative to the user's folder, as they type it):
     the edits are what runs, the job is named as grpo.py's (grpo.log), and the same command as a script agrees."""

