@@ -32,14 +32,11 @@ echo "## 1. imports" >> "$RESULTS"
 "$PYTHON" bench/import_all.py >> "$RESULTS" 2> "$OUTDIR/imports.log" || status=1
 
 echo -e "\n## 2. train.strategy=fsdp, nccl, one rank, bf16: learning, checkpoint and resume" >> "$RESULTS"
-LEARN=(model=tiny env=gsm8k "env.data_path=$GSM8K_DATA" env.num_envs=4 env.repeats=8
-       train.optim_batch_size=16 train.gradient_accumulation_steps=1 inference_model.max_tokens=8 optimizer.lr=3e-3
-       loss.aggregation=token_mean inference_model.temperature=1.0 logging.progress_bar=false
-       inference_model.backend=transformers train.strategy=fsdp train_model.num_devices=1
-       "env.rewards=[{_target_:test_learning.digit_share,weight:1.0,name:digits}]")
+source bench/learning_task.sh
 run_grpo() {  # run_grpo DIR LOG OVERRIDES...: grpo.py into DIR, its output in LOG
   local dir=$1 log=$2; shift 2
-  timeout 240 "$PYTHON" grpo.py "${LEARN[@]}" "$@" hydra.run.dir="$dir" >> "$log" 2>&1
+  timeout 240 "$PYTHON" grpo.py "${LEARN[@]}" inference_model.backend=transformers train.strategy=fsdp \
+    train_model.num_devices=1 "$@" hydra.run.dir="$dir" >> "$log" 2>&1
 }
 straight=$OUTDIR/fsdp-straight resumed=$OUTDIR/fsdp-resumed
 rm -rf "$straight" "$resumed"

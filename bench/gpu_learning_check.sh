@@ -11,16 +11,14 @@ PYTHON=${PYTHON:-.venv/bin/python}
 mkdir -p outputs
 export HF_HUB_OFFLINE=1 PYTHONPATH="$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
 "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device here')"
-LEARN=(model=tiny env=gsm8k env.data_path=../shared/data/gsm8k env.num_envs=4 env.repeats=8
-       train.optim_batch_size=16 train.gradient_accumulation_steps=1 train.total_dialog_turns=640
-       inference_model.max_tokens=8 optimizer.lr=3e-3
-       loss.aggregation=token_mean inference_model.temperature=1.0 logging.progress_bar=false
-       logging.checkpoint_frequency=0 "env.rewards=[{_target_:test_learning.digit_share,weight:1.0,name:digits}]")
+GSM8K_DATA=${GSM8K_DATA:-../shared/data/gsm8k}
+source bench/learning_task.sh
 for variant in "bf16:" "fp32_weights_bf16_autocast:train_model.torch_dtype=float32" \
                "fp32:train_model.torch_dtype=float32 train.mixed_precision=false"; do
   name=${variant%%:*}; dir="outputs/bench-gpu-$name"
   # shellcheck disable=SC2086  # the variant's overrides split on spaces on purpose
-  "$PYTHON" grpo.py "${LEARN[@]}" ${variant#*:} "$@" hydra.run.dir="$dir" > "$dir.log" 2>&1
+  "$PYTHON" grpo.py "${LEARN[@]}" train.total_dialog_turns=640 logging.checkpoint_frequency=0 ${variant#*:} "$@" \
+    hydra.run.dir="$dir" > "$dir.log" 2>&1
   "$PYTHON" - "$name" "$dir/metrics.csv" <<'PY'
 import csv, sys
 digits = [float(r["reward/digits"]) for r in csv.DictReader(open(sys.argv[2]))]
