@@ -322,16 +322,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
 def _send(group, buckets: list[list[Entry]], tensors: Iterator[tuple[str, torch.Tensor]], buffer: torch.Tensor,
           workers_ended: Callable[[], bool]) -> None:
     """Fill ``buffer`` with each bucket's tensors in turn and broadcast it, after a header with the bucket's index;
-    stop early when the workers' call already ended (it failed before joining the broadcast). Should reading the
-    tensors fail, the header says so: the workers raise instead of waiting for a bucket that never comes."""
+    stop early when the workers' call already ended (it failed before joining the broadcast). ``tensors`` come in
+    the buckets' order (:meth:`PushSource.tensors` checks each name). Should reading them fail, the header says so:
+    the workers raise instead of waiting for a bucket that never comes."""
     for k, bucket in enumerate(buckets):
         if workers_ended():
             return
         try:
             for entry in bucket:
-                name, tensor = next(tensors)
-                if name != entry.name:
-                    raise RuntimeError(f"weight transfer: got {name} where {entry.name} was planned")
+                _, tensor = next(tensors)
                 entry_view(buffer, entry).copy_(tensor)
         except BaseException:
             _broadcast(group, torch.tensor([_ABORT]), workers_ended)
