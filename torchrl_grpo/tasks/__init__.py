@@ -14,6 +14,7 @@ from torchrl_grpo.tasks.ifeval import build_ifeval_task
 from torchrl_grpo.tasks.openenv import build_openenv_task
 from torchrl_grpo.tasks.prompts import build_prompts_task
 from torchrl_grpo.tasks.reasoning_gym_tasks import build_reasoning_gym_task
+from torchrl_grpo.tasks.verifiers_tasks import build_verifiers_task
 
 # env.dataset -> builder(env_cfg) -> Task. New tasks add themselves with register_task.
 TASK_BUILDERS: dict[str, Callable[[Any], Task]] = {
@@ -29,6 +30,7 @@ TASK_BUILDERS: dict[str, Callable[[Any], Task]] = {
     "HuggingFaceH4/MATH-500": build_math_task,
     "prompts": build_prompts_task,
     "openenv": build_openenv_task,
+    "verifiers": build_verifiers_task,
 }
 DEFAULT_DATASET = "openai/gsm8k"
 # reward callables handed over as Python objects (the Python API's reward_funcs), by their env.rewards _target_

@@ -16,7 +16,6 @@ error, handled as ``env.reward_errors`` says (stop the run, or score 0 and count
 """
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 
 import datasets
 
+from torchrl_grpo.core.background_loop import BackgroundLoop
 from torchrl_grpo.core.errors import ConfigError, one_line
 from torchrl_grpo.tasks.base import Reward, Task
 from torchrl_grpo.tasks.sources import env_value
@@ -51,16 +51,14 @@ class OpenEnvServer:
 
         self.client_cls, self.url, self.action_field = GenericEnvClient, url, action_field
         self.observation_field, self.timeout_s, self.reset_kwargs = observation_field, timeout_s, dict(reset_kwargs or {})
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="openenv", daemon=True).start()
+        self.loop = BackgroundLoop("openenv")
         self.lock = threading.Lock()
         self.idle: dict[tuple, list[_Session]] = {}  # (seed, turns so far) -> sessions waiting for the next turn
         self.ended: dict[tuple, list[float | ServerError]] = {}  # (seed, turns) -> returns of episodes that ended
 
     def _call(self, coroutine, what: str):
-        future = asyncio.run_coroutine_threadsafe(asyncio.wait_for(coroutine, self.timeout_s), self.loop)
         try:
-            return future.result()
+            return self.loop.run(coroutine, self.timeout_s)
         except TimeoutError:
             raise ServerError(f"OpenEnv server {self.url}: {what} timed out after {self.timeout_s:g} s "
                               "(env.timeout_s)") from None
