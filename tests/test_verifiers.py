@@ -131,3 +131,19 @@ def test_grpo_py_trains_on_a_verifiers_taskset(turns, tmp_path):
     assert [r["step"] for r in rows] == ["0", "1", "2"]
     assert all(r["reward/brief"] != "" and r["reward/turns"] != "" for r in rows[1:])
     assert float(rows[-1]["eval/prompts"]) == 2 and "reward/correct" in done.stdout
+
+
+def test_tool_servers_that_do_not_start_are_one_line_or_an_error_the_model_reads(monkeypatch):
+    import vf_products
+
+    async def broken(self):
+        raise OSError("port in use")
+
+    monkeypatch.setattr(vf_products.Calculator, "setup", broken)
+    with pytest.raises(ConfigError, match=r"^env.id=vf_products: starting its tool servers failed \(OSError: port in "
+                                          r"use\)$"):
+        build()
+    task, turns = build("env.max_steps=1", "env.turn_env=null")  # one turn: no tools started
+    reply = task.env.call_tools(0, CALL)  # what a turn environment would get if they failed later
+    assert [(r.content, r.error) for r in reply] == [("error: the tools are not available (OSError: port in use)",
+                                                      True)]

@@ -125,11 +125,13 @@ class VerifiersEnv:
         bodies = tool_calls(text)
         if not bodies:
             return []
-        box = self.toolbox(index)
         try:
+            box = self.toolbox(index)
             return [self.loop.run(box.call(body), self.timeout_s) for body in bodies]
         except TimeoutError:
             return [ToolResult(f"error: the tool call timed out after {self.timeout_s:g} s", True)]
+        except Exception as err:  # the task's tool servers did not start: the model hears it, the count shows it
+            return [ToolResult(f"error: the tools are not available ({one_line(err)})", True)]
 
     def trace(self, index: int, conversation: Sequence[Mapping[str, Any]]):
         """The episode as a ``vf.Trace``: the assistant turns' tool calls parsed, each tool message answering them
@@ -350,7 +352,10 @@ def build_verifiers_task(env_cfg: Any) -> Task:
     env = VerifiersEnv(taskset_id, tasks, float(timeout_s))
     tools = None
     if int(env_value(env_cfg, "max_steps", 1)) > 1 and type(tasks[0]).toolsets(tasks[0].config):
-        tools = _tool_prompt(env.toolbox(0).schemas)
+        try:
+            tools = _tool_prompt(env.toolbox(0).schemas)
+        except Exception as err:
+            raise ConfigError(f"env.id={taskset_id}: starting its tool servers failed ({one_line(err)})") from None
     env.prompts = [_prompt(t, system_prompt, tools) for t in tasks]
     names = [*reward_names, *metric_names]
     task = VerifiersTask(
