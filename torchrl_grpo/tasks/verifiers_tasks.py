@@ -48,6 +48,15 @@ def tool_calls(text: str) -> list[str]:
     return _TOOL_CALL.findall(text)
 
 
+def parse_call(body: str) -> tuple[str, Any]:
+    """The tool's name and the arguments (an object, or the string the model wrote) of one call's body;
+    ValueError where it is not a JSON object with a name."""
+    call = json.loads(body)
+    if not isinstance(call, dict) or "name" not in call:
+        raise ValueError("no \"name\" in it")
+    return call["name"], call.get("arguments") or {}
+
+
 @dataclass(frozen=True)
 class ToolResult:
     content: str
@@ -85,11 +94,10 @@ class Toolbox:
         """Run one call the model wrote (the JSON inside its ``<tool_call>``); a call that cannot run is an error
         message to the model, never a failed run."""
         try:
-            call = json.loads(body)
-            name, arguments = call["name"], call.get("arguments") or {}
+            name, arguments = parse_call(body)
             if isinstance(arguments, str):
                 arguments = json.loads(arguments)
-        except (ValueError, KeyError, TypeError, AttributeError) as err:
+        except ValueError as err:
             return ToolResult(f"error: the tool call is not JSON with a name and arguments ({one_line(err)})", True)
         if name not in self.dispatch:
             return ToolResult(f"error: no tool named {name!r}; the tools are {', '.join(self.dispatch)}", True)
@@ -106,8 +114,8 @@ class VerifiersEnv:
     """A loaded taskset's tasks, scored and served from any thread: verifiers' coroutines run on one event loop
     of their own."""
 
-    def __init__(self, taskset_id: str, tasks: list, timeout_s: float):
-        self.taskset_id, self.tasks, self.timeout_s = taskset_id, tasks, timeout_s
+    def __init__(self, tasks: list, timeout_s: float):
+        self.tasks, self.timeout_s = tasks, timeout_s
         self.loop = BackgroundLoop("verifiers")
         self.lock = threading.Lock()
         self.toolboxes: dict[int, Any] = {}  # task index -> future of its Toolbox
@@ -145,9 +153,8 @@ class VerifiersEnv:
         for turn, message in enumerate(conversation):
             role, content = message["role"], str(message["content"])
             if role == "assistant":
-                pending = [f"call_{turn}_{k}" for k in range(len(tool_calls(content)))]
-                calls = [vf.ToolCall(id=call_id, name=_call_name(body), arguments=_call_arguments(body))
-                         for call_id, body in zip(pending, tool_calls(content))]
+                calls = [_trace_call(f"call_{turn}_{k}", body) for k, body in enumerate(tool_calls(content))]
+                pending = [call.id for call in calls]
                 messages.append(vf.AssistantMessage(content=content, tool_calls=calls or None))
             elif role == "tool":
                 messages.append(vf.ToolMessage(tool_call_id=pending.pop(0) if pending else "call_unknown",
@@ -189,19 +196,16 @@ class VerifiersEnv:
         return values[name]
 
 
-def _call_name(body: str) -> str:
-    try:
-        return str(json.loads(body).get("name", ""))
-    except (ValueError, AttributeError):
-        return ""
+def _trace_call(call_id: str, body: str):
+    """One call as the trace holds it; one that does not parse keeps its body as the arguments, unnamed."""
+    import verifiers.v1 as vf
 
-
-def _call_arguments(body: str) -> str:
     try:
-        arguments = json.loads(body).get("arguments", {})
-    except (ValueError, AttributeError):
-        return body
-    return arguments if isinstance(arguments, str) else json.dumps(arguments)
+        name, arguments = parse_call(body)
+    except ValueError:
+        name, arguments = "", body
+    return vf.ToolCall(id=call_id, name=str(name), arguments=arguments if isinstance(arguments, str)
+                       else json.dumps(arguments))
 
 
 @dataclass
@@ -252,8 +256,9 @@ def _load_tasks(taskset_id: str, taskset_args: Mapping[str, Any], size: int | No
     return tasks
 
 
-def _check_task(taskset_id: str, task) -> tuple[list[str], list[str]]:
-    """The task's reward and metric names (rewards first, by priority); ConfigError for what cannot run here."""
+def _check_task(taskset_id: str, task) -> tuple[dict[str, float], list[str]]:
+    """The task's rewards (name -> weight, by priority, then its judges) and metric names; ConfigError for what
+    cannot run here."""
     import verifiers.v1 as vf
 
     name = type(task).__name__
@@ -269,16 +274,11 @@ def _check_task(taskset_id: str, task) -> tuple[list[str], list[str]]:
         if toolset._state_cls is not vf.State:
             raise ConfigError(f"env.id={taskset_id}: its toolset {type(toolset).__name__} keeps state between calls "
                               "(a custom State), which env=verifiers does not carry; use stateless tools")
-    reward_names = [fn.__name__ for fn in rewards] + [judge.reward_name for judge in judges]
-    if not reward_names:
+    weights = {fn.__name__: float(getattr(fn, "_vf_weight", 1.0)) for fn in rewards}
+    weights.update({judge.reward_name: float(judge.config.weight) for judge in judges})
+    if not weights:
         raise ConfigError(f"env.id={taskset_id}: its task {name} has no @vf.reward; nothing scores an episode")
-    return reward_names, [fn.__name__ for fn in metrics]
-
-
-def _weights(task) -> dict[str, float]:
-    weights = {fn.__name__: float(getattr(fn, "_vf_weight", 1.0)) for fn in task.hooks("reward")}
-    weights.update({judge.reward_name: float(judge.config.weight) for judge in task.plugged_judges()})
-    return weights
+    return weights, [fn.__name__ for fn in metrics]
 
 
 def _tool_prompt(schemas: list[dict]) -> str:
@@ -345,12 +345,12 @@ def build_verifiers_task(env_cfg: Any) -> Task:
     if system_prompt is not None and not isinstance(system_prompt, str):
         raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for the task's own")
     tasks = _load_tasks(taskset_id, dict(taskset_args.items()), size)
-    reward_names, metric_names = _check_task(taskset_id, tasks[0])
-    weights = _weights(tasks[0])
-    success = env_value(env_cfg, "success", max(reward_names, key=lambda n: weights.get(n, 0.0)))
+    weights, metric_names = _check_task(taskset_id, tasks[0])
+    reward_names = list(weights)
+    success = env_value(env_cfg, "success", max(reward_names, key=weights.get))
     if success not in reward_names:
         raise ConfigError(f"env.success={success!r}: not one of the task's rewards ({', '.join(reward_names)})")
-    env = VerifiersEnv(taskset_id, tasks, float(timeout_s))
+    env = VerifiersEnv(tasks, float(timeout_s))
     tools = None
     if int(env_value(env_cfg, "max_steps", 1)) > 1 and type(tasks[0]).toolsets(tasks[0].config):
         try:
