@@ -73,12 +73,8 @@ def vllm_engine(tiny_model_path):
 
     Tests that push weights into it must push the original weights back before they return.
     """
-    if VLLM_DEVICE is None:
-        pytest.skip("vLLM's CUDA build on a machine without a GPU: no engine can start")
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # missing, or a broken install
-        pytest.skip(f"vllm is not importable here ({type(e).__name__}: {e})")
+    if not importable("vllm"):  # missing, broken, or its CUDA build on a machine without a GPU
+        pytest.skip("no vLLM engine can start here")
     from torchrl_grpo.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(tiny_model_path, dtype="float32", device=VLLM_DEVICE, max_model_len=512, seed=0)
