@@ -1,5 +1,6 @@
 """GSM8K task: answer extraction on the real data, rewards, loading (local, hub offline, gsm_symbolic), build_task."""
 import json
+import re
 import time
 
 import pytest
@@ -241,6 +242,35 @@ def test_build_task_reasoning_overrides_and_prompts():
     assert custom.messages(custom.rows[0])[0] == {"role": "system", "content": "Be brief."}
     none = build_task({"dataset": "gsm_symbolic", "size": 5, "system_prompt": ""})
     assert none.system_prompt is None and [m["role"] for m in none.messages(none.rows[0])] == ["user"]
+
+
+SHOT = [{"role": "user", "content": "2 + 2?"}, {"role": "assistant", "content": "```python\nprint(2 + 2)\n```"},
+        {"role": "tool", "content": "4"}, {"role": "assistant", "content": "#### 4"}]
+
+
+def test_worked_examples_come_between_the_system_prompt_and_the_question():
+    task = build_task(OmegaConf.create({"dataset": "gsm_symbolic", "size": 5, "system_prompt": "Be brief.",
+                                        "examples": SHOT}))
+    row = task.rows[0]
+    assert task.messages(row) == [{"role": "system", "content": "Be brief."}, *SHOT,
+                                  {"role": "user", "content": row["question"]}]
+    bare = build_task({"dataset": "gsm_symbolic", "size": 5, "system_prompt": "", "examples": SHOT})
+    assert bare.messages(row) == [*SHOT, {"role": "user", "content": row["question"]}]
+    assert build_task({"dataset": "gsm_symbolic", "size": 5, "examples": []}).examples == []
+
+
+@pytest.mark.parametrize("examples, named", [
+    ("2+2? 4", "env.examples='2+2? 4'"),
+    ([{"role": "user", "content": "2+2?"}, {"role": "bot", "content": "4"}], "env.examples[1]="),
+    ([{"role": "user", "content": 4}], "env.examples[0]="),
+    ([{"role": "user", "content": "2+2?", "name": "x"}], "env.examples[0]="),
+    ([{"role": "assistant", "content": "4"}], "begin with a user turn"),
+    ([{"role": "user", "content": "2+2?"}], "end with the assistant's answer"),
+])
+def test_bad_worked_examples_are_one_line_naming_the_key(examples, named):
+    with pytest.raises(ConfigError, match=re.escape(named)) as err:
+        build_task({"dataset": "gsm_symbolic", "size": 5, "examples": examples})
+    assert "\n" not in str(err.value)
 
 
 @needs_data

@@ -73,6 +73,11 @@ def test_trl_rewards_get_chat_messages_for_conversational_prompts(tmp_path):
     task.score_batch(["a", "b"], list(task.rows))
     assert seen["completions"] == [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "b"}]]
     assert seen["prompts"][1][-1] == {"role": "user", "content": "Yo"}
+    shot = [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hi."}]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    with_shot = prompts_task(tmp_path, [{"messages": chat}], prompt_column="messages", examples=shot,
+                             rewards=[register_reward(spy)])
+    assert with_shot.messages(with_shot.rows[0]) == [chat[0], *shot, chat[1]]  # after the row's own system turn
 
 
 def test_async_rewards_run_concurrently_also_under_a_running_event_loop(tmp_path):

@@ -94,6 +94,8 @@ class Env:
                       "weight} (docs/tasks.md)", null=True)
     chat_template_kwargs: dict = key("any", "keyword arguments of the tokenizer's chat template wherever a prompt or "
                                      "turn is rendered, e.g. {enable_thinking: false} for Qwen3")
+    examples: list = key("any", "worked examples shown before every question (few-shot), as earlier turns: "
+                         "[{role: user | assistant | tool, content: ...}], from a user turn to an assistant turn")
 
 
 @dataclass

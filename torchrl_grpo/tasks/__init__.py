@@ -61,7 +61,33 @@ def build_task(env_cfg: Any) -> Task:
         raise ConfigError(f"env.chat_template_kwargs={template_kwargs!r}: give a mapping, e.g. "
                           "'{enable_thinking: false}'")
     task.chat_template_kwargs = dict(template_kwargs)
+    task.examples = worked_examples(env_cfg.get("examples"))
     return task
+
+
+EXAMPLE_ROLES = ("user", "assistant", "tool")
+
+
+def worked_examples(spec: Any) -> list[dict[str, str]]:
+    """``env.examples`` checked: chat messages ``{role, content}`` shown before every question (few-shot), which
+    begin with a user turn and end with an assistant turn, as a conversation before the question would."""
+    if not spec:
+        return []
+    if isinstance(spec, (str, bytes)) or not hasattr(spec, "__iter__"):
+        raise ConfigError(f"env.examples={spec!r}: give a list of chat messages, e.g. "
+                          "'[{role: user, content: \"2+2?\"}, {role: assistant, content: \"#### 4\"}]'")
+    examples = []
+    for i, message in enumerate(spec):
+        role = message.get("role") if hasattr(message, "get") else None
+        content = message.get("content") if hasattr(message, "get") else None
+        if role not in EXAMPLE_ROLES or not isinstance(content, str) or set(message) != {"role", "content"}:
+            raise ConfigError(f"env.examples[{i}]={message!r}: give {{role: user | assistant | tool, content: <text>}}")
+        examples.append({"role": role, "content": content})
+    if examples[0]["role"] != "user" or examples[-1]["role"] != "assistant":
+        raise ConfigError("env.examples: begin with a user turn and end with the assistant's answer, as a "
+                          f"conversation before the question would (they run {examples[0]['role']} .. "
+                          f"{examples[-1]['role']})")
+    return examples
 
 
 def register_reward(fn: RewardFn) -> dict:

@@ -48,6 +48,7 @@ class Task:
     pooled: dict[str, Callable[[Mapping[str, Any]], int]] = field(default_factory=dict)
     conversational: bool = False  # TRL-style rewards get prompts and completions as chat messages
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # env.chat_template_kwargs
+    examples: list[dict[str, str]] = field(default_factory=list)  # env.examples: worked examples before the question
 
     def __post_init__(self):
         names = [r.name for r in self.rewards]
@@ -95,7 +96,14 @@ class Task:
         return self
 
     def messages(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
-        """Chat messages for one row: the optional system prompt, then the question as the user turn."""
+        """Chat messages for one row: its prompt's (:meth:`prompt_messages`) with the worked examples
+        (``env.examples``) inserted after its leading system messages, as earlier turns of the conversation."""
+        msgs = self.prompt_messages(row)
+        lead = next((i for i, m in enumerate(msgs) if m["role"] != "system"), len(msgs))
+        return msgs[:lead] + [dict(m) for m in self.examples] + msgs[lead:]
+
+    def prompt_messages(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
+        """The row's own prompt: the optional system prompt, then the question as the user turn."""
         msgs = []
         if self.system_prompt:
             msgs.append({"role": "system", "content": self.system_prompt})

@@ -29,10 +29,10 @@ class PromptsTask(Task):
 
     prompt_column: str = "prompt"
 
-    def messages(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
+    def prompt_messages(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
         prompt = row[self.prompt_column]
         if isinstance(prompt, str):
-            return super().messages({"question": prompt})
+            return super().prompt_messages({"question": prompt})
         system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return system + [{"role": m["role"], "content": m["content"]} for m in prompt]
 

@@ -214,7 +214,7 @@ class VerifiersTask(Task):
 
     env: VerifiersEnv | None = None
 
-    def messages(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
+    def prompt_messages(self, row: Mapping[str, Any]) -> list[dict[str, str]]:
         return [dict(m) for m in self.env.prompts[int(row["vf_index"])]]
 
 
