@@ -95,6 +95,22 @@ def test_an_evaluation_over_several_tasks_gets_its_per_task_accuracy_panel():
     assert per_task.columns == ("eval/products/accuracy", "eval/chain_sum/accuracy")
 
 
+def test_a_multi_turn_run_gets_its_turns_figure_and_eval_tool_calls():
+    """The columns multi-turn episodes write (episodes/play.py turn_metrics), in training and in evaluation."""
+    columns = ["step", "reward", "turns/engine_turns", "turns/inserted_tokens", "turns/tool_calls",
+               "turns/ended_answer", "turns/ended_max_steps", "eval/accuracy", "eval/turns/engine_turns",
+               "eval/turns/tool_calls", "eval/turns/ended_answer"]
+    figures = plots.figures(columns)
+    per_episode, ended, inserted = figures["turns"]
+    assert per_episode.columns == ("turns/engine_turns", "turns/tool_calls")
+    assert ended.columns == ("turns/ended_answer", "turns/ended_max_steps")
+    assert inserted.columns == ("turns/inserted_tokens",)
+    [in_eval] = [p for p in figures["eval"] if p.title == "evaluation: per episode"]
+    assert in_eval.columns == ("eval/turns/engine_turns", "eval/turns/tool_calls") and not in_eval.per_step
+    single = ["step", "reward", "eval/accuracy"]  # a single-turn run: no column of these panels, none drawn
+    assert not {c for p in plots.figures(single)["turns"] for c in p.columns} & set(single)
+
+
 def test_a_throughput_figure_draws_the_speed_and_memory_columns_a_run_logged(tmp_path, monkeypatch):
     """A GPU run's columns give every panel; a CPU run's (no MFU, no GPU memory) the panels it has, with the
     lines it has."""

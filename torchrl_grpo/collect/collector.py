@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from torchrl_grpo.config.settings import CollectSettings
-from torchrl_grpo.episodes.play import ENDINGS, Played, play
+from torchrl_grpo.episodes.play import Played, play, turn_metrics
 from torchrl_grpo.episodes.trajectories import PromptSampler, build_batch, reward_tensors
 from torchrl_grpo.episodes.turn_envs import Turns
 from torchrl_grpo.objective.terms import overlong_penalty
@@ -120,14 +120,3 @@ class Collector:
             return torch.zeros(len(played))
         return overlong_penalty(lengths, self.settings.max_tokens, self.settings.overlong_buffer)
 
-
-def turn_metrics(played: list[Played], counters: tuple[str, ...]) -> dict[str, float]:
-    """Multi-turn episodes: engine turns, tokens the environment inserted (masked from the loss) and each of the
-    environment's counts, per episode; the share of episodes by why they ended."""
-    n = len(played)
-    out = {"turns/engine_turns": sum(p.episode.turns for p in played) / n,
-           "turns/inserted_tokens": sum(len(p.episode.tokens) - p.prompt_length - sum(p.episode.sampled)
-                                        for p in played) / n}
-    out.update({f"turns/{name}": sum(p.counts.get(name, 0) for p in played) / n for name in counters})
-    out.update({f"turns/ended_{why}": sum(p.ended == why for p in played) / n for why in ENDINGS})
-    return out

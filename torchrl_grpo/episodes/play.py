@@ -111,3 +111,15 @@ def _play_single_turn(engine, tokenizer, task, rows: list[dict], *, n: int, max_
         played.append(Played(episode, len(prompt), [*task.messages(row), {"role": "assistant", "content": c.text}],
                              c.finish_reason, ended, {}, components))
     return played, generating
+
+
+def turn_metrics(played: list[Played], counters: tuple[str, ...]) -> dict[str, float]:
+    """Multi-turn episodes: engine turns, tokens the environment inserted (masked from the loss) and each of the
+    environment's counts, per episode; the share of episodes by why they ended."""
+    n = len(played)
+    out = {"turns/engine_turns": sum(p.episode.turns for p in played) / n,
+           "turns/inserted_tokens": sum(len(p.episode.tokens) - p.prompt_length - sum(p.episode.sampled)
+                                        for p in played) / n}
+    out.update({f"turns/{name}": sum(p.counts.get(name, 0) for p in played) / n for name in counters})
+    out.update({f"turns/ended_{why}": sum(p.ended == why for p in played) / n for why in ENDINGS})
+    return out

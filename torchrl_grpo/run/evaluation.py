@@ -81,16 +81,18 @@ def score_responses(task: Task, rows: Sequence[Mapping[str, Any]], responses: Se
 
 def generate_responses(engine, task: Task, tokenizer, rows: Sequence[Mapping[str, Any]], *, samples: int,
                        max_tokens: int, temperature: float, top_p: float = 1.0, max_model_len: int | None = None,
-                       turns: Turns = Turns()) -> list[list[str]]:
+                       turns: Turns = Turns()) -> tuple[list[list[str]], dict[str, float]]:
     """``samples`` completions of each row's prompt from ``engine`` (greedy when ``temperature`` is 0); for a
-    multi-turn task (``turns``), ``samples`` episodes each and their last assistant turn (what the rewards judge)."""
-    from torchrl_grpo.episodes.play import play
+    multi-turn task (``turns``), ``samples`` episodes each and their last assistant turn (what the rewards judge),
+    with the episodes' turn metrics (``turns/tool_calls`` and the other counts per episode; empty for one turn)."""
+    from torchrl_grpo.episodes.play import play, turn_metrics
 
     rows = list(rows)
     played, _ = play(engine, tokenizer, task, rows, n=samples,
                      max_tokens=max_tokens, temperature=temperature, top_p=top_p, max_model_len=max_model_len,
                      turns=turns)
-    return [[p.text for p in played[i * samples: (i + 1) * samples]] for i in range(len(rows))]
+    counts = {} if turns.single else turn_metrics(played, turns.env.counters if turns.env else ())
+    return [[p.text for p in played[i * samples: (i + 1) * samples]] for i in range(len(rows))], counts
 
 
 def eval_rows(task: Task, num_prompts: int | None) -> list[dict]:
@@ -103,12 +105,13 @@ def evaluate_with_engine(engine, task: Task, tokenizer, settings: EvalSettings,
                          turns: Turns = Turns()) -> tuple[dict, list[dict]]:
     """Generate on the evaluation split as ``settings`` say (num_prompts, samples, temperature, max_tokens; a
     multi-turn episode, as ``turns`` say, ends before ``max_model_len``) and score; what the trainer logs under
-    ``eval/`` and ``evaluate.py`` prints."""
+    ``eval/`` and ``evaluate.py`` prints (a multi-turn task's with its turn metrics, e.g. ``turns/tool_calls``)."""
     rows = eval_rows(task, settings.num_prompts)
-    responses = generate_responses(engine, task, tokenizer, rows, samples=settings.samples,
-                                   max_tokens=settings.max_tokens, temperature=settings.temperature,
-                                   max_model_len=settings.max_model_len, turns=turns)
-    return score_responses(task, rows, responses)
+    responses, counts = generate_responses(engine, task, tokenizer, rows, samples=settings.samples,
+                                           max_tokens=settings.max_tokens, temperature=settings.temperature,
+                                           max_model_len=settings.max_model_len, turns=turns)
+    metrics, records = score_responses(task, rows, responses)
+    return {**metrics, **counts}, records
 
 
 def match_rows(prompts: Sequence[str], questions: Sequence[str]) -> list[int | None]:

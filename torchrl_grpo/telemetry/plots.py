@@ -2,8 +2,9 @@
 
 A run: its ``metrics.csv`` (telemetry.py) -> a few multi-panel PNGs in ``<run dir>/plots/`` (reward and its
 components; completion length, KL, entropy, clip fraction, gradient norm; tokens/s, FLOP/s, MFU and memory per
-role; evaluation accuracy and pass@k), each per-step series drawn raw (faint) and smoothed (an EMA). Written at
-the end of every run (:func:`write_run_plots`, which never raises) and on demand by ``plot.py``.
+role; evaluation accuracy and pass@k; a multi-turn run's turns and tool calls per episode), each per-step
+series drawn raw (faint) and smoothed (an EMA). Written at the end of every run (:func:`write_run_plots`,
+which never raises) and on demand by ``plot.py``.
 
 Several runs (a Hydra sweep directory ``multirun/<date>/<time>/`` with its job folders, or run folders
 named one by one): their curves overlaid, one line per job named by its overrides, and a table ranking
@@ -77,6 +78,10 @@ def figures(columns) -> dict[str, list[Panel]]:
     # an evaluation over several tasks (reasoning-gym) writes eval/<task>/accuracy; eval/reward/<component> is not one
     task_accuracy = [c for c in columns if c.startswith("eval/") and c.endswith("/accuracy") and c.count("/") == 2
                      and not c.startswith("eval/reward/")]
+    # multi-turn episodes (episodes/play.py turn_metrics): engine turns and the environment's counts, per episode
+    per_episode = [c for c in columns if c.startswith("turns/") and c != "turns/inserted_tokens"
+                   and not c.startswith("turns/ended_")]
+    ended = [c for c in columns if c.startswith("turns/ended_")]
     return {
         "reward": [Panel("total reward (weighted sum)", "reward, mean over completions", ("reward",))] + [
             Panel(f"reward component: {c.removeprefix('reward/')}", "reward, mean over completions", (c,))
@@ -111,6 +116,12 @@ def figures(columns) -> dict[str, list[Panel]]:
                   overlay=("eval/accuracy", *pass_at[1:])),  # pass@1 is the accuracy of one sample
             Panel("evaluation: reward", "reward, mean over responses", ("eval/reward",), False),
             Panel("evaluation: accuracy per task", "fraction of prompts", tuple(task_accuracy), False),
+            Panel("evaluation: per episode", "mean per episode", tuple(f"eval/{c}" for c in per_episode), False),
+        ],
+        "turns": [
+            Panel("per episode: engine turns, the environment's counts", "mean per episode", tuple(per_episode)),
+            Panel("how episodes ended", "fraction of episodes", tuple(ended)),
+            Panel("tokens the environment inserted", "tokens, mean per episode", ("turns/inserted_tokens",)),
         ],
     }
 

@@ -33,7 +33,7 @@ CONSOLE_KEYS = (
     (("memory/train/peak_gib", "memory/peak_rss_gib"), "mem"),  # GiB: the train GPUs' peak, else the process's
 )
 
-EVAL_CONSOLE_KEYS = ("accuracy", "reward")
+EVAL_CONSOLE_KEYS = (("accuracy", "accuracy"), ("reward", "reward"), ("turns/tool_calls", "calls"))  # (metric, label)
 
 
 class MetricsCSV:
@@ -126,10 +126,10 @@ class Telemetry:
             self.wandb.log(row, step=step)
         for tracker in self.trackers:
             tracker.log(step, row)
-        shown = [(key, row.get(f"eval/{key}")) for key in EVAL_CONSOLE_KEYS]
+        shown = [(label, row.get(f"eval/{key}")) for key, label in EVAL_CONSOLE_KEYS]
         if any(isinstance(value, float) for _, value in shown):
             self.print(f"eval at step {step}: " + " | ".join(
-                f"{key} {value:.4g}" for key, value in shown if isinstance(value, float)))
+                f"{label} {value:.4g}" for label, value in shown if isinstance(value, float)))
         return row
 
     def log(self, step: int, metrics: dict, samples: list[dict]) -> None:
@@ -195,7 +195,8 @@ class Telemetry:
         if len(evaluated) > 1:  # before vs after training, on the held-out evaluation split
             first, last = evaluated[0], evaluated[-1]
             self.print(f"  eval, step {int(first['step'])} -> step {int(last['step'])}: " + " | ".join(
-                f"{key} {float(first[f'eval/{key}']):.3f} -> {float(last[f'eval/{key}']):.3f}" for key in ("accuracy", "reward")))
+                f"{label} {float(first[f'eval/{key}']):.3f} -> {float(last[f'eval/{key}']):.3f}"
+                for key, label in EVAL_CONSOLE_KEYS if first.get(f"eval/{key}") not in (None, "")))
         if line := hardware_line(rows):
             self.print(line)
         self.write_plots()
