@@ -196,13 +196,36 @@ def test_the_trainer_scores_every_sampled_id_of_a_played_episode_as_the_engine_d
     assert (ours[mask] - batch["sample_log_probs"][mask]).abs().max() < LOGPROB_TOL
 
 
+def test_evaluation_reports_tool_calls_per_episode(tokenizer):
+    """Evaluation plays the episodes as training does and reports their turn metrics beside the accuracy: one
+    call then the answer in every episode; an answer without a call in every other one."""
+    from torchrl_grpo.config.settings import EvalSettings
+    from torchrl_grpo.run.evaluation import evaluate_with_engine
+
+    rows = datasets.Dataset.from_dict({"question": ["What is 6 x 7?", "Six times seven?"], "answer": ["42", "42"]})
+    task = Task("x", rows, "Use the tool.", [Reward("accuracy", answer_42)])
+    settings = EvalSettings(num_prompts=None, samples=2, temperature=1.0, max_tokens=16, max_model_len=2048, every=0)
+    metrics, records = evaluate_with_engine(ScriptedPolicy(tokenizer, [CALL, "#### 42"]), task, tokenizer, settings,
+                                            Turns(3, PythonTool()))
+    assert metrics["accuracy"] == 1 and metrics["turns/tool_calls"] == 1 and metrics["turns/engine_turns"] == 2
+    assert [r["response"] for r in records] == ["#### 42"] * 4
+    direct, _ = evaluate_with_engine(ScriptedPolicy(tokenizer, ["#### 41"]), task, tokenizer, settings,
+                                     Turns(3, PythonTool()))
+    assert direct["accuracy"] == 0 and direct["turns/tool_calls"] == 0 and direct["turns/ended_answer"] == 1
+    single, _ = evaluate_with_engine(ScriptedPolicy(tokenizer, ["#### 42"]), task, tokenizer, settings)
+    assert single["accuracy"] == 1 and not any(k.startswith("turns/") for k in single)
+
+
 @needs_vllm
-def test_grpo_runs_the_python_tool_environment_end_to_end(tmp_path):
-    """The tool environment as users start it (the random tiny model seldom writes a call: this checks the wiring,
-    the sandbox starting and the multi-turn metrics and evaluation; the scripted tests above check the calls)."""
+def test_grpo_runs_the_python_tool_recipe_end_to_end(tmp_path):
+    """The tool recipe as users start it, with the tiny model (the random tiny model seldom writes a call: this
+    checks the wiring, the worked example, the sandbox starting and the multi-turn metrics in
+    training and evaluation; the scripted tests above check the calls; docs/agentic.md what SmolLM2 learns)."""
     run_dir = tmp_path / "run"
-    done = run([*SMALL, "env=gsm_symbolic_python", "env.max_steps=3", "env.size=64", "train.total_dialog_turns=16",
-                "logging.eval_frequency=2", "eval.num_prompts=4", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    small = [arg for arg in SMALL if not arg.startswith("env=")]
+    done = run(["--config-name", "grpo_python_tool", *small, "env.max_steps=3", "env.size=64",
+                "train.total_dialog_turns=16", "logging.eval_frequency=2", "eval.num_prompts=4",
+                f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     logged = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in logged] == [0, 1, 2]  # step 0: the evaluation before training
@@ -213,6 +236,9 @@ def test_grpo_runs_the_python_tool_environment_end_to_end(tmp_path):
         assert all(finite(r[key]) for r in logged), key
     assert all(1 <= float(r["turns/engine_turns"]) <= 3 for r in logged)
     assert "| turns " in done.stdout and "| calls " in done.stdout
+    assert finite(metric_rows(run_dir)[0]["eval/turns/tool_calls"]) and "eval at step 0: accuracy" in done.stdout
+    assert (run_dir / "plots" / "turns.png").is_file()
+    assert "print(12 * 34)" in (run_dir / ".hydra" / "config.yaml").read_text()  # the recipe's worked example
 
 
 @needs_ray_and_vllm

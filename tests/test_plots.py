@@ -114,14 +114,14 @@ def test_a_multi_turn_run_gets_its_turns_figure_and_eval_tool_calls():
 def test_a_throughput_figure_draws_the_speed_and_memory_columns_a_run_logged(tmp_path, monkeypatch):
     """A GPU run's columns give every panel; a CPU run's (no MFU, no GPU memory) the panels it has, with the
     lines it has."""
-    drawn, save = {}, plots._save
+    drawn, save = {}, plots.save_figure
 
     def recorded(path, title, panels, *rest):  # each run's throughput panels and the columns drawn on them
         if path.name == "throughput.png":
             drawn[path.parent.parent.name] = [(panel.title, [c for c, _ in lines]) for panel, lines in panels]
         return save(path, title, panels, *rest)
 
-    monkeypatch.setattr(plots, "_save", recorded)
+    monkeypatch.setattr(plots, "save_figure", recorded)
     common = {"reward": 0.5, "train_tokens_per_s": 900.0, "generation_tokens_per_s": 300.0, "train_flops_per_s": 2e12,
               "memory/rss_gib": 1.0, "memory/peak_rss_gib": 1.5}
     gpu = {**common, "mfu": 0.25, "memory/train/peak_gib": 3.0, "memory/inference/used_gib": 70.0}

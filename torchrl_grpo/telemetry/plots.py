@@ -145,7 +145,7 @@ def _draw(ax, steps, values, per_step: bool, color, label: str | None) -> None:
     ax.plot(steps, ema(values), color=color, linewidth=2, label=label)
 
 
-def _save(path: Path, title: str, panels: list[tuple[Panel, list[tuple[str, tuple[list, list]]]]],
+def save_figure(path: Path, title: str, panels: list[tuple[Panel, list[tuple[str, tuple[list, list]]]]],
           legend_below: list[str] | None = None) -> Path:
     """One PNG: a grid of panels, each with its (label, (steps, values)) lines; one legend below the grid
     when the lines are the same jobs on every panel, else a legend per panel that has several columns."""
@@ -190,7 +190,7 @@ def plot_run(run_dir: Path) -> list[Path]:
         drawn = [(p, [(c, series[c]) for c in p.columns if c in series]) for p in panels]
         drawn = [(p, lines) for p, lines in drawn if lines]
         if drawn:
-            written.append(_save(out_dir / f"{stem}.png", f"{run_dir.name}: {stem}", drawn))
+            written.append(save_figure(out_dir / f"{stem}.png", f"{run_dir.name}: {stem}", drawn))
     return written
 
 
@@ -307,7 +307,7 @@ def plot_sweep(runs: list[Path], out_dir: Path) -> tuple[str, list[Path]]:
         drawn = [(p, lines) for p, lines in drawn if any(values for _, (_, values) in lines)]
         if drawn:
             title = f"{out_dir.resolve().name}: {len(jobs)} runs, {stem}"
-            written.append(_save(out_dir / "plots" / f"sweep_{stem}.png", title, drawn, [j.name for j in jobs]))
+            written.append(save_figure(out_dir / "plots" / f"sweep_{stem}.png", title, drawn, [j.name for j in jobs]))
     table = sweep_table(*rank(jobs), out_dir)
     (out_dir / "sweep.md").write_text(table)
     return table, written

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# docs/agentic.md: `--config-name grpo_python_tool` (SmolLM2-135M-Instruct learning to call the Python tool for
+# three-digit products) over several seeds (train.seed and env.seed). Prints, per seed: wall time, and from
+# the run's summary the greedy held-out evaluation before -> after (accuracy, reward, tool calls per episode);
+# then the figure of docs/agentic.png (bench/agentic_figure.py) as outputs/agentic.png.
+# Usage: bench/agentic.sh 0 1 2 [Hydra overrides for the runs]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1
+mkdir -p outputs
+seeds=(); extra=()
+for arg in "$@"; do if [[ $arg =~ ^[0-9]+$ ]]; then seeds+=("$arg"); else extra+=("$arg"); fi; done
+[ ${#seeds[@]} -gt 0 ] || seeds=(0 1 2)
+for seed in "${seeds[@]}"; do
+  dir="outputs/bench-agentic-seed$seed"
+  rm -rf "$dir"
+  start=$(date +%s)
+  .venv/bin/python grpo.py --config-name grpo_python_tool train.seed="$seed" env.seed="$seed" \
+    logging.progress_bar=false "${extra[@]}" hydra.run.dir="$dir" > "$dir.log" 2>&1
+  echo "seed $seed: $(( $(date +%s) - start )) s wall |$(grep '^  eval, step 0' "$dir.log" | cut -d: -f2-)"
+done
+dirs=(); for seed in "${seeds[@]}"; do dirs+=("outputs/bench-agentic-seed$seed"); done
+.venv/bin/python bench/agentic_figure.py outputs/agentic.png "${dirs[@]}"  # docs/agentic.png
