@@ -5,11 +5,14 @@ engine, in this process (``--engine-process same``, the CPU default) or in its o
 use; its pushes by ``--weight-transfer``: vLLM's weight-transfer API over gloo, or the /dev/shm stream), then
 pushes the policy's weights ``--pushes`` times and prints the median time of a push, its seconds per GiB sent,
 and how far each process's resident set rose above where it was before the push (its peak during the pushes):
-this process's and, with ``own``, the engine's worker's.
+this process's and, with ``own``, the engine's worker's. ``--engine-process actor``: the engine of one Ray
+rollout actor (``grpo-async.py``'s), pushed to over the gloo collective or (``shm``) through Ray's object store,
+timed from the push until the actor has loaded and checked it (the trainer's snapshot of the weights included).
 
     .venv/bin/python bench/push.py --engine-process own --weight-transfer collective
     .venv/bin/python bench/push.py --engine-process own --weight-transfer shm
     .venv/bin/python bench/push.py --engine-process same
+    .venv/bin/python bench/push.py --engine-process actor --weight-transfer collective|shm
 """
 import argparse
 import os
@@ -28,7 +31,7 @@ from torchrl_grpo.engines.weight_stream import wire_dtype  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--engine-process", choices=("same", "own"), default="own")
+    parser.add_argument("--engine-process", choices=("same", "own", "actor"), default="own")
     parser.add_argument("--weight-transfer", choices=("collective", "shm"), default="collective")
     parser.add_argument("--pushes", type=int, default=5)
     opts = parser.parse_args()
@@ -37,11 +40,14 @@ def main() -> None:
 
     from torchrl_grpo.run.build import build_common, build_engine, read_inputs
 
-    cfg = workload_config(GSM8K_DATA, f"inference_model.weight_transfer={opts.weight_transfer}")
+    actor = ["mode=async"] if opts.engine_process == "actor" else []
+    cfg = workload_config(GSM8K_DATA, f"inference_model.weight_transfer={opts.weight_transfer}", *actor)
     run_dir = ROOT / "outputs" / "bench-push"
     shutil.rmtree(run_dir, ignore_errors=True)
     common = build_common(cfg, read_inputs(cfg, run_dir))
     trainer = common.trainer
+    if actor:
+        return actor_pushes(common, opts.pushes)
     engine = build_engine(cfg, common.spec, common.model_path, trainer.policy, common.tokenizer, seed=0,
                           engine_process=opts.engine_process)
     workers = [p.pid for p in psutil.Process().children(recursive=True) if "Worker" in p.name()]
@@ -67,6 +73,29 @@ def main() -> None:
           f"push median {median:.3f} s, {median / sent:.2f} s/GiB (of {opts.pushes}: {', '.join(f'{t:.3f}' for t in times)})")
     for name, rise in rises.items():
         print(f"  {name}: resident set rose by up to {rise:.2f} GiB during the pushes")
+
+
+def actor_pushes(common, pushes: int) -> None:
+    """``pushes`` pushes to one rollout actor, each waited for until it has landed (the first, which forms the
+    group, is not counted); the actor's first collect is done before (it would delay the first push)."""
+    from torchrl_grpo.collect.rollout_actors import ActorPool
+
+    dtype = common.spec.precision.engine
+    with ActorPool(common.spec, [None], 0, 0) as pool:
+        pool.ray.wait(list(pool.pending), timeout=600)
+        times, sent = [], None
+        for version in range(1, pushes + 2):
+            started = time.perf_counter()
+            weights = common.trainer.cpu_weights(dtype)
+            pool.push(weights, version)
+            for landed in list(pool.pushes):  # a link's future, or the object store push's Ray reference
+                landed.result() if hasattr(landed, "result") else pool.ray.get(landed)
+            times.append(time.perf_counter() - started)
+            sent = sum(t.numel() * t.element_size() for t in weights.values()) / GiB
+        transport = pool.transport
+    median = statistics.median(times[1:])
+    print(f"rollout actor ({transport}): {sent:.2f} GiB sent, push median {median:.3f} s, {median / sent:.2f} s/GiB "
+          f"(of {pushes}: {', '.join(f'{t:.3f}' for t in times[1:])}; the first, forming the group: {times[0]:.3f} s)")
 
 
 if __name__ == "__main__":

@@ -397,10 +397,12 @@ def test_grpo_async_trains_with_two_gloo_ranks_and_resumes(tmp_path):
     run_dir = tmp_path / "run"
     args = [*SMALL, *FLOAT32, "train_model.num_devices=2", "logging.checkpoint_frequency=1", "loss=rloo",
             "train.entropy_coeff=0.01", f"hydra.run.dir={run_dir}"]
-    done = run_async([*args, "train.total_dialog_turns=24", "logging.eval_frequency=3", "eval.num_prompts=3"],
-                     cwd=tmp_path)
+    # the first run pushes through Ray's object store, the resumed one over the collective (the default)
+    done = run_async([*args, "train.total_dialog_turns=24", "logging.eval_frequency=3", "eval.num_prompts=3",
+                      "inference_model.weight_transfer=shm"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "data-parallel training: 2 ranks (FSDP2 over gloo)" in done.stdout
+    assert "step(s) through Ray's object store" in done.stdout
     rows = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in rows] == [0, 1, 2, 3] and all(finite(r["loss_objective"]) for r in rows[1:])
     assert all(float(r["grad_norm"]) > 0 for r in rows[1:])
@@ -411,6 +413,7 @@ def test_grpo_async_trains_with_two_gloo_ranks_and_resumes(tmp_path):
     again = run_async([*args, "train.total_dialog_turns=32", "train.resume=auto"], cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "(step 3)" in again.stdout and [int(float(r["step"])) for r in metric_rows(run_dir)] == [0, 1, 2, 3, 4]
+    assert "step(s) over a gloo collective" in again.stdout and float(metric_rows(run_dir)[-1]["weight_sync_gap"]) < 1e-4
     assert not ray_processes()
 
 

@@ -5,8 +5,11 @@ ships new weights to every actor.
 Each :class:`RolloutActor` (one Ray actor process) owns a task, a tokenizer, an engine (vLLM in the
 actor's own process on the CPU; on a GPU the one Ray gives it) and a prompt sampler seeded ``env.seed +
 actor index``; every batch carries ``policy_version``, the version of the weights that sampled it (0 = the
-starting weights; each push bumps it by one). A push is one ``ray.put``; each actor runs its calls in
-order, so the push lands after the collect it is running and the next collect samples with the new weights.
+starting weights; each push bumps it by one). A push goes over a collective between the trainer and each
+actor's engine (:mod:`torchrl_grpo.collect.actor_weights`; ``inference_model.weight_transfer``: auto or
+collective), or with ``shm`` (and the transformers backend) as one ``ray.put`` of the weights, which each actor
+reads from Ray's object store. Either way each actor runs its calls in order: the push lands after the collect
+it is running, and its next collect samples with the new weights.
 
 An actor that dies (its process is gone: a crash, the OOM killer, a lost node) is replaced by a new one that
 continues from the dead one's last returned prompt position (the prompts of the batch it lost are drawn
@@ -108,6 +111,19 @@ class RolloutActor:
         ``probe`` (the weight sync check), the engine's gap to the trainer's probe log-probs, or a RunError when
         it is too large."""
         self.collector.engine.push_weights(from_arrays(arrays))
+        return self._landed(version, probe)
+
+    def join_weight_transfer(self, backend: str, init_info: dict) -> bool:
+        """The engine's workers join the trainer's weight-transfer group (:mod:`~torchrl_grpo.collect.actor_weights`);
+        whether the engine ties its head to its embedding (a push then leaves ``lm_head.weight`` out)."""
+        return self.collector.engine.join_weight_transfer(backend, init_info)
+
+    def receive_push(self, update_info: dict, version: int, probe: Probe | None = None) -> float | None:
+        """A push over the weight-transfer group: received, loaded and checked as :meth:`push_weights`'s."""
+        self.collector.engine.receive_weights(update_info)
+        return self._landed(version, probe)
+
+    def _landed(self, version: int, probe: Probe | None) -> float | None:
         gap = None
         if probe is not None:
             gap, self.probe_scores = probe.verify(self.collector.engine, self.probe_scores)
@@ -220,8 +236,15 @@ class ActorPool:
                               # a long run's thousands of collects and pushes need none
                               "enable_task_events": False}
         self.actors = [self._new_actor(i) for i in range(len(actor_samplers))]
+        self.links, self.snapshot = None, None
+        if self.spec.engine.backend == "vllm" and self.spec.engine.weight_transfer != "shm":
+            self.links = [self._new_link(i) for i in range(len(actor_samplers))]
         if weights is not None:  # the actors start from the base weights: give them the checkpoint's
             self.push(weights, version, probe)
+            if self.links is not None:  # its errors before the first collect, as the object store path's
+                for landed in list(self.pushes):
+                    landed.exception()
+                self._check_pushes()
         self.pending = {actor.collect.remote(): i for i, actor in enumerate(self.actors)}
 
     def _new_actor(self, i: int):
@@ -230,6 +253,18 @@ class ActorPool:
         log_file = str(self.log_dir / f"rollout_actor_{i}.log") if self.log_dir is not None else None
         return self.remote_cls.options(**self.actor_options).remote(
             self.spec, i, seed, self.samplers[i], log_file)
+
+    def _new_link(self, i: int):
+        """Actor ``i``'s weight link (:mod:`~torchrl_grpo.collect.actor_weights`), the actor asked to join it."""
+        from torchrl_grpo.collect.actor_weights import ActorLink
+
+        return ActorLink(self.ray, self.actors[i], self.spec.precision.engine, self.ray.util.get_node_ip_address(),
+                         self.timeout)
+
+    @property
+    def transport(self) -> str:
+        """How pushes travel, for the console."""
+        return "over a gloo collective" if self.links is not None else "through Ray's object store"
 
     @property
     def total_restarts(self) -> int:
@@ -279,16 +314,27 @@ class ActorPool:
         except Exception:  # already gone
             pass
         self.actors[i] = self._new_actor(i)
-        if self.weights_ref is not None:
+        if self.links is not None:
+            self.links[i].close()
+            self.links[i], tied = self._new_link(i), self.links[i].tied
+            self.links[i].tied = tied  # the same model: no wait for the new actor's answer
+            if self.snapshot is not None:
+                self.pushes[self.links[i].submit(self.snapshot, self.version, self.probe)] = i
+        elif self.weights_ref is not None:
             self.pushes[self.actors[i].push_weights.remote(self.weights_ref, self.version, self.probe)] = i
         print(f"warning: rollout actor {i} died ({why[:200]}); restarted with policy version {self.version} "
               f"(restart {self.restarts[i]} of ray.max_actor_restarts={self.max_restarts})", file=sys.stderr, flush=True)
         self.pending[self.actors[i].collect.remote()] = i
 
     def push(self, weights: dict, version: int, probe: Probe | None = None) -> None:
-        """``weights`` (CPU tensors) to every actor, as policy ``version``, each checking itself against
-        ``probe`` afterwards; kept for actors started later."""
-        self.weights_ref, self.version, self.probe = self.ray.put(as_arrays(weights)), version, probe
+        """``weights`` (CPU tensors of their own, which nobody changes) to every actor, as policy ``version``, each
+        checking itself against ``probe`` afterwards; kept for actors started later."""
+        self.version, self.probe = version, probe
+        if self.links is not None:
+            self.snapshot = weights
+            self.pushes.update({link.submit(weights, version, probe): i for i, link in enumerate(self.links)})
+            return
+        self.weights_ref = self.ray.put(as_arrays(weights))
         self.pushes.update({a.push_weights.remote(self.weights_ref, version, probe): i
                             for i, a in enumerate(self.actors)})
 
@@ -314,14 +360,17 @@ class ActorPool:
 
         if not self.pushes:
             return
-        done, _ = self.ray.wait(list(self.pushes), num_returns=len(self.pushes), timeout=0)
+        if self.links is not None:  # futures of the actors' weight links
+            done = [push for push in self.pushes if push.done()]
+        else:
+            done, _ = self.ray.wait(list(self.pushes), num_returns=len(self.pushes), timeout=0)
         for ref in done:
             actor = self.pushes.pop(ref)
             try:
-                gap = self.ray.get(ref)
+                gap = ref.result() if self.links is not None else self.ray.get(ref)
             except RayActorError:
                 continue
-            except RayError as err:
+            except (RayError, RuntimeError, OSError) as err:  # the actor's error, or the collective's
                 raise ActorFault(f"a weight push to rollout actor {actor} failed ({actor_error(err)})") from None
             if gap is not None:
                 self.weight_sync_gap = gap if self.weight_sync_gap is None else max(self.weight_sync_gap, gap)
@@ -333,6 +382,8 @@ class ActorPool:
         """Each actor is asked to exit, so that its process runs its exit handlers (multiprocessing unlinks the
         named semaphores it made in /dev/shm, which a killed process leaves behind); one still there after
         ``EXIT_GRACE_S`` is killed."""
+        for link in getattr(self, "links", None) or ():
+            link.close()
         exits = []
         for actor in self.actors:
             try:

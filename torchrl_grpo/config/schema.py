@@ -171,9 +171,10 @@ class InferenceModel(Devices):
     max_model_len: int = key("int>0", "prompt + completion tokens the engine accepts")
     engine_process: str = key("choice", "where vLLM's engine runs: same (this process), own (its own), auto "
                               "(same on CPU, own on a GPU)", choices=ENGINE_PROCESSES)
-    weight_transfer: str = key("choice", "how weights reach an engine in its own process: collective (vLLM's "
-                               "weight-transfer API: NCCL on GPUs, gloo on CPUs), shm (a buffer in /dev/shm), auto "
-                               "(collective)", choices=WEIGHT_TRANSFERS)
+    weight_transfer: str = key("choice", "how weights reach an engine in another process: collective (vLLM's "
+                               "weight-transfer API: NCCL on GPUs, gloo on CPUs; gloo to Ray rollout actors), shm (a "
+                               "buffer in /dev/shm; Ray's object store for actors), auto (collective)",
+                               choices=WEIGHT_TRANSFERS)
 
 
 @dataclass

@@ -432,6 +432,32 @@ class VLLMEngine(Engine):
                                          self.dtype, source=tensors)
             if any(count != len(kept) for count in counts):
                 raise RuntimeError(f"weight push: the engine's workers loaded {counts} of {len(kept)} tensors")
+        self._loaded()
+
+    def join_weight_transfer(self, backend: str, init_info: dict) -> bool:
+        """This engine's workers join a sender's weight-transfer group as its receivers (vLLM's
+        ``init_weight_transfer_engine``; :mod:`torchrl_grpo.engines.weight_transfer`): how a rollout actor's engine,
+        in the actor's process, gets the trainer's weights. Returns :attr:`tied_embeddings`: whether the sender
+        leaves ``lm_head.weight`` out."""
+        from torchrl_grpo.engines import weight_transfer
+
+        self.llm.collective_rpc(weight_transfer.attach_in_worker, args=(backend,))
+        self.llm.collective_rpc("init_weight_transfer_engine", args=(init_info,))
+        return self.tied_embeddings
+
+    def receive_weights(self, update_info: dict) -> None:
+        """One push from the group's sender (:meth:`join_weight_transfer`), received and loaded by the workers, then
+        made visible as :meth:`push_weights` does. The weights are those of :meth:`push_weights`: a tied
+        ``lm_head.weight`` is not sent (:attr:`tied_embeddings`)."""
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.receive_weights after close()")
+        self.llm.collective_rpc("start_weight_update")
+        self.llm.collective_rpc("update_weights", args=(update_info,))  # a failed one finishes the reload itself
+        self.llm.collective_rpc("finish_weight_update")
+        self._loaded()
+
+    def _loaded(self) -> None:
+        """After new weights: the CPU's GEMM handles rebuilt, the prefix cache (of the old weights) dropped."""
         if self._on_cpu:
             self.llm.collective_rpc(vllm_cpu_fixes.redispatch_cpu_gemm)
         self.llm.reset_prefix_cache()

@@ -1,6 +1,8 @@
 """Weights to a vLLM engine in another process over a collective, through vLLM's weight-transfer API
 (``vllm.distributed.weight_transfer``): the worker's ``init_weight_transfer_engine`` / ``start_weight_update`` /
-``update_weights`` / ``finish_weight_update``, driven from the trainer by a trainer-side engine.
+``update_weights`` / ``finish_weight_update``, driven from the trainer by a trainer-side engine (for a Ray
+rollout actor's engine, which the actor drives, by :class:`GlooSender` itself:
+:mod:`torchrl_grpo.collect.actor_weights`).
 
 On GPUs the transport is vLLM's own NCCL engine. On CPUs it is :class:`GlooWeightTransferEngine`, ours, registered
 in vLLM's factories under ``gloo``: the trainer (rank 0) and the engine's workers form a gloo group of their own
@@ -56,15 +58,23 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def _gloo_group(host: str, port: int, rank: int, world_size: int, store=None):
-    """A gloo process group of ``world_size`` ranks that meet at ``host:port`` (rank 0 holds the TCP store), apart
-    from torch.distributed's default group. Returns (group, store)."""
-    timeout = datetime.timedelta(seconds=TIMEOUT_S)
+def local_address(peer: str) -> str:
+    """This machine's address on the route to ``peer``: what a gloo device binds to (another machine's fails)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((peer, 1))  # a datagram socket sends nothing on connect
+        return s.getsockname()[0]
+
+
+def _gloo_group(host: str, port: int, rank: int, world_size: int, store=None, timeout_s: float = TIMEOUT_S):
+    """A gloo process group of ``world_size`` ranks that meet at ``host:port`` (rank 0 holds the TCP store, on
+    ``host``; the others may be other machines), apart from torch.distributed's default group, whose rendezvous
+    and broadcasts wait up to ``timeout_s``. Returns (group, store)."""
+    timeout = datetime.timedelta(seconds=timeout_s)
     if store is None:
         store = TCPStore(host, port, world_size, is_master=rank == 0, wait_for_workers=False, timeout=timeout)
     options = ProcessGroupGloo._Options()
     options._timeout = timeout
-    options._devices = [ProcessGroupGloo.create_device(hostname=host)]
+    options._devices = [ProcessGroupGloo.create_device(hostname=host if rank == 0 else local_address(host))]
     return ProcessGroupGloo(PrefixStore("torchrl_grpo_weights", store), rank, world_size, options), store
 
 
@@ -197,6 +207,7 @@ class GlooInitInfo(WeightTransferInitInfo):
     master_port: int
     world_size: int
     rank_offset: int = 1
+    timeout_s: float = TIMEOUT_S
 
 
 @dataclass
@@ -221,7 +232,7 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
         self.group, self.store = _gloo_group(init_info.master_address, init_info.master_port, rank,
-                                             init_info.world_size)
+                                             init_info.world_size, timeout_s=init_info.timeout_s)
 
     def start_weight_update(self) -> None:
         initialize_layerwise_reload(self.model)
@@ -267,10 +278,48 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     world_size: int
 
 
+class GlooSender:
+    """Rank 0 of a gloo group whose other ranks are engine workers, which join it through vLLM's
+    ``init_weight_transfer_engine`` with :attr:`worker_info` (:meth:`connect` waits for them), and which receive
+    a push through ``update_weights`` with the update info :meth:`plan` gives, while :meth:`send` broadcasts
+    it: packed into buckets of at most ``TRANSFER_BUCKET_BYTES`` (a larger tensor gets a bucket of its own).
+    ``timeout_s``: how long the rendezvous and each broadcast may wait for the workers."""
+
+    def __init__(self, host: str, workers: int, timeout_s: float = TIMEOUT_S):
+        self.host, self.world_size, self.timeout_s = host, workers + 1, timeout_s
+        self.store = TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        self.worker_info = {"master_address": host, "master_port": self.store.port, "world_size": self.world_size,
+                            "timeout_s": timeout_s}
+        self.group, self.buffer = None, torch.empty(0, dtype=torch.uint8)
+
+    def connect(self) -> None:
+        self.group, _ = _gloo_group(self.host, self.store.port, 0, self.world_size, self.store, self.timeout_s)
+
+    @staticmethod
+    def plan(params: Sequence[tuple[str, torch.dtype, tuple]]) -> tuple[list[list[Entry]], dict]:
+        """The buckets of a push of ``params`` (name, wire dtype, shape; in the order they are sent) and the
+        workers' update info for it."""
+        metas = [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, dtype, shape in params]
+        buckets = plan_buckets(metas, TRANSFER_BUCKET_BYTES)
+        return buckets, {"buckets": [[[e.name, e.dtype, list(e.shape), e.offset] for e in b] for b in buckets]}
+
+    def send(self, buckets: list[list[Entry]], tensors: Iterator[tuple[str, torch.Tensor]],
+             workers_ended: Callable[[], bool]) -> None:
+        """Broadcast one push (:func:`_send`), in a buffer kept from push to push, as the workers keep theirs."""
+        size = max(bucket_size(b) for b in buckets)
+        if self.buffer.numel() < size:
+            self.buffer = torch.empty(size, dtype=torch.uint8)
+        _send(self.group, buckets, tensors, self.buffer, workers_ended)
+
+    def close(self) -> None:
+        _close_group(self.group)
+        self.group = None
+
+
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
-    """The trainer's side (rank 0 of the group): opens the store on a free port, has the workers join, then per
-    push broadcasts the source's tensors packed into buckets of at most ``TRANSFER_BUCKET_BYTES`` (a larger tensor
-    gets a bucket of its own) while the workers' ``update_weights`` receives them."""
+    """The trainer's side in vLLM's trainer factory (rank 0 of the group, a :class:`GlooSender`): has the workers
+    join, then per push broadcasts the source's tensors while the workers' ``update_weights`` receives them."""
 
     init_info_cls = GlooTrainerInitInfo
 
@@ -279,32 +328,21 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         if source is None:
             raise ValueError("gloo weight transfer needs a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
-        engine.buffer = torch.empty(0, dtype=torch.uint8)
-        store = TCPStore(init_info.master_address, 0, init_info.world_size, is_master=True, wait_for_workers=False,
-                         timeout=datetime.timedelta(seconds=TIMEOUT_S))
-        worker_info = {"master_address": init_info.master_address, "master_port": store.port,
-                       "world_size": init_info.world_size}
+        engine.sender = GlooSender(init_info.master_address, init_info.world_size - 1)
         with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(client.init_weight_transfer_engine, worker_info)
-            engine.group, engine.store = _gloo_group(init_info.master_address, store.port, 0,
-                                                     init_info.world_size, store)
+            joined = pool.submit(client.init_weight_transfer_engine, engine.sender.worker_info)
+            engine.sender.connect()
             joined.result()
         return engine
 
     def send_weights(self) -> None:
-        meta = self.source.params
-        buckets = plan_buckets([(m.name, torch.empty(m.shape, dtype=m.dtype, device="meta")) for m in meta],
-                               TRANSFER_BUCKET_BYTES)
-        size = max(bucket_size(b) for b in buckets)
-        if self.buffer.numel() < size:  # kept from push to push, as the workers keep theirs
-            self.buffer = torch.empty(size, dtype=torch.uint8)
-        wire = [[[e.name, e.dtype, list(e.shape), e.offset] for e in bucket] for bucket in buckets]
+        buckets, update_info = self.sender.plan([(m.name, m.dtype, m.shape) for m in self.source.params])
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
-            received = pool.submit(self.client.update_weights, {"buckets": wire})
+            received = pool.submit(self.client.update_weights, update_info)
             try:
-                _send(self.group, buckets, self.source.tensors(), self.buffer, received.done)
+                self.sender.send(buckets, self.source.tensors(), received.done)
             except BaseException as cause:
                 if received.done() and received.exception() is not None:
                     raise received.exception() from cause  # the workers' error comes first
@@ -315,8 +353,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:
-        _close_group(self.group)
-        self.group, self.store = None, None
+        self.sender.close()
 
 
 def _send(group, buckets: list[list[Entry]], tensors: Iterator[tuple[str, torch.Tensor]], buffer: torch.Tensor,

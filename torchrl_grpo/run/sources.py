@@ -128,8 +128,8 @@ class ActorSource:
                        self.progress.policy_version, weights, probe, log_dir=state.run_dir) as pool:
             self.pool = pool
             print(f"async: {self.num_actors} rollout actor(s) started in Ray ({pool.startup_time:.1f} s); weights "
-                  f"pushed every {self.weight_update_frequency} step(s), batches older than {self.max_staleness} "
-                  "version(s) dropped", flush=True)
+                  f"pushed every {self.weight_update_frequency} step(s) {pool.transport}, batches older than "
+                  f"{self.max_staleness} version(s) dropped", flush=True)
             yield self
 
     def eval_engine(self, trainer):

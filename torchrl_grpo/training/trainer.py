@@ -316,10 +316,11 @@ class Trainer:
         save_optimizer(model, optimizer, path / OPTIMIZER_SHARDS)
 
     def cpu_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """:meth:`weights` as CPU tensors, for engines in other processes (``ray.put`` ships them); floating-point
-        matrices in ``dtype`` (the engines') when given (:func:`wire_dtype`): an engine casts what it loads to its
-        dtype anyway, so float32 master weights sent cast to bf16 give it the same weights in half the bytes."""
-        return {name: t.detach().to("cpu", wire_dtype(t, dtype)) for name, t in self.weights().items()}
+        """A snapshot of :meth:`weights` as CPU tensors of their own, for engines in other processes (rollout
+        actors get it while the trainer goes on); floating-point matrices in ``dtype`` (the engines') when given
+        (:func:`wire_dtype`): an engine casts what it loads to its dtype anyway, so float32 master weights sent
+        cast to bf16 give it the same weights in half the bytes."""
+        return {name: t.detach().to("cpu", wire_dtype(t, dtype), copy=True) for name, t in self.weights().items()}
 
     def samples_with_policy(self, engine) -> bool:
         """Whether ``engine`` samples with this very policy object (the transformers engine built on the
