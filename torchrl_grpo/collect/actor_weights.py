@@ -1,14 +1,14 @@
 """The trainer's weights to a rollout actor over a collective (``inference_model.weight_transfer``: auto or
-collective), with no copy in Ray's object store: a gloo group of the trainer (rank 0, a
-:class:`~torchrl_grpo.engines.weight_transfer.GlooSender`) and the workers of the actor's engine, which join and
-receive through vLLM's weight-transfer API (``init_weight_transfer_engine``, ``update_weights``) with our gloo
-engine. On GPUs too the weights travel through host memory: vLLM's NCCL engine is not wired for actors.
+collective), with no copy in Ray's object store: vLLM's weight-transfer API between the trainer (rank 0, a
+trainer-side engine of :mod:`torchrl_grpo.engines.weight_transfer`) and the workers of the actor's engine, over
+vLLM's NCCL engine where both are on GPUs, else over our gloo engine.
 
-The actor's calls are made from the trainer's main thread, in the order of its other calls: the join right after
-the actor starts, a push's :meth:`RolloutActor.receive_push` when the push is made, so that it lands after the
-collect the actor is running and before the next one, as a ``ray.put`` push does. The broadcast that feeds it
-runs in a thread of the trainer, one per actor, from the snapshot of the weights it was handed: the trainer never
-waits for an actor to finish its collect.
+A push is one actor call, :meth:`RolloutActor.receive_push` (vLLM's start, update and finish, then the weight
+sync check), made from the trainer's main thread when the push is made, in the order of its other calls to the
+actor: it lands after the collect the actor is running and before the next one, as a ``ray.put`` push does. The
+broadcast that feeds it runs in a thread of the trainer, one per actor, from the snapshot of the weights it was
+handed: the trainer never waits for an actor to finish its collect. The group forms when the actor starts (its
+join is its first call but a collect).
 """
 from __future__ import annotations
 
@@ -19,75 +19,110 @@ from concurrent.futures import Future
 import torch
 
 from torchrl_grpo.engines.weight_check import Probe
-from torchrl_grpo.engines.weight_stream import wire_dtype
+
+
+class ActorClient:
+    """vLLM's ``VLLMWeightSyncClient`` for a rollout actor: joining is the actor's
+    :meth:`~torchrl_grpo.collect.rollout_actors.RolloutActor.join_weight_transfer` (:attr:`joined` is set once it
+    is asked); a push's start, update and finish are the one actor call made beforehand (:attr:`push`: the update
+    info it was given and its reference), which ``update_weights`` waits for; its weight sync gap is :attr:`gap`."""
+
+    def __init__(self, ray, actor, backend: str):
+        self.ray, self.actor, self.backend = ray, actor, backend
+        self.joined, self.join = threading.Event(), None
+        self.push, self.gap = None, None
+
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        self.join = self.actor.join_weight_transfer.remote(self.backend, init_info)
+        self.joined.set()
+        self.ray.get(self.join)
+
+    def start_weight_update(self) -> None:  # the actor's receive_push call does it
+        pass
+
+    def update_weights(self, update_info: dict) -> None:
+        sent, received = self.push
+        if update_info != sent:
+            raise RuntimeError("weight transfer to a rollout actor: the trainer-side engine sends another plan than "
+                               "the actor was given (a vLLM version whose update info differs)")
+        self.gap = self.ray.get(received)
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:  # done by receive_push
+        pass
+
+    def shutdown_weight_transfer_engine(self) -> None:
+        pass
 
 
 class ActorLink:
-    """One actor's weight link. ``host``: the trainer's address as the actor sees it; ``dtype``: the engine's
-    (the snapshot's floating-point matrices already are); ``timeout_s``: how long the group waits for the actor
-    to join or to receive (``ray.collect_timeout_s``: it does so after the collect it is running)."""
+    """One actor's weight link: its thread forms the group (the actor asked to join) and then sends each push
+    :meth:`submit` hands it, in order. ``host``: the trainer's address as the actor sees it; ``dtype``: the
+    engine's (the snapshot's floating-point matrices already are); ``workers``: the engine's (one per GPU of a
+    tensor-parallel engine); ``timeout_s``: how long a gloo group waits for the actor to join or to receive
+    (``ray.collect_timeout_s``: it does so after the collect it is running)."""
 
-    def __init__(self, ray, actor, dtype: torch.dtype, host: str, timeout_s: float):
-        from torchrl_grpo.engines.weight_transfer import GLOO, GlooSender
+    def __init__(self, ray, actor, backend: str, dtype: torch.dtype, host: str, workers: int, timeout_s: float):
+        from torchrl_grpo.engines.weight_transfer import PushSource
 
-        self.ray, self.actor, self.dtype = ray, actor, dtype
-        self.sender = GlooSender(host, workers=1, timeout_s=timeout_s)
-        self.joined = actor.join_weight_transfer.remote(GLOO, self.sender.worker_info)  # -> its tied_embeddings
-        self.tied: bool | None = None
+        self.ray, self.actor, self.backend = ray, actor, backend
+        self.client = ActorClient(ray, actor, backend)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        self.source = PushSource([], dtype, device)  # its weights are declared at the first push
+        self.tied: bool | None = None  # whether the engine leaves lm_head.weight out (from its join)
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.transfer = None
         # a daemon: a thread left waiting on an actor that never answers must not hold the interpreter's exit
-        self.thread = threading.Thread(target=self._run, name="actor-weights", daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(host, workers, timeout_s), name="actor-weights",
+                                       daemon=True)
         self.thread.start()
 
     def submit(self, weights: dict[str, torch.Tensor], version: int, probe: Probe | None) -> Future:
         """Push ``weights`` (a snapshot nobody changes) as policy ``version``: the actor's call now, the broadcast
         in the link's thread after the pushes submitted before. The future resolves to the actor's weight sync
         gap, or the push's error."""
+        from torchrl_grpo.engines.weight_transfer import update_info
+
         done: Future = Future()
         try:
-            if self.tied is None:  # a tied engine does not load lm_head.weight: it is not sent
-                self.tied = bool(self.ray.get(self.joined))
+            self.client.joined.wait()  # the join goes to the actor before any push
+            if self.tied is None:
+                self.tied = bool(self.ray.get(self.client.join))
+            specs = [(name, t) for name, t in weights.items() if not (self.tied and name == "lm_head.weight")]
+            if not self.source.params:
+                self.source.declare(specs)
+            elif not self.source.matches(specs, self.source.dtype):
+                raise RuntimeError("weight transfer to a rollout actor: the weights' names or shapes changed")
         except Exception as err:  # the actor died, or could not join
             done.set_exception(err)
             return done
-        specs = [(name, t) for name, t in weights.items() if not (self.tied and name == "lm_head.weight")]
-        params = [(name, wire_dtype(t, self.dtype), tuple(t.shape)) for name, t in specs]
-        buckets, update_info = self.sender.plan(params)
-        received = self.actor.receive_push.remote(update_info, version, probe)
-        self.jobs.put((buckets, specs, received, done))
+        sent = update_info(self.backend, self.source.params)
+        self.jobs.put((specs, sent, self.actor.receive_push.remote(sent, version, probe), done))
         return done
 
-    def _run(self) -> None:
+    def _run(self, host: str, workers: int, timeout_s: float) -> None:
+        from torchrl_grpo.engines.weight_transfer import trainer_engine
+
+        failed = None
         try:
-            self.sender.connect()  # waits for the actor's join
+            self.transfer = trainer_engine(self.backend, self.client, self.source, workers, host, timeout_s)
         except BaseException as err:
             failed = err
-        else:
-            failed = None
         while (job := self.jobs.get()) is not None:
-            buckets, specs, received, done = job
+            specs, sent, received, done = job
             if failed is not None:
                 done.set_exception(failed)
                 continue
             try:
-                self.sender.send(buckets, iter(specs), lambda: bool(self.ray.wait([received], timeout=0)[0]))
-                done.set_result(self.ray.get(received))
+                self.client.push = (sent, received)
+                self.source.feed(iter(specs))
+                self.transfer.send_weights()
+                done.set_result(self.client.gap)
             except BaseException as err:  # the group is broken: every later push fails too
-                failed = self._failure(received, err)
-                done.set_exception(failed)
-
-    def _failure(self, received, err: BaseException) -> BaseException:
-        """The actor's own error when its call ended in one (it failed or died first), else ``err``."""
-        ready, _ = self.ray.wait([received], timeout=0)
-        if ready:
-            try:
-                self.ray.get(received)
-            except Exception as actor_err:
-                return actor_err
-        return err
+                failed = err
+                done.set_exception(err)
 
     def close(self) -> None:
         """Stop after the push being sent (its broadcast aborted, should the actor be gone)."""
         self.jobs.put(None)
-        self.sender.close()
-
+        if self.transfer is not None:
+            self.transfer.shutdown()

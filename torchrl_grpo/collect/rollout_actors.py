@@ -255,16 +255,19 @@ class ActorPool:
             self.spec, i, seed, self.samplers[i], log_file)
 
     def _new_link(self, i: int):
-        """Actor ``i``'s weight link (:mod:`~torchrl_grpo.collect.actor_weights`), the actor asked to join it."""
+        """Actor ``i``'s weight link (:mod:`~torchrl_grpo.collect.actor_weights`), the actor asked to join it: over
+        vLLM's NCCL engine where the trainer and the actor's engine are on GPUs, else our gloo one."""
         from torchrl_grpo.collect.actor_weights import ActorLink
 
-        return ActorLink(self.ray, self.actors[i], self.spec.precision.engine, self.ray.util.get_node_ip_address(),
-                         self.timeout)
+        gpus = self.spec.actors.actor_num_gpus
+        backend = "nccl" if gpus > 0 and torch.cuda.is_available() else "gloo"
+        return ActorLink(self.ray, self.actors[i], backend, self.spec.precision.engine,
+                         self.ray.util.get_node_ip_address(), max(1, int(gpus)), self.timeout)
 
     @property
     def transport(self) -> str:
         """How pushes travel, for the console."""
-        return "over a gloo collective" if self.links is not None else "through Ray's object store"
+        return f"over {self.links[0].backend}" if self.links is not None else "through Ray's object store"
 
     @property
     def total_restarts(self) -> int:

@@ -172,7 +172,7 @@ class InferenceModel(Devices):
     engine_process: str = key("choice", "where vLLM's engine runs: same (this process), own (its own), auto "
                               "(same on CPU, own on a GPU)", choices=ENGINE_PROCESSES)
     weight_transfer: str = key("choice", "how weights reach an engine in another process: collective (vLLM's "
-                               "weight-transfer API: NCCL on GPUs, gloo on CPUs; gloo to Ray rollout actors), shm (a "
+                               "weight-transfer API: NCCL on GPUs, gloo on CPUs; also to Ray rollout actors), shm (a "
                                "buffer in /dev/shm; Ray's object store for actors), auto (collective)",
                                choices=WEIGHT_TRANSFERS)
 

@@ -472,8 +472,10 @@ class VLLMEngine(Engine):
             from torchrl_grpo.engines import weight_transfer
 
             on = torch.device("cuda", torch.cuda.current_device()) if not self._on_cpu else torch.device("cpu")
+            backend = weight_transfer.backend_for(self.device)
+            self.llm.collective_rpc(weight_transfer.attach_in_worker, args=(backend,))
             self._transfer_source = weight_transfer.PushSource(specs, self.dtype, on)
-            self._transfer = weight_transfer.trainer_engine(weight_transfer.backend_for(self.device), self.llm,
+            self._transfer = weight_transfer.trainer_engine(backend, weight_transfer.RpcClient(self.llm),
                                                             self._transfer_source, workers=len(self.devices))
         return self._transfer_source
 

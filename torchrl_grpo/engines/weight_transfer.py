@@ -1,8 +1,7 @@
 """Weights to a vLLM engine in another process over a collective, through vLLM's weight-transfer API
 (``vllm.distributed.weight_transfer``): the worker's ``init_weight_transfer_engine`` / ``start_weight_update`` /
 ``update_weights`` / ``finish_weight_update``, driven from the trainer by a trainer-side engine (for a Ray
-rollout actor's engine, which the actor drives, by :class:`GlooSender` itself:
-:mod:`torchrl_grpo.collect.actor_weights`).
+rollout actor's engine, through a client whose push is one actor call: :mod:`torchrl_grpo.collect.actor_weights`).
 
 On GPUs the transport is vLLM's own NCCL engine. On CPUs it is :class:`GlooWeightTransferEngine`, ours, registered
 in vLLM's factories under ``gloo``: the trainer (rank 0) and the engine's workers form a gloo group of their own
@@ -24,7 +23,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import torch
@@ -34,7 +33,7 @@ from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, T
                                                    WeightSource, WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
-from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLWeightTransferUpdateInfo
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
@@ -158,9 +157,14 @@ class PushSource(WeightSource):
     calls ``iter_full()`` each round: the class speaks the installed vLLM's."""
 
     def __init__(self, specs: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None, device: torch.device):
-        self.device = device
+        self.device, self.dtype = device, dtype
         self.params = [ParamMeta(name, wire_dtype(t, dtype), tuple(t.shape)) for name, t in specs]
         self.pending: Iterator[tuple[str, torch.Tensor]] = iter(())
+
+    def declare(self, specs: list[tuple[str, torch.Tensor]]) -> None:
+        """Declare the weights of a source made before they were known (made with no ``specs``), before the first
+        push reads :attr:`params`."""
+        self.params = [ParamMeta(name, wire_dtype(t, self.dtype), tuple(t.shape)) for name, t in specs]
 
     def matches(self, specs: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> bool:
         """Whether ``specs`` are the ones this source declared (else the engine needs a new source)."""
@@ -189,16 +193,28 @@ class PushSource(WeightSource):
             return self.tensors()
 
 
-def trainer_engine(backend: str, llm, source: PushSource, workers: int, host: str = "127.0.0.1"):
-    """The trainer's side of a weight transfer to ``llm``'s ``workers`` (rank 0, the sender), the worker side
-    attached and the group formed; ``send_weights()`` then pushes what ``source`` holds."""
+def trainer_engine(backend: str, client, source: PushSource, workers: int, host: str = "127.0.0.1",
+                   timeout_s: float = TIMEOUT_S):
+    """The trainer's side of a weight transfer to ``workers`` engine workers (rank 0, the sender) reached through
+    ``client`` (:class:`RpcClient` for an engine whose workers have :func:`attach_in_worker` run, or a rollout
+    actor's), the group formed at ``host`` (an address the workers reach); ``send_weights()`` then pushes what
+    ``source`` holds. ``timeout_s`` (gloo): how long the rendezvous and each broadcast wait for the workers."""
     register()
-    llm.collective_rpc(attach_in_worker, args=(backend,))
     if backend == "nccl":
         info = NCCLTrainerInitInfo(host, free_port(host), workers + 1, rank=0)
     else:
-        info = GlooTrainerInitInfo(host, workers + 1, rank=0)
-    return WeightTransferTrainerFactory.trainer_init(info, client=RpcClient(llm), source=source)
+        info = GlooTrainerInitInfo(host, workers + 1, timeout_s, rank=0)
+    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+
+
+def update_info(backend: str, params: Sequence[ParamMeta]) -> dict:
+    """The update info the trainer-side engine of ``backend`` sends the workers' ``update_weights`` for a push of
+    ``params``: who drives the workers itself (a rollout actor's push) sends it beforehand."""
+    if backend == "nccl":
+        return asdict(NCCLWeightTransferUpdateInfo(names=[m.name for m in params],
+                                                   dtype_names=[str(m.dtype).split(".")[-1] for m in params],
+                                                   shapes=[list(m.shape) for m in params]))
+    return GlooSender.plan([(m.name, m.dtype, m.shape) for m in params])[1]
 
 
 @dataclass
@@ -276,6 +292,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     backend: ClassVar[str] = GLOO
     master_address: str
     world_size: int
+    timeout_s: float = TIMEOUT_S
 
 
 class GlooSender:
@@ -328,7 +345,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         if source is None:
             raise ValueError("gloo weight transfer needs a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
-        engine.sender = GlooSender(init_info.master_address, init_info.world_size - 1)
+        engine.sender = GlooSender(init_info.master_address, init_info.world_size - 1, init_info.timeout_s)
         with ThreadPoolExecutor(max_workers=1) as pool:
             joined = pool.submit(client.init_weight_transfer_engine, engine.sender.worker_info)
             engine.sender.connect()
