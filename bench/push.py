@@ -76,8 +76,8 @@ def main() -> None:
 
 
 def actor_pushes(common, pushes: int) -> None:
-    """``pushes`` pushes to one rollout actor, each waited for until it has landed (the first, which forms the
-    group, is not counted); the actor's first collect is done before (it would delay the first push)."""
+    """``pushes`` pushes to one rollout actor, each waited for until it has landed (one more first, not counted:
+    it finds the group formed, yet runs slower); the actor's first collect is done before (it would delay it)."""
     from torchrl_grpo.collect.rollout_actors import ActorPool
 
     dtype = common.spec.precision.engine
@@ -95,7 +95,7 @@ def actor_pushes(common, pushes: int) -> None:
         transport = pool.transport
     median = statistics.median(times[1:])
     print(f"rollout actor ({transport}): {sent:.2f} GiB sent, push median {median:.3f} s, {median / sent:.2f} s/GiB "
-          f"(of {pushes}: {', '.join(f'{t:.3f}' for t in times[1:])}; the first, forming the group: {times[0]:.3f} s)")
+          f"(of {pushes}: {', '.join(f'{t:.3f}' for t in times[1:])}; the first, not counted: {times[0]:.3f} s)")
 
 
 if __name__ == "__main__":
