@@ -4,13 +4,7 @@
 # the run's summary the greedy held-out evaluation before -> after (accuracy, reward, tool calls per episode);
 # then the figure of docs/agentic.png (bench/agentic_figure.py) as outputs/agentic.png.
 # Usage: bench/agentic.sh 0 1 2 [Hydra overrides for the runs]
-set -euo pipefail
-cd "$(dirname "$0")/.."
-export HF_HUB_OFFLINE=1
-mkdir -p outputs
-seeds=(); extra=()
-for arg in "$@"; do if [[ $arg =~ ^[0-9]+$ ]]; then seeds+=("$arg"); else extra+=("$arg"); fi; done
-[ ${#seeds[@]} -gt 0 ] || seeds=(0 1 2)
+source "$(dirname "$0")/seeds.sh" "$@"
 for seed in "${seeds[@]}"; do
   dir="outputs/bench-agentic-seed$seed"
   rm -rf "$dir"

@@ -4,13 +4,7 @@
 # completions per test question: accuracy = pass@1). Prints, per seed: wall time, the greedy evaluation
 # accuracy before / after (from the run), the sampled one before / after.
 # Usage: bench/see_it_learn.sh 0 1 2 [Hydra overrides for the runs, e.g. train.mixed_precision=false]
-set -euo pipefail
-cd "$(dirname "$0")/.."
-export HF_HUB_OFFLINE=1
-mkdir -p outputs
-seeds=(); extra=()
-for arg in "$@"; do if [[ $arg =~ ^[0-9]+$ ]]; then seeds+=("$arg"); else extra+=("$arg"); fi; done
-[ ${#seeds[@]} -gt 0 ] || seeds=(0 1 2)
+source "$(dirname "$0")/seeds.sh" "$@"
 sampled() {  # $1: model; prints the sampled accuracy (pass@1 over 8 completions) on the test questions
   .venv/bin/python evaluate.py --config-name grpo_arithmetic model.name="$1" eval.samples=8 eval.temperature=1.0 \
     hydra.run.dir=outputs/bench-learn-eval > outputs/bench-learn-eval.log 2>&1
