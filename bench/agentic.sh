@@ -7,11 +7,8 @@
 source "$(dirname "$0")/seeds.sh" "$@"
 for seed in "${seeds[@]}"; do
   dir="outputs/bench-agentic-seed$seed"
-  rm -rf "$dir"
-  start=$(date +%s)
-  .venv/bin/python grpo.py --config-name grpo_python_tool train.seed="$seed" env.seed="$seed" \
-    logging.progress_bar=false "${extra[@]}" hydra.run.dir="$dir" > "$dir.log" 2>&1
-  echo "seed $seed: $(( $(date +%s) - start )) s wall |$(grep '^  eval, step 0' "$dir.log" | cut -d: -f2-)"
+  run_seed grpo_python_tool "$dir" "$seed"
+  echo "seed $seed: $wall s wall |$(grep '^  eval, step 0' "$dir.log" | cut -d: -f2-)"
 done
 dirs=(); for seed in "${seeds[@]}"; do dirs+=("outputs/bench-agentic-seed$seed"); done
 .venv/bin/python bench/agentic_figure.py outputs/agentic.png "${dirs[@]}"  # docs/agentic.png

@@ -13,11 +13,7 @@ sampled() {  # $1: model; prints the sampled accuracy (pass@1 over 8 completions
 base=$(sampled smollm2-135m-instruct)
 for seed in "${seeds[@]}"; do
   dir="outputs/bench-learn-seed$seed"
-  rm -rf "$dir"
-  start=$(date +%s)
-  .venv/bin/python grpo.py --config-name grpo_arithmetic train.seed="$seed" env.seed="$seed" \
-    logging.progress_bar=false "${extra[@]}" hydra.run.dir="$dir" > "$dir.log" 2>&1
-  wall=$(( $(date +%s) - start ))
+  run_seed grpo_arithmetic "$dir" "$seed"
   greedy=$(grep '^  eval, step 0' "$dir.log" | sed 's/.*accuracy \([0-9.]*\) -> \([0-9.]*\).*/\1 -> \2/')
   last=$(ls -d "$dir"/checkpoints/step_* | tail -1)
   echo "seed $seed: ${wall} s wall | greedy accuracy $greedy | sampled accuracy $base -> $(sampled "$last")"
