@@ -128,7 +128,7 @@ def test_the_push_source_speaks_the_installed_vllms_weight_source_api():
                                                                           ("b", torch.float32, push)]
     if new_api:
         assert source.implements_iter_full() and source.owned_names(0) == ["w", "b"]
-    assert source.matches(specs, torch.bfloat16) and not source.matches(specs[:1], torch.bfloat16)
+    assert source.matches(specs) and not source.matches(specs[:1])
     source.feed(iter([("b", torch.zeros(3))]))
     with pytest.raises(RuntimeError, match="got b where w was planned"):
         list(source.tensors())

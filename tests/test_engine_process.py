@@ -330,7 +330,7 @@ def test_a_second_engine_in_this_process_gets_its_own(monkeypatch):
 def test_the_update_info_given_to_an_actor_beforehand_is_what_each_backend_sends():
     """A rollout actor's push is sent its workers' update info before the broadcast (collect/actor_weights.py);
     the trainer-side engine then checks it sends the same. vLLM's NCCL engine sends names, dtype names and shapes
-    (its send_weights, vLLM 0.32); ours the buckets of GlooSender.plan."""
+    (its send_weights, vLLM 0.32); ours the buckets of _gloo_plan."""
     from vllm.distributed.weight_transfer.base import ParamMeta
 
     from torchrl_grpo.engines import weight_transfer

@@ -59,16 +59,18 @@ class ActorLink:
     :meth:`submit` hands it, in order. ``host``: the trainer's address as the actor sees it; ``dtype``: the
     engine's (the snapshot's floating-point matrices already are); ``workers``: the engine's (one per GPU of a
     tensor-parallel engine); ``timeout_s``: how long a gloo group waits for the actor to join or to receive
-    (``ray.collect_timeout_s``: it does so after the collect it is running)."""
+    (``ray.collect_timeout_s``: it does so after the collect it is running); ``tied``: whether the engine leaves
+    ``lm_head.weight`` out, when known (else its join says)."""
 
-    def __init__(self, ray, actor, backend: str, dtype: torch.dtype, host: str, workers: int, timeout_s: float):
+    def __init__(self, ray, actor, backend: str, dtype: torch.dtype, host: str, workers: int, timeout_s: float,
+                 tied: bool | None = None):
         from torchrl_grpo.engines.weight_transfer import PushSource
 
         self.ray, self.actor, self.backend = ray, actor, backend
         self.client = ActorClient(ray, actor, backend)
         device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
         self.source = PushSource([], dtype, device)  # its weights are declared at the first push
-        self.tied: bool | None = None  # whether the engine leaves lm_head.weight out (from its join)
+        self.tied = tied
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.transfer = None
         # a daemon: a thread left waiting on an actor that never answers must not hold the interpreter's exit
@@ -90,7 +92,7 @@ class ActorLink:
             specs = [(name, t) for name, t in weights.items() if not (self.tied and name == "lm_head.weight")]
             if not self.source.params:
                 self.source.declare(specs)
-            elif not self.source.matches(specs, self.source.dtype):
+            elif not self.source.matches(specs):
                 raise RuntimeError("weight transfer to a rollout actor: the weights' names or shapes changed")
         except Exception as err:  # the actor died, or could not join
             done.set_exception(err)

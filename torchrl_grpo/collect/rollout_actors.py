@@ -28,6 +28,7 @@ import signal
 import sys
 import time
 import warnings
+from concurrent import futures
 from pathlib import Path
 
 import numpy as np
@@ -242,8 +243,7 @@ class ActorPool:
         if weights is not None:  # the actors start from the base weights: give them the checkpoint's
             self.push(weights, version, probe)
             if self.links is not None:  # its errors before the first collect, as the object store path's
-                for landed in list(self.pushes):
-                    landed.exception()
+                futures.wait(list(self.pushes))
                 self._check_pushes()
         self.pending = {actor.collect.remote(): i for i, actor in enumerate(self.actors)}
 
@@ -254,15 +254,16 @@ class ActorPool:
         return self.remote_cls.options(**self.actor_options).remote(
             self.spec, i, seed, self.samplers[i], log_file)
 
-    def _new_link(self, i: int):
+    def _new_link(self, i: int, tied: bool | None = None):
         """Actor ``i``'s weight link (:mod:`~torchrl_grpo.collect.actor_weights`), the actor asked to join it: over
-        vLLM's NCCL engine where the trainer and the actor's engine are on GPUs, else our gloo one."""
+        vLLM's NCCL engine where the trainer and the actor's engine are on GPUs, else our gloo one. ``tied``: whether
+        the model ties its embeddings, when known (else the actor's join says)."""
         from torchrl_grpo.collect.actor_weights import ActorLink
 
         gpus = self.spec.actors.actor_num_gpus
         backend = "nccl" if gpus > 0 and torch.cuda.is_available() else "gloo"
         return ActorLink(self.ray, self.actors[i], backend, self.spec.precision.engine,
-                         self.ray.util.get_node_ip_address(), max(1, int(gpus)), self.timeout)
+                         self.ray.util.get_node_ip_address(), max(1, int(gpus)), self.timeout, tied)
 
     @property
     def transport(self) -> str:
@@ -319,8 +320,7 @@ class ActorPool:
         self.actors[i] = self._new_actor(i)
         if self.links is not None:
             self.links[i].close()
-            self.links[i], tied = self._new_link(i), self.links[i].tied
-            self.links[i].tied = tied  # the same model: no wait for the new actor's answer
+            self.links[i] = self._new_link(i, tied=self.links[i].tied)  # the same model: no wait for its answer
             if self.snapshot is not None:
                 self.pushes[self.links[i].submit(self.snapshot, self.version, self.probe)] = i
         elif self.weights_ref is not None:

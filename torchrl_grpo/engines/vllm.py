@@ -466,7 +466,7 @@ class VLLMEngine(Engine):
         """The trainer's side of vLLM's weight-transfer API into this engine's workers, made at the first push
         (:mod:`torchrl_grpo.engines.weight_transfer`: vLLM's NCCL on GPUs, our gloo on CPUs), and made again for
         weights of other names or shapes; its source, which each push feeds."""
-        if self._transfer is not None and not self._transfer_source.matches(specs, self.dtype):
+        if self._transfer is not None and not self._transfer_source.matches(specs):
             self._close_transfer()
         if self._transfer is None:
             from torchrl_grpo.engines import weight_transfer

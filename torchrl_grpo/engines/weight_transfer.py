@@ -158,18 +158,18 @@ class PushSource(WeightSource):
 
     def __init__(self, specs: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None, device: torch.device):
         self.device, self.dtype = device, dtype
-        self.params = [ParamMeta(name, wire_dtype(t, dtype), tuple(t.shape)) for name, t in specs]
+        self.declare(specs)
         self.pending: Iterator[tuple[str, torch.Tensor]] = iter(())
 
     def declare(self, specs: list[tuple[str, torch.Tensor]]) -> None:
-        """Declare the weights of a source made before they were known (made with no ``specs``), before the first
-        push reads :attr:`params`."""
+        """The weights' names, wire dtypes and shapes; again for a source made before they were known (with no
+        ``specs``), before the first push reads :attr:`params`."""
         self.params = [ParamMeta(name, wire_dtype(t, self.dtype), tuple(t.shape)) for name, t in specs]
 
-    def matches(self, specs: list[tuple[str, torch.Tensor]], dtype: torch.dtype | None) -> bool:
+    def matches(self, specs: list[tuple[str, torch.Tensor]]) -> bool:
         """Whether ``specs`` are the ones this source declared (else the engine needs a new source)."""
         return [(m.name, m.dtype, m.shape) for m in self.params] == [
-            (name, wire_dtype(t, dtype), tuple(t.shape)) for name, t in specs]
+            (name, wire_dtype(t, self.dtype), tuple(t.shape)) for name, t in specs]
 
     def feed(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
         self.pending = tensors
@@ -214,7 +214,7 @@ def update_info(backend: str, params: Sequence[ParamMeta]) -> dict:
         return asdict(NCCLWeightTransferUpdateInfo(names=[m.name for m in params],
                                                    dtype_names=[str(m.dtype).split(".")[-1] for m in params],
                                                    shapes=[list(m.shape) for m in params]))
-    return GlooSender.plan([(m.name, m.dtype, m.shape) for m in params])[1]
+    return _gloo_plan([(m.name, m.dtype, m.shape) for m in params])[1]
 
 
 @dataclass
@@ -295,48 +295,18 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     timeout_s: float = TIMEOUT_S
 
 
-class GlooSender:
-    """Rank 0 of a gloo group whose other ranks are engine workers, which join it through vLLM's
-    ``init_weight_transfer_engine`` with :attr:`worker_info` (:meth:`connect` waits for them), and which receive
-    a push through ``update_weights`` with the update info :meth:`plan` gives, while :meth:`send` broadcasts
-    it: packed into buckets of at most ``TRANSFER_BUCKET_BYTES`` (a larger tensor gets a bucket of its own).
-    ``timeout_s``: how long the rendezvous and each broadcast may wait for the workers."""
-
-    def __init__(self, host: str, workers: int, timeout_s: float = TIMEOUT_S):
-        self.host, self.world_size, self.timeout_s = host, workers + 1, timeout_s
-        self.store = TCPStore(host, 0, self.world_size, is_master=True, wait_for_workers=False,
-                              timeout=datetime.timedelta(seconds=timeout_s))
-        self.worker_info = {"master_address": host, "master_port": self.store.port, "world_size": self.world_size,
-                            "timeout_s": timeout_s}
-        self.group, self.buffer = None, torch.empty(0, dtype=torch.uint8)
-
-    def connect(self) -> None:
-        self.group, _ = _gloo_group(self.host, self.store.port, 0, self.world_size, self.store, self.timeout_s)
-
-    @staticmethod
-    def plan(params: Sequence[tuple[str, torch.dtype, tuple]]) -> tuple[list[list[Entry]], dict]:
-        """The buckets of a push of ``params`` (name, wire dtype, shape; in the order they are sent) and the
-        workers' update info for it."""
-        metas = [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, dtype, shape in params]
-        buckets = plan_buckets(metas, TRANSFER_BUCKET_BYTES)
-        return buckets, {"buckets": [[[e.name, e.dtype, list(e.shape), e.offset] for e in b] for b in buckets]}
-
-    def send(self, buckets: list[list[Entry]], tensors: Iterator[tuple[str, torch.Tensor]],
-             workers_ended: Callable[[], bool]) -> None:
-        """Broadcast one push (:func:`_send`), in a buffer kept from push to push, as the workers keep theirs."""
-        size = max(bucket_size(b) for b in buckets)
-        if self.buffer.numel() < size:
-            self.buffer = torch.empty(size, dtype=torch.uint8)
-        _send(self.group, buckets, tensors, self.buffer, workers_ended)
-
-    def close(self) -> None:
-        _close_group(self.group)
-        self.group = None
+def _gloo_plan(params: Sequence[tuple[str, torch.dtype, tuple]]) -> tuple[list[list[Entry]], dict]:
+    """The buckets of a gloo push of ``params`` (name, wire dtype, shape; in the order they are sent), each at most
+    ``TRANSFER_BUCKET_BYTES`` (a larger tensor gets a bucket of its own), and the workers' update info for it."""
+    metas = [(name, torch.empty(shape, dtype=dtype, device="meta")) for name, dtype, shape in params]
+    buckets = plan_buckets(metas, TRANSFER_BUCKET_BYTES)
+    return buckets, {"buckets": [[[e.name, e.dtype, list(e.shape), e.offset] for e in b] for b in buckets]}
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
-    """The trainer's side in vLLM's trainer factory (rank 0 of the group, a :class:`GlooSender`): has the workers
-    join, then per push broadcasts the source's tensors while the workers' ``update_weights`` receives them."""
+    """The trainer's side (rank 0 of the group): opens the store on a free port, has the workers join (waiting up
+    to the init info's ``timeout_s``, as each broadcast does), then per push broadcasts the source's tensors in the
+    buckets of :func:`_gloo_plan` while the workers' ``update_weights`` receives them."""
 
     init_info_cls = GlooTrainerInitInfo
 
@@ -345,21 +315,29 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         if source is None:
             raise ValueError("gloo weight transfer needs a WeightSource")
         engine = cls(client=client, source=source, is_sender=init_info.is_sender)
-        engine.sender = GlooSender(init_info.master_address, init_info.world_size - 1, init_info.timeout_s)
+        engine.buffer = torch.empty(0, dtype=torch.uint8)
+        store = TCPStore(init_info.master_address, 0, init_info.world_size, is_master=True, wait_for_workers=False,
+                         timeout=datetime.timedelta(seconds=init_info.timeout_s))
+        worker_info = {"master_address": init_info.master_address, "master_port": store.port,
+                       "world_size": init_info.world_size, "timeout_s": init_info.timeout_s}
         with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(client.init_weight_transfer_engine, engine.sender.worker_info)
-            engine.sender.connect()
+            joined = pool.submit(client.init_weight_transfer_engine, worker_info)
+            engine.group, engine.store = _gloo_group(init_info.master_address, store.port, 0,
+                                                     init_info.world_size, store, init_info.timeout_s)
             joined.result()
         return engine
 
     def send_weights(self) -> None:
-        buckets, update_info = self.sender.plan([(m.name, m.dtype, m.shape) for m in self.source.params])
+        buckets, update_info = _gloo_plan([(m.name, m.dtype, m.shape) for m in self.source.params])
+        size = max(bucket_size(b) for b in buckets)
+        if self.buffer.numel() < size:  # kept from push to push, as the workers keep theirs
+            self.buffer = torch.empty(size, dtype=torch.uint8)
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             received = pool.submit(self.client.update_weights, update_info)
             try:
-                self.sender.send(buckets, self.source.tensors(), received.done)
+                _send(self.group, buckets, self.source.tensors(), self.buffer, received.done)
             except BaseException as cause:
                 if received.done() and received.exception() is not None:
                     raise received.exception() from cause  # the workers' error comes first
@@ -370,7 +348,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:
-        self.sender.close()
+        _close_group(self.group)
+        self.group, self.store = None, None
 
 
 def _send(group, buckets: list[list[Entry]], tensors: Iterator[tuple[str, torch.Tensor]], buffer: torch.Tensor,
