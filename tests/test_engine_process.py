@@ -330,13 +330,14 @@ def test_a_second_engine_in_this_process_gets_its_own(monkeypatch):
 def test_the_update_info_given_to_an_actor_beforehand_is_what_each_backend_sends():
     """A rollout actor's push is sent its workers' update info before the broadcast (collect/actor_weights.py);
     the trainer-side engine then checks it sends the same. vLLM's NCCL engine sends names, dtype names and shapes
-    (its send_weights, vLLM 0.32); ours the buckets of _gloo_plan."""
+    (its send_weights, vLLM 0.32; 0.26 adds its packing settings); ours the buckets of _gloo_plan."""
     from vllm.distributed.weight_transfer.base import ParamMeta
 
     from torchrl_grpo.engines import weight_transfer
 
     params = [ParamMeta("a.weight", torch.bfloat16, (2, 3)), ParamMeta("a.bias", torch.float32, (4,))]
-    assert weight_transfer.update_info("nccl", params) == {
+    nccl = weight_transfer.update_info("nccl", params)
+    assert {key: nccl[key] for key in ("names", "dtype_names", "shapes")} == {
         "names": ["a.weight", "a.bias"], "dtype_names": ["bfloat16", "float32"], "shapes": [[2, 3], [4]]}
     [bucket] = weight_transfer.update_info("gloo", params)["buckets"]
     assert [(name, dtype, shape) for name, dtype, shape, _ in bucket] == [

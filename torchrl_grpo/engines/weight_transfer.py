@@ -32,8 +32,8 @@ from vllm.config.weight_transfer import WeightTransferConfig
 from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine,
                                                    WeightSource, WeightTransferEngine, WeightTransferInitInfo,
                                                    WeightTransferUpdateInfo)
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
-from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo, NCCLWeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
@@ -103,11 +103,10 @@ def _entries(bucket: Sequence[Sequence]) -> list[Entry]:
 
 
 def register() -> None:
-    """Our gloo engines in vLLM's worker and trainer factories (idempotent; loaded when first used)."""
-    for factory, name in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-                          (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
-        if GLOO not in factory._registry:
-            factory.register_engine(GLOO, __name__, name)
+    """Our gloo engine in vLLM's factory of worker-side engines (idempotent; loaded when first used). Its trainer
+    side is driven directly (:func:`trainer_engine`): vLLM's trainer factory changed its signature in 0.32."""
+    if GLOO not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(GLOO, __name__, "GlooWeightTransferEngine")
 
 
 def attach_in_worker(worker, backend: str) -> str:
@@ -198,13 +197,18 @@ def trainer_engine(backend: str, client, source: PushSource, workers: int, host:
     """The trainer's side of a weight transfer to ``workers`` engine workers (rank 0, the sender) reached through
     ``client`` (:class:`RpcClient` for an engine whose workers have :func:`attach_in_worker` run, or a rollout
     actor's), the group formed at ``host`` (an address the workers reach); ``send_weights()`` then pushes what
-    ``source`` holds. ``timeout_s`` (gloo): how long the rendezvous and each broadcast wait for the workers."""
+    ``source`` holds. ``timeout_s`` (gloo): how long the rendezvous and each broadcast wait for the workers.
+    ``nccl`` is vLLM's own engine, in vLLM 0.32 and later (before, ``vllm_releases.choose_weight_transfer`` refuses
+    it)."""
     register()
     if backend == "nccl":
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
         info = NCCLTrainerInitInfo(host, free_port(host), workers + 1, rank=0)
-    else:
-        info = GlooTrainerInitInfo(host, workers + 1, timeout_s, rank=0)
-    return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+        return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
+    return GlooTrainerWeightTransferEngine.trainer_init(GlooTrainerInitInfo(host, workers + 1, timeout_s, rank=0),
+                                                        client=client, source=source)
 
 
 def update_info(backend: str, params: Sequence[ParamMeta]) -> dict:
@@ -286,6 +290,12 @@ class GlooWeightTransferEngine(WeightTransferEngine):
         _close_group(self.group)
         self.group, self.store = None, None
 
+    @staticmethod
+    def trainer_send_weights(iterator, trainer_args) -> None:
+        """vLLM before 0.32 declares the trainer's send on the worker's class (abstract there): ours is
+        :class:`GlooTrainerWeightTransferEngine`'s ``send_weights``."""
+        raise NotImplementedError("gloo weight transfer: send with GlooTrainerWeightTransferEngine")
+
 
 @dataclass
 class GlooTrainerInitInfo(TrainerInitInfo):
@@ -310,12 +320,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
 
     init_info_cls = GlooTrainerInitInfo
 
+    def __init__(self, *, client, source: PushSource):  # vLLM's base takes a config first before 0.32, none since
+        self.client, self.source, self.is_sender = client, source, True
+        self.group, self.store, self.buffer = None, None, torch.empty(0, dtype=torch.uint8)
+
     @classmethod
-    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source=None):
-        if source is None:
-            raise ValueError("gloo weight transfer needs a WeightSource")
-        engine = cls(client=client, source=source, is_sender=init_info.is_sender)
-        engine.buffer = torch.empty(0, dtype=torch.uint8)
+    def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source: PushSource):
+        engine = cls(client=client, source=source)
         store = TCPStore(init_info.master_address, 0, init_info.world_size, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=init_info.timeout_s))
         worker_info = {"master_address": init_info.master_address, "master_port": store.port,

