@@ -7,10 +7,10 @@
 #     resumed; the weight sync check after every push (the engine-trainer log-prob gap in bf16 on CUDA);
 #  b. the GPU default: vLLM's engine in its own process on the same GPU, pushes over the /dev/shm stream (NCCL puts no
 #     two ranks on one GPU: weight_transfer=collective must be refused in one line), on a random Qwen3-0.6B-shaped
-#     model, 64 prompts x 8 completions x 512 tokens, 3 steps: generation and trainer tokens/s, MFU, the share of a
-#     step outside both, each role's GPU memory, the sync gap;
-#  c. the same engine bare (bench/gpu_vllm_speed.py): llm.generate unseeded and seeded against the loop's generate,
-#     and the same seeds giving the same tokens.
+#     model, 64 prompts x 8 completions x 512 tokens, 2 steps (the digit-share reward: every step trains and pushes):
+#     generation and trainer tokens/s, MFU, the share of a step outside both, each role's GPU memory, the sync gap;
+#  c. the same engine bare (bench/gpu_vllm_speed.py), with vLLM's CUDA graphs and without (enforce_eager): its start,
+#     llm.generate unseeded and seeded against the loop's generate, and the same seeds giving the same tokens.
 # Writes $OUTDIR/results.md (default outputs/gpu-vllm-check) and each part's log beside it.
 #   bench/gpu_vllm_check.sh
 #   PYTHON=python3 GSM8K_DATA=path/to/gsm8k QWEN_TOKENIZER=path/to/qwen2 OUTDIR=/tmp/out bench/gpu_vllm_check.sh
@@ -27,7 +27,7 @@ deadline=$((SECONDS + ${BUDGET_S:-360}))
 left() { local rest=$((deadline - SECONDS)); echo $(( rest < $1 ? (rest > 5 ? rest : 5) : $1 )); }
 mkdir -p "$OUTDIR" "$WORK"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
-SIZE=(env.num_envs=64 env.repeats=8 inference_model.max_tokens=512 train.optim_batch_size=16 train.total_dialog_turns=1536)
+SIZE=(env.num_envs=64 env.repeats=8 inference_model.max_tokens=512 train.optim_batch_size=16 train.total_dialog_turns=1024)
 BARE=(--device cuda:0 --dtype bfloat16)
 if [ "${ON_CPU:-0}" = 1 ]; then
   SIZE=(env.num_envs=2 env.repeats=2 inference_model.max_tokens=8 train.optim_batch_size=2 train.total_dialog_turns=12)
@@ -49,7 +49,8 @@ report() {  # report PART RUN_DIR...: the runs' metrics.csv as result lines (exi
   "$PYTHON" bench/gpu_vllm_report.py "$@" >> "$RESULTS" || status=1
 }
 
-echo "## a. train, reference and inference on one GPU, vLLM in this process, bf16" >> "$RESULTS"
+"$PYTHON" bench/import_all.py >> "$RESULTS" 2> "$WORK/imports.log" || status=1
+echo -e "\n## a. train, reference and inference on one GPU, vLLM in this process, bf16" >> "$RESULTS"
 source bench/learning_task.sh
 A=$WORK/a
 rm -rf "$A"
@@ -65,7 +66,7 @@ echo -e "\n## b. the engine in its own process on the same GPU, a random Qwen3-0
 B=$WORK/b MODEL=$WORK/random-0.6b
 rm -rf "$B"
 SPEED=(env=gsm8k "env.data_path=$GSM8K_DATA" "${SIZE[@]}" inference_model.engine_process=own logging.progress_bar=false
-       logging.checkpoint_frequency=0)
+       logging.checkpoint_frequency=0 "env.rewards=[{_target_:test_learning.digit_share,weight:1.0,name:digits}]")
 if [ "${ON_CPU:-0}" != 1 ]; then  # a CPU engine takes the gloo collective
   timeout 60 "$PYTHON" grpo.py model=tiny "${SPEED[@]}" inference_model.weight_transfer=collective \
     hydra.run.dir="$WORK/refused" > "$WORK/refused.log" 2>&1
@@ -78,9 +79,11 @@ timeout -k 10 "$(left 200)" "$PYTHON" grpo.py "model.name=$MODEL" "${SPEED[@]}" 
 report speed "$B"
 
 echo -e "\n## c. the same engine bare, in this process (bench/gpu_vllm_speed.py)" >> "$RESULTS"
-timeout -k 10 "$(left 150)" "$PYTHON" bench/gpu_vllm_speed.py bare "$MODEL" "${BARE[@]}" --json "$OUTDIR/c.json" > "$OUTDIR/c.log" 2>&1 \
-  && { echo '```'; tail -1 "$OUTDIR/c.log"; echo '```'; } >> "$RESULTS" \
-  || { status=1; echo "- failed (exit $?): see c.log" >> "$RESULTS"; }
+for graphs in "" --enforce-eager; do
+  timeout -k 10 "$(left 120)" "$PYTHON" bench/gpu_vllm_speed.py bare "$MODEL" "${BARE[@]}" $graphs >> "$OUTDIR/c.log" 2>&1 \
+    && echo "- \`$(tail -1 "$OUTDIR/c.log")\`" >> "$RESULTS" \
+    || { status=1; echo "- ${graphs:-with CUDA graphs}: failed (exit $?): see c.log" >> "$RESULTS"; }
+done
 for run in a b; do [ -f "$WORK/$run/metrics.csv" ] && cp "$WORK/$run/metrics.csv" "$OUTDIR/$run-metrics.csv"; done
 echo -e "\n$((SECONDS)) s in all" >> "$RESULTS"
 cat "$RESULTS"

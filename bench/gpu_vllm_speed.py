@@ -7,7 +7,7 @@
 Then the seeding check: the same seeds twice give the same tokens.
 
     python bench/gpu_vllm_speed.py model DIR --tokenizer ../shared/data/tokenizers/qwen2   # a Qwen3-0.6B shape
-    python bench/gpu_vllm_speed.py bare DIR --prompts 64 --n 8 --max-tokens 512 --json out.json
+    python bench/gpu_vllm_speed.py bare DIR --prompts 64 --n 8 --max-tokens 512 [--enforce-eager] --json out.json
 """
 import argparse
 import json
@@ -50,13 +50,14 @@ def timed(fn):
 
 
 def bare(model: Path, prompts: int, n: int, max_tokens: int, gpu_memory_utilization: float, device: str,
-         dtype: str) -> dict:
+         dtype: str, enforce_eager: bool) -> dict:
     from vllm import SamplingParams
 
     from torchrl_grpo.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(str(model), dtype=dtype, device=device, gpu_memory_utilization=gpu_memory_utilization,
-                        max_model_len=1024, engine_process="same", seed=0)
+                        max_model_len=1024, engine_process="same", seed=0,
+                        **({"enforce_eager": True} if enforce_eager else {}))
     ids = prompts_of(model, prompts)
     requests = [{"prompt_token_ids": p} for p in ids]
 
@@ -67,7 +68,7 @@ def bare(model: Path, prompts: int, n: int, max_tokens: int, gpu_memory_utilizat
         return sum(len(c.token_ids) for out in outputs for c in out.outputs)
 
     engine.llm.generate(requests[:2], params(), use_tqdm=False)  # warm-up
-    row = {"engine_start_s": round(engine.start_s, 1), "prompts": prompts, "n": n, "max_tokens": max_tokens,
+    row = {"enforce_eager": enforce_eager, "engine_start_s": round(engine.start_s, 1), "prompts": prompts, "n": n, "max_tokens": max_tokens,
            "prompt_tokens_mean": round(sum(map(len, ids)) / len(ids), 1)}
     out, seconds = timed(lambda: engine.llm.generate(requests, params(), use_tqdm=False))
     row["bare_tokens_per_s"] = round(tokens(out) / seconds)
@@ -96,6 +97,7 @@ def main() -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
     parser.add_argument("--device", default="cuda:0")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--enforce-eager", action="store_true", help="vLLM without CUDA graphs or compilation")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.what == "model":
@@ -103,7 +105,7 @@ def main() -> None:
         print(f"random {args.shape} in {args.dir}")
         return
     row = bare(args.dir, args.prompts, args.n, args.max_tokens, args.gpu_memory_utilization, args.device,
-               args.dtype)
+               args.dtype, args.enforce_eager)
     print(json.dumps(row), flush=True)
     if args.json:
         args.json.write_text(json.dumps(row, indent=1))
