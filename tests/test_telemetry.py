@@ -180,6 +180,23 @@ def test_a_reference_on_the_train_gpus_and_an_engine_on_the_cpu_have_no_figures_
         "memory/train/allocated_gib", "memory/train/peak_gib", "memory/train/reserved_gib"]
 
 
+def test_an_engine_in_this_process_on_the_train_gpu_is_not_counted_as_the_trainers(monkeypatch):
+    """vLLM in this process allocates its weights and KV cache through torch's allocator: measured on an H100, a tiny
+    trainer's peak read 39.5 GiB, nearly all the engine's. What the engine held once started is taken off."""
+    gpus = FakeGPUs(allocated={0: GIB}, reserved={0: 2 * GIB}, free_total={0: (10 * GIB, 80 * GIB)})
+    gpus.use(monkeypatch)
+    gpus.hold(0, 40 * GIB)  # the engine starts: 40 GiB held from then on
+    gpus.reserved[0] += 40 * GIB
+    cuda0 = torch.device("cuda:0")
+    probe = hardware.MemoryProbe([cuda0], [], ["cuda:0"], engine_held={"cuda:0": 40 * GIB})
+    gpus.hold(0, 3 * GIB)  # the step: generation and training activations, then freed
+    gpus.hold(0, -3 * GIB)
+    metrics = probe.read()
+    assert metrics["memory/train/allocated_gib"] == 1 and metrics["memory/train/reserved_gib"] == 2
+    assert metrics["memory/train/peak_gib"] == 4
+    assert metrics["memory/inference/used_gib"] == 70  # the device's, all processes and roles together
+
+
 def test_on_the_cpu_the_process_resident_set_is_reported_current_and_peak():
     probe = hardware.MemoryProbe([], [], ["cpu"])
     before = probe.read()

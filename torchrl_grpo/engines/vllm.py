@@ -284,8 +284,12 @@ class VLLMEngine(Engine):
             kwargs["tensor_parallel_size"] = len(self.devices)
         kwargs.update(llm_kwargs)
         t0 = time.perf_counter()
+        on_gpus_here = self._in_process and not self._on_cpu
+        before = {d: torch.cuda.memory_allocated(d) for d in self.devices} if on_gpus_here else {}
         with _preserved_global_rng(), _visible_cuda_devices(self.devices), _engine_process_env(own_process):
             self.llm = vllm.LLM(**kwargs)
+        # what this engine holds through this process's torch allocator (telemetry takes it off the trainer's)
+        self.cuda_bytes_in_process = {d: torch.cuda.memory_allocated(d) - n for d, n in before.items()}
         if self._in_process:
             _IN_PROCESS_ENGINES.add(id(self))
         else:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -62,6 +62,7 @@ class BatchSource(Protocol):
     tokenizer: object
     exact_engine: object  # an engine whose sampling state a checkpoint keeps (None: nothing samples exactly)
     engine_devices: Sequence  # the devices of the engine this process drives, whose memory is logged (empty: none)
+    engine_held: Mapping  # device -> bytes that engine holds through this process's allocator (in-process on GPUs)
 
     @property
     def position(self):
@@ -133,7 +134,7 @@ def run_loop(run: Run) -> dict:
                                                   run.total_steps, start, resumed=start > 0))
         stop = stack.enter_context(StopRequest())
         memory = MemoryProbe(cuda_devices(trainer.policy, trainer.critic and trainer.critic.model),
-                             cuda_devices(trainer.ref_policy), source.engine_devices)
+                             cuda_devices(trainer.ref_policy), source.engine_devices, source.engine_held)
         eval_engine = source.eval_engine(trainer) if evaluator is not None else None
         if start == 0 and evaluator is not None and evaluator.due(0):
             telemetry.record(0, evaluator(eval_engine))

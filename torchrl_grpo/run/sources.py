@@ -46,6 +46,7 @@ class LocalSource:
         self.exact_engine = None if overlap else collector.engine  # a prefetching engine samples while we save
         # a vLLM engine's devices; the transformers engine samples with the trained policy, on the train devices
         self.engine_devices = getattr(collector.engine, "devices", [])
+        self.engine_held = getattr(collector.engine, "cuda_bytes_in_process", {})
         self.prefetch: Prefetch | None = None
         self.total_steps = 0
 
@@ -103,6 +104,7 @@ class ActorSource:
     faults = (ActorFault,)
     exact_engine = None  # the actors sample while the trainer saves
     engine_devices = ()  # Ray gives the actors' engines their GPUs: this process does not know which
+    engine_held: dict = {}  # and they hold nothing in this process
 
     def __init__(self, spec: RunSpec, weights: ActorSync, tokenizer, reward_names: list[str]):
         self.spec, self.weights, self.tokenizer, self.reward_names = spec, weights, tokenizer, reward_names
