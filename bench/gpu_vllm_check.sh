@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's own loop with vLLM on one GPU (vLLM 0.26 to 0.33 installed beside torch; without network, the GPU
 # machine gets vLLM 0.26 as in docs/installation.md#vllm-on-a-gpu-machine-without-network). Parts, one after the other
-# (one that fails does not stop the next), within BUDGET_S seconds (default 360):
+# (one that fails does not stop the next), within BUDGET_S seconds (default 540; about 8 minutes on an H100):
 #  a. grpo.py with train, reference and inference on the one GPU, vLLM in this process, bf16: the learning check of
 #     bench/learning_task.sh (reward = share of digit characters, 20 steps), stopped at its step-10 checkpoint and
 #     resumed; the weight sync check after every push (the engine-trainer log-prob gap in bf16 on CUDA);
@@ -9,8 +9,8 @@
 #     two ranks on one GPU: weight_transfer=collective must be refused in one line), on a random Qwen3-0.6B-shaped
 #     model, 64 prompts x 8 completions x 512 tokens, 2 steps (the digit-share reward: every step trains and pushes):
 #     generation and trainer tokens/s, MFU, the share of a step outside both, each role's GPU memory, the sync gap;
-#  c. the same engine bare (bench/gpu_vllm_speed.py), with vLLM's CUDA graphs and without (enforce_eager): its start,
-#     llm.generate unseeded and seeded against the loop's generate, and the same seeds giving the same tokens.
+#  c. the same engine bare (bench/gpu_vllm_speed.py), with vLLM's CUDA graphs (EAGER=1: also without, 100 s more): its
+#     start, llm.generate unseeded and seeded against the loop's generate, the same seeds giving the same tokens.
 # Writes $OUTDIR/results.md (default outputs/gpu-vllm-check) and each part's log beside it.
 #   bench/gpu_vllm_check.sh
 #   PYTHON=python3 GSM8K_DATA=path/to/gsm8k QWEN_TOKENIZER=path/to/qwen2 OUTDIR=/tmp/out bench/gpu_vllm_check.sh
@@ -23,7 +23,7 @@ RESULTS=$OUTDIR/results.md
 GSM8K_DATA=${GSM8K_DATA:-../shared/data/gsm8k}
 QWEN_TOKENIZER=${QWEN_TOKENIZER:-../shared/data/tokenizers/qwen2}
 WORK=${WORK:-/tmp/gpu-vllm-check}
-deadline=$((SECONDS + ${BUDGET_S:-360}))
+deadline=$((SECONDS + ${BUDGET_S:-540}))
 left() { local rest=$((deadline - SECONDS)); echo $(( rest < $1 ? (rest > 5 ? rest : 5) : $1 )); }
 mkdir -p "$OUTDIR" "$WORK"
 export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/tests${PYTHONPATH:+:$PYTHONPATH}"
@@ -79,7 +79,7 @@ timeout -k 10 "$(left 200)" "$PYTHON" grpo.py "model.name=$MODEL" "${SPEED[@]}" 
 report speed "$B"
 
 echo -e "\n## c. the same engine bare, in this process (bench/gpu_vllm_speed.py)" >> "$RESULTS"
-for graphs in "" --enforce-eager; do
+for graphs in "" ${EAGER:+--enforce-eager}; do
   timeout -k 10 "$(left 120)" "$PYTHON" bench/gpu_vllm_speed.py bare "$MODEL" "${BARE[@]}" $graphs >> "$OUTDIR/c.log" 2>&1 \
     && echo "- \`$(tail -1 "$OUTDIR/c.log")\`" >> "$RESULTS" \
     || { status=1; echo "- ${graphs:-with CUDA graphs}: failed (exit $?): see c.log" >> "$RESULTS"; }

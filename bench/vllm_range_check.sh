@@ -17,6 +17,7 @@ VENV=${OLD_VENV:-$HOME/.cache/torchrl_grpo/vllm-0.26-venv}
 OUTDIR=${OUTDIR:-outputs/vllm-range-check}
 RESULTS=$OUTDIR/results.md
 CPU_PYTHON=${CPU_PYTHON:-.venv/bin/python}
+export VLLM_LOGGING_LEVEL=ERROR  # vLLM's INFO lines go to stdout, into the results
 mkdir -p "$OUTDIR"
 status=0
 if [ ! -x "$VENV/bin/python" ] || ! "$VENV/bin/python" -c "import vllm, torchrl_grpo" 2>/dev/null; then
