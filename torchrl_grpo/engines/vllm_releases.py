@@ -96,7 +96,8 @@ def choose_weight_transfer(asked: str, engine_devices: Sequence[str], trainer_de
                "on one GPU")
         fix = "or give the engine GPUs of its own (inference_model.devices)"
     elif not has_trainer_engines():
-        why = f"{found[0]} {found[1]} has no trainer-side NCCL engine (vLLM 0.32 and later have it)" if found else ""
+        release = " ".join(found) if found else "no vLLM installed"
+        why = f"{release}: no trainer-side NCCL engine (vLLM 0.32 and later have it)"
         fix = "or install vllm>=0.32"
     else:
         return "collective"

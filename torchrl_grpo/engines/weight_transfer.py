@@ -3,8 +3,8 @@
 ``update_weights`` / ``finish_weight_update``, driven from the trainer by a trainer-side engine (for a Ray
 rollout actor's engine, through a client whose push is one actor call: :mod:`torchrl_grpo.collect.actor_weights`).
 
-On GPUs the transport is vLLM's own NCCL engine. On CPUs it is :class:`GlooWeightTransferEngine`, ours, registered
-in vLLM's factories under ``gloo``: the trainer (rank 0) and the engine's workers form a gloo group of their own
+On GPUs the transport is vLLM's own NCCL engine (vLLM 0.32 and later: :mod:`~torchrl_grpo.engines.vllm_releases`).
+On CPUs it is :class:`GlooWeightTransferEngine`, ours, registered in vLLM's worker factory under ``gloo``: the trainer (rank 0) and the engine's workers form a gloo group of their own
 (a TCP store the trainer opens on a free port; nothing touches the default process group, which data-parallel
 ranks use), and the trainer broadcasts the weights a bucket at a time, cast to the engine's dtype on the way
 (:func:`~torchrl_grpo.engines.weight_stream.plan_buckets`); each worker copies a bucket's tensors out and loads
