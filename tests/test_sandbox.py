@@ -1,6 +1,8 @@
 """The code sandbox (torchrl_grpo/episodes/sandbox.py): each limit and refusal, measured in a real child process."""
 import os
 import pickle
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -131,6 +133,65 @@ def test_env_secrets_are_not_visible(monkeypatch):
     r = run_python("import os\nprint(sorted(os.environ))\nprint(os.environ.get('WANDB_API_KEY'))")
     assert r.status == "ok" and "secret" not in r.output and "API_KEY" not in r.output
     assert r.output.splitlines()[1] == "None"
+
+
+SECRET = "sk-test-5ecret-value-0123456789"
+
+
+@pytest.fixture
+def trainer_with_a_secret():
+    """A process of the run holding an API key in its environment, as the trainer, its ranks and Ray actors do."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                            env={"PATH": os.environ["PATH"], "WANDB_API_KEY": SECRET})
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+def test_no_other_process_is_readable(trainer_with_a_secret):
+    """/proc is out of the sandbox's reach (Landlock reads): neither another process's environ nor the list of
+    processes; so is the parent's."""
+    pid = trainer_with_a_secret.pid
+    for code in (f"print(open('/proc/{pid}/environ').read())", f"print(open('/proc/{pid}/cmdline').read())",
+                 "import os\nprint(open(f'/proc/{os.getppid()}/environ').read())", "import os\nprint(os.listdir('/proc'))",
+                 f"import os\nprint(os.readlink('/proc/{pid}/cwd'))"):
+        r = run_python(code)
+        assert r.status == "error" and SECRET not in r.output and "WANDB" not in r.output, (code, r.output)
+        assert "PermissionError" in r.output or "Permission denied" in r.output, (code, r.output)
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o644])
+def test_files_outside_the_folder_are_unreadable_whatever_their_mode(own_tmp, mode):
+    """The sandbox runs as the trainer's user (root here): file modes do not protect a token, a run directory or the
+    user's data. Landlock grants reads beneath its folder, the interpreter's installation and system libraries."""
+    run_dir = own_tmp / "outputs" / "run"
+    (run_dir / "checkpoints").mkdir(parents=True)
+    token = run_dir / "token"
+    token.write_text(SECRET)
+    token.chmod(mode)
+    (run_dir / "metrics.csv").write_text(f"step,reward\n1,{SECRET}\n")
+    for code in (f"print(open({str(token)!r}).read())", f"import os\nprint(os.listdir({str(run_dir)!r}))",
+                 f"print(open({str(run_dir / 'metrics.csv')!r}).read())", f"import os\nprint(os.listdir({str(own_tmp)!r}))",
+                 f"import os\nprint(os.listdir({os.path.expanduser('~')!r}))", "print(open('/etc/hostname').read())"):
+        r = run_python(code)
+        assert r.status == "error" and SECRET not in r.output and "Permission" in r.output, (code, r.output)
+
+
+def test_the_interpreter_the_libraries_and_the_folder_stay_readable():
+    code = ("import json, numpy, os, sys\nopen('data.txt', 'w').write('7')\nprint(open('data.txt').read(), "
+            "int(numpy.ones(3).sum()), json.dumps([1]), os.cpu_count() > 0, open('/dev/null').read() == '')")
+    r = run_python(code)
+    assert (r.status, r.output) == ("ok", "7 3 [1] True True\n")
+
+
+def test_the_readable_paths_hold_no_repository_or_home():
+    """An editable install puts the repository on sys.path (its outputs/, checkpoints, data): it is not readable."""
+    from torchrl_grpo.episodes.sandbox import readable_paths
+
+    paths = readable_paths()
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    assert repository not in paths and os.path.expanduser("~") not in paths and "/" not in paths
+    assert not any(p in ("/proc", "/etc", "/tmp", "/home", "/root", "/sys") for p in paths)
 
 
 @pytest.mark.parametrize("code, event", [("import subprocess\nsubprocess.run(['true'])", "subprocess.Popen"),

@@ -59,11 +59,12 @@ class SandboxResult:
 
 
 # The child's bootstrap (run as `python -c`): limits, namespace, Landlock, audit hook, then the code.
-# argv: folder, memory bytes, CPU seconds, file size bytes, open files, strict (0/1).
+# argv: folder, memory bytes, CPU seconds, file size bytes, open files, strict (0/1), then the paths it may read.
 _BOOT = r'''
 import os, sys, resource, traceback
 def _setup():
-    root, mem, cpu, fsize, nofile, strict = sys.argv[1], *map(int, sys.argv[2:])
+    root, (mem, cpu, fsize, nofile, strict) = sys.argv[1], map(int, sys.argv[2:7])
+    readable = [*sys.argv[7:], f"/proc/{os.getpid()}"]  # and its own /proc entry, none of another process
     for lim, soft, hard in ((resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_CPU, cpu, cpu + 1),
                             (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NOFILE, nofile, nofile),
                             (resource.RLIMIT_CORE, 0, 0)):
@@ -80,16 +81,21 @@ def _setup():
     if abi < 1:
         fail("Landlock (kernel >= 5.13 with landlock in its LSM list)")
     else:
-        fs = 0b1_1111_1111_0010 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)  # writes
+        read = 0b1101  # execute, read a file, read a directory
+        fs = read | 0b1_1111_1111_0010 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)  # + writes
         net = 0b11 if abi >= 4 else 0  # TCP bind, connect
         scoped = 0b11 if abi >= 6 else 0  # abstract unix sockets, signals
         attr = (ctypes.c_uint64 * 3)(fs, net, scoped)
         size = 24 if abi >= 6 else 16 if abi >= 4 else 8
         ruleset = libc.syscall(444, ctypes.byref(attr), size, 0)
-        beneath = ctypes.create_string_buffer(fs.to_bytes(8, "little") +
-                                              os.open(root, os.O_PATH).to_bytes(4, "little"), 12)
+        def allow(path, rights):  # landlock_add_rule(PATH_BENEATH): rights on path and everything below it
+            if not os.path.isdir(path):  # a file takes file rights only: execute, write, read, truncate
+                rights &= 0b111 | (1 << 14)
+            beneath = ctypes.create_string_buffer(rights.to_bytes(8, "little") +
+                                                  os.open(path, os.O_PATH).to_bytes(4, "little"), 12)
+            return libc.syscall(445, ruleset, 1, beneath, 0) == 0
         libc.prctl(38, 1, 0, 0, 0)  # PR_SET_NO_NEW_PRIVS
-        if (ruleset < 0 or libc.syscall(445, ruleset, 1, beneath, 0) != 0
+        if (ruleset < 0 or not allow(root, fs) or not all(allow(p, read) for p in readable)
                 or libc.syscall(446, ruleset, 0) != 0):
             fail("Landlock ruleset")
     refused = ("socket.", "os.system", "os.exec", "os.spawn", "os.posix_spawn", "os.fork", "os.forkpty",
@@ -143,7 +149,8 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_o
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": folder, "TMPDIR": folder, "LANG": "C.UTF-8",
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         argv = [sys.executable, "-I", "-u", "-B", "-X", "utf8", "-c", _BOOT, folder, str(memory_mb << 20),
-                str(_cpu_limit(timeout_s)), str(FILE_SIZE_LIMIT), str(OPEN_FILES_LIMIT), str(int(strict))]
+                str(_cpu_limit(timeout_s)), str(FILE_SIZE_LIMIT), str(OPEN_FILES_LIMIT), str(int(strict)),
+                *readable_paths()]
         proc = subprocess.Popen(argv, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         output, ending = _read_capped(proc, deadline, max_output_bytes + len(READY))
@@ -165,6 +172,23 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_o
     if note:
         text += ("" if not text or text.endswith("\n") else "\n") + f"[sandbox: {note}]"
     return SandboxResult(text, status, exit_code if ending == "eof" else None, time.monotonic() - start)
+
+
+# What every program needs to read besides the interpreter: shared libraries, the loader's cache, random bytes, the
+# CPU count (numpy's BLAS reads it); no other /etc, /proc, /sys, /home, /root, /tmp or run directory.
+SYSTEM_READABLE = ("/usr", "/lib", "/lib64", "/lib32", "/bin", "/etc/ld.so.cache", "/dev/null", "/dev/urandom",
+                   "/dev/random", "/dev/zero", "/proc/cpuinfo", "/sys/devices/system/cpu")
+
+
+def readable_paths() -> list[str]:
+    """The paths the sandboxed code may read (and execute) besides its folder: the interpreter's installation and
+    standard library (its prefixes), the site-packages it imports from, and :data:`SYSTEM_READABLE`. Not sys.path's
+    other entries: an editable install puts a repository (its runs, checkpoints, data) there."""
+    import site
+
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    packages = {p for p in site.getsitepackages() if os.path.isdir(p)}
+    return sorted({os.path.realpath(p) for p in (*prefixes, *packages, *SYSTEM_READABLE) if os.path.exists(p)})
 
 
 def _cpu_limit(timeout_s: float) -> int:
