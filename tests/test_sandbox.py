@@ -55,18 +55,70 @@ def _state(pid: int) -> str:
         return ""
 
 
+def _running(cmdline: str) -> list[int]:
+    """The live processes (zombies are dead) whose command line is ``cmdline``, as this machine's /proc sees them."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if f.read().replace(b"\0", b" ").decode().strip() == cmdline and _state(int(pid)) not in ("", "Z"):
+                    found.append(int(pid))
+        except OSError:
+            pass
+    return found
+
+
 def test_endless_loop_times_out_and_its_children_are_killed():
-    # a child started by reaching around the audit hook (it is defence in depth) still dies with the group
+    # a child started by reaching around the audit hook (it is defence in depth) still dies with the sandbox
     code = ("import subprocess, types\nsubprocess.sys = types.SimpleNamespace(audit=lambda *a: None)\n"
-            "print(subprocess.Popen(['sleep', '60']).pid, flush=True)\nwhile True:\n    pass\n")
+            "subprocess.Popen(['sleep', '61.25'])\nwhile True:\n    pass\n")
     start = time.monotonic()
     r = run_python(code, timeout_s=1.0)
     assert time.monotonic() - start < 2.0
     assert (r.status, r.exit_code) == ("timeout", None)
     assert r.output.endswith("[sandbox: timed out after 1 s (wall clock); killed]")
-    child = int(r.output.split()[0])
+    give_up = time.monotonic() + 2  # SIGKILLed with the call; gone a moment later
+    while _running("sleep 61.25") and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert _running("sleep 61.25") == []
+
+
+def test_a_process_that_leaves_the_session_dies_with_the_call():
+    """os.setsid is not audited: a child that starts a session of its own leaves the process group the sandbox
+    kills. It is in the call's PID namespace, which ends when the call does."""
+    code = ("import os, subprocess, types\nsubprocess.sys = types.SimpleNamespace(audit=lambda *a: None)\n"
+            "subprocess.Popen(['sleep', '62.5'], start_new_session=True)\nprint('started', os.getpid())\n")
+    r = run_python(code)
+    assert r.status == "ok" and r.output == "started 2\n"  # the code runs as pid 2 of its namespace
     time.sleep(0.1)
-    assert _state(child) in ("", "Z")
+    assert _running("sleep 62.5") == []
+
+
+def test_signals_to_the_trainer_are_refused(trainer_with_a_secret):
+    """Reaching around the audit hook to a `kill` program: Landlock's signal scope (ABI 6) and the PID namespace
+    (the trainer has no pid there) keep it alive."""
+    pid = trainer_with_a_secret.pid
+    code = ("import subprocess, types\nsubprocess.sys = types.SimpleNamespace(audit=lambda *a: None)\n"
+            f"print(subprocess.run(['kill', '-9', '{pid}'], capture_output=True).returncode)\n")
+    r = run_python(code)
+    assert r.status == "ok" and r.output.strip() != "0"
+    time.sleep(0.1)
+    assert trainer_with_a_secret.poll() is None
+
+
+def test_the_folder_holds_a_bounded_amount(own_tmp):
+    """Files of the largest size one at a time until the folder is full: a tmpfs of FOLDER_LIMIT bytes, in memory,
+    gone with the call; the disk under it is untouched."""
+    from torchrl_grpo.episodes.sandbox import FILE_SIZE_LIMIT, FOLDER_LIMIT
+
+    code = ("import os\nchunk = b'x' * (1 << 20)\ntry:\n    for i in range(1000):\n        with open(f'f{i}', 'wb') as f:\n"
+            "            for _ in range(16):\n                f.write(chunk)\nexcept OSError as e:\n"
+            "    print(i, e.errno, sum(os.path.getsize(n) for n in os.listdir('.')))\n")
+    r = run_python(code)
+    files, errno, written = r.output.split()
+    assert r.status == "ok" and errno == "28"  # ENOSPC
+    assert int(written) <= FOLDER_LIMIT and int(files) <= FOLDER_LIMIT // FILE_SIZE_LIMIT
+    assert list(own_tmp.iterdir()) == []  # the folder is removed, and nothing was written beneath the tmpfs
 
 
 def test_cpu_time_limit():
@@ -217,12 +269,21 @@ def test_many_calls_leave_no_process_or_folder(own_tmp):
     statuses = [run_python(code, timeout_s=timeout, max_output_bytes=1000).status for code, timeout in codes]
     assert statuses == ["ok", "error", "timeout", "output_truncated", "timeout"]
     assert list(own_tmp.iterdir()) == []
-    leftovers = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if str(own_tmp).encode() in f.read() and _state(int(pid)) not in ("", "Z"):
-                    leftovers.append(pid)
-        except OSError:
-            pass
-    assert leftovers == []
+
+    def leftovers():
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if str(own_tmp).encode() in f.read() and _state(int(pid)) not in ("", "Z"):
+                        found.append(pid)
+            except OSError:
+                pass
+        return found
+
+    # a killed call's processes (the bootstrap, its namespace's pid 1, the code) are SIGKILLed when it returns
+    # and gone a moment later
+    give_up = time.monotonic() + 2
+    while leftovers() and time.monotonic() < give_up:
+        time.sleep(0.05)
+    assert leftovers() == []

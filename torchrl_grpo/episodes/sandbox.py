@@ -1,35 +1,41 @@
 """Run model-written Python in a separate, limited process: the sandbox of a Python tool.
 
-`run_python(code)` starts a fresh `python -I` (not a fork of the trainer) in its own session, with its cwd a new
-temporary folder (removed afterwards) and an environment holding only PATH, HOME/TMPDIR (the folder) and the
-locale, so no API key or token of the parent is visible. It returns plain data (`SandboxResult`, picklable for
-Ray actors); a call that breaches a limit gets a status and a `[sandbox: ...]` line in its output, it never
-hangs the caller. The layers, measured on Linux 6.18 as root in a container (tests/test_sandbox.py):
+Model-written code is hostile input. `run_python(code)` starts a fresh `python -I` (not a fork of the trainer) in its
+own session, with its cwd a new temporary folder (removed afterwards) and an environment holding only PATH,
+HOME/TMPDIR (the folder) and the locale. It returns plain data (`SandboxResult`, picklable for Ray actors); a call
+that breaches a limit gets a status and a `[sandbox: ...]` line in its output, it never hangs the caller. The
+bootstrap forks twice: the code runs as pid 2 of a PID namespace of its own, whose pid 1 reaps it and reports how it
+ended. The layers, measured on Linux 6.18 as root in a container (tests/test_sandbox.py, as an attacker would):
 
 - wall clock: the parent reads with a deadline and SIGKILLs the whole process group on expiry;
 - rlimits, set in the child before the code runs (hard limits, so the code cannot raise them): RLIMIT_CPU
   (SIGXCPU at the wall clock limit rounded up + 1 s, SIGKILL a second later), RLIMIT_AS (an allocation past it
   is a MemoryError, the machine is untouched; it also bounds threads: 14 under 512 MB, measured), RLIMIT_FSIZE
   (a bigger file write is OSError EFBIG), RLIMIT_NOFILE, RLIMIT_CORE=0.
-  RLIMIT_NPROC is not used: the kernel exempts uid 0 from it (measured: root forks past a limit of 1, in a
-  network namespace too; it does hold for uid 65534) and for other users it counts every process and thread of
-  the user (trainer, Ray, vLLM), so no fixed value is both safe and meaningful;
+  RLIMIT_NPROC is not used: the kernel exempts uid 0 from it and for other users it counts every process and thread
+  of the user (trainer, Ray, vLLM); the PID namespace is what bounds the processes' lifetime;
 - output: at most `max_output_bytes` are kept; past that the process group is killed (a flood costs no memory);
-- network namespace (kernel): `unshare(CLONE_NEWNET)`, or with CLONE_NEWUSER where that needs no privilege:
-  no interface but a down loopback, so connect, bind and DNS fail whatever the code does;
-- Landlock (kernel >= 5.13): file creation, writing, removal and renaming are refused outside the temporary
-  folder, for the process and every child; ABI >= 4 also refuses TCP bind/connect, ABI >= 6 signals to
-  processes outside the sandbox;
+- namespaces (kernel; with CLONE_NEWUSER where they need privilege): network (no interface but a down loopback:
+  connect, bind and DNS fail whatever the code does); PID (no other process has a pid there, and when the code's
+  pid 1 ends, the kernel kills what is left: a child that leaves the process group with os.setsid, which is not
+  audited, dies with the call too); mount (the folder is a tmpfs of `FOLDER_LIMIT` bytes, in memory, gone with the
+  call: writing past it is ENOSPC, the disk is untouched);
+- Landlock (kernel >= 5.13), for the process and every child: reads and execution only beneath the folder, the
+  interpreter's prefixes and site-packages, the system's libraries and a few device and CPU files
+  (`readable_paths`), and its own /proc entry: no other process's environ (where the trainer's API keys are), no
+  token, run directory, home or data of the trainer's user, whatever the file modes (the code runs as the
+  trainer's user, root in many containers: no uid is dropped, since the interpreter may live under a home only its
+  user can read); file creation, writing, removal and renaming only in the folder; ABI >= 4 also refuses TCP
+  bind/connect, ABI >= 6 signals to processes outside the sandbox;
 - an audit hook (sys.addaudithook) installed just before the code: refuses sockets, DNS, subprocess, os.system,
   os.exec*/spawn*/fork, os.kill, ctypes library and symbol loading (importing ctypes stays allowed: numpy needs
   it), and writes or removals outside the folder, each with a clear error. It is defence in depth, not a
   boundary: Python code can reach around it (patching the modules it calls, as tests/test_sandbox.py does to
   start a child, `_posixsubprocess`, ctypes.memmove), so the kernel layers above are what hold.
 With `strict=True` (the default) a kernel layer that cannot be set up fails the call with RunError (never a
-silent fallback); `strict=False` runs with the layers that work. Not limited here: the number of files in the
-folder (disk use is bounded only by time x write speed) and processes started by reaching around the hook: they
-keep the namespace, Landlock and rlimits and are killed with the group, unless they call os.setsid (not audited)
-to leave it; a PID namespace or a pids cgroup would close that, and is not set up here.
+silent fallback); `strict=False` runs with the layers that work. Not limited: CPU time of processes started by
+reaching around the hook beyond their own RLIMIT_CPU (they die with the call), and reads of the system's libraries
+and the interpreter's installation (nothing of the run's is there).
 """
 import dataclasses
 import math
@@ -45,6 +51,7 @@ import time
 from torchrl_grpo.core.errors import RunError
 
 FILE_SIZE_LIMIT = 16 << 20  # bytes per file the code may write
+FOLDER_LIMIT = 64 << 20  # bytes the code may write in all (its folder: a tmpfs, in memory)
 OPEN_FILES_LIMIT = 256
 MEMORY_EXIT = 120  # the child's exit code for a MemoryError
 READY = b"\0"  # the child's first output byte once its layers are set up, before the code runs
@@ -59,12 +66,33 @@ class SandboxResult:
 
 
 # The child's bootstrap (run as `python -c`): limits, namespace, Landlock, audit hook, then the code.
-# argv: folder, memory bytes, CPU seconds, file size bytes, open files, strict (0/1), then the paths it may read.
+# argv: folder, memory bytes, CPU seconds, file size bytes, open files, strict (0/1), folder bytes, then the paths it
+# may read. The process that runs the code is the third: bootstrap -> pid 1 of its PID namespace -> the code.
 _BOOT = r'''
-import os, sys, resource, traceback
+import os, sys, resource, signal, traceback
+def _contain():
+    """Fork twice; return in the code's process, pid 2 of the new PID namespace (pid 1 ignores default-action
+    signals, such as RLIMIT_CPU's). Pid 1 reaps, reports the code's wait status, and ends, which kills whatever is
+    left in the namespace; the bootstrap then ends as the code did."""
+    r, w = os.pipe()
+    if (init := os.fork()) != 0:
+        os.close(w)
+        os.waitpid(init, 0)
+        status = int(os.read(r, 32) or b"256")
+        if os.WIFSIGNALED(status):
+            signal.signal(os.WTERMSIG(status), signal.SIG_DFL)
+            os.kill(os.getpid(), os.WTERMSIG(status))
+        os._exit(os.WEXITSTATUS(status))
+    os.close(r)
+    if (code := os.fork()) != 0:
+        while (ended := os.wait())[0] != code:
+            pass
+        os.write(w, str(ended[1]).encode())
+        os._exit(0)
+    os.close(w)
 def _setup():
-    root, (mem, cpu, fsize, nofile, strict) = sys.argv[1], map(int, sys.argv[2:7])
-    readable = [*sys.argv[7:], f"/proc/{os.getpid()}"]  # and its own /proc entry, none of another process
+    root, (mem, cpu, fsize, nofile, strict, disk) = sys.argv[1], map(int, sys.argv[2:8])
+    readable = sys.argv[8:]
     for lim, soft, hard in ((resource.RLIMIT_AS, mem, mem), (resource.RLIMIT_CPU, cpu, cpu + 1),
                             (resource.RLIMIT_FSIZE, fsize, fsize), (resource.RLIMIT_NOFILE, nofile, nofile),
                             (resource.RLIMIT_CORE, 0, 0)):
@@ -75,8 +103,24 @@ def _setup():
         if strict:
             sys.stderr.write(f"{layer}: {os.strerror(ctypes.get_errno())}\n")
             os._exit(1)
-    if libc.unshare(0x40000000) != 0 and libc.unshare(0x40000000 | 0x10000000) != 0:  # NEWNET (| NEWUSER)
-        fail("network namespace (unshare CLONE_NEWNET)")
+    source = open("snippet.py").read()
+    # namespaces: network (no interface up), PID (nothing it starts outlives it), mount (its folder a bounded tmpfs)
+    if libc.unshare(0x40000000 | 0x20000000 | 0x00020000) != 0:  # NEWNET | NEWPID | NEWNS
+        uid, gid = os.getuid(), os.getgid()
+        if libc.unshare(0x40000000 | 0x20000000 | 0x00020000 | 0x10000000) == 0:  # | NEWUSER: no privilege needed
+            for name, line in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{name}", "w") as f:
+                    f.write(line)
+        else:
+            fail("namespaces (unshare CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS)")
+    _contain()
+    if (libc.mount(None, b"/", None, 0x40000 | 0x4000, None) != 0  # MS_REC | MS_PRIVATE: nothing propagates out
+            or libc.mount(b"tmpfs", root.encode(), b"tmpfs", 0x2 | 0x4, f"size={disk},mode=700".encode()) != 0):
+        fail(f"a tmpfs of {disk >> 20} MiB on the folder (mount)")  # MS_NOSUID | MS_NODEV
+    os.chdir(root)
+    with open("snippet.py", "w") as f:
+        f.write(source)
+    readable.append(os.path.join("/proc", os.readlink("/proc/self")))  # its own /proc entry, no other process's
     abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(NULL, 0, VERSION)
     if abi < 1:
         fail("Landlock (kernel >= 5.13 with landlock in its LSM list)")
@@ -150,7 +194,7 @@ def run_python(code: str, *, timeout_s: float = 5.0, memory_mb: int = 512, max_o
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
         argv = [sys.executable, "-I", "-u", "-B", "-X", "utf8", "-c", _BOOT, folder, str(memory_mb << 20),
                 str(_cpu_limit(timeout_s)), str(FILE_SIZE_LIMIT), str(OPEN_FILES_LIMIT), str(int(strict)),
-                *readable_paths()]
+                str(FOLDER_LIMIT), *readable_paths()]
         proc = subprocess.Popen(argv, cwd=folder, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, start_new_session=True)
         output, ending = _read_capped(proc, deadline, max_output_bytes + len(READY))
