@@ -21,6 +21,7 @@ from torchrl_grpo.config import CONFIG_DIR
 from torchrl_grpo.config.command_line import checked_command_line
 from torchrl_grpo.core.console import quiet_libraries
 from torchrl_grpo.core.errors import exit_with_one_line
+from torchrl_grpo.core.secrets import mask_output
 
 DEFAULT_CONFIG = "grpo_gsm8k"
 
@@ -56,7 +57,12 @@ def _hydra_main(main: Callable[[DictConfig, Path], None], job: str) -> Callable[
 
     def task(cfg: DictConfig) -> None:
         quiet_libraries(cfg.logging.verbose is True)
-        main(cfg, Path(HydraConfig.get().runtime.output_dir))
+        run_dir = Path(HydraConfig.get().runtime.output_dir)
+        judge = cfg.get("env", {}).get("judge") or {}
+        masks = mask_output(names=[judge["api_key_env"]] if judge.get("api_key_env") else [])
+        for written in (run_dir / ".hydra").glob("*.yaml"):  # Hydra wrote them before the masks were on
+            masks.file(written)
+        main(cfg, run_dir)
 
     task.__module__ = task.__qualname__ = job  # Hydra names the job after its task function's module
 

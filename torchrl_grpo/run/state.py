@@ -23,6 +23,7 @@ from torchrl_grpo.config.settings import CheckpointSettings
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core import checkpoint
 from torchrl_grpo.core.errors import ConfigError, RunError
+from torchrl_grpo.core.secrets import masker
 
 
 class RunState:
@@ -64,7 +65,7 @@ class RunState:
         self.step = step
         state = {"step": step, **trainer.state_dict(), "sampler": data.state_dict(), "rng": checkpoint.rng_state(),
                  "engine_rng": engine.sampling_state() if engine is not None else None,
-                 "config": self.config}
+                 "config": masker().tree(self.config)}
         weights = sum(p.numel() * p.element_size() for p in trainer.policy.parameters())
         return checkpoint.save(self.directory, step, trainer, tokenizer, state, keep=self.keep, weights_bytes=weights)
 

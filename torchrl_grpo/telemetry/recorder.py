@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from torchrl_grpo.config.settings import LoggingSettings
 from torchrl_grpo.core.files import append_whole, write_replacing
+from torchrl_grpo.core.secrets import masker
 from torchrl_grpo.telemetry.trackers import start_trackers
 
 # (metric, or the first present of several; its label): shown when the step has it
@@ -138,6 +139,7 @@ class Telemetry:
         ``logging.samples_frequency``."""
         row = self.record(step, metrics)
         if self.samples_frequency and step % self.samples_frequency == 0:
+            samples = [masker().tree(sample) for sample in samples]  # a prompt or completion may hold a secret
             self.samples.write(step, samples)
             if self.wandb is not None and samples:
                 import wandb
