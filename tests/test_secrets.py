@@ -63,3 +63,22 @@ def test_a_secret_in_the_prompts_reaches_no_file_of_the_run(tmp_path):
     assert f"The key is {MASK}." in (run_dir / "samples.jsonl").read_text()  # the samples went through the mask
     assert f"Remember-{MASK}" in (run_dir / ".hydra" / "config.yaml").read_text()
     assert any((run_dir / "checkpoints").rglob("trainer_state.pt"))
+
+
+def test_a_secret_in_a_completion_or_a_tool_reply_reaches_no_sample_file(tmp_path, monkeypatch):
+    """What a policy prints or a tool replies goes to samples.jsonl (and the trackers' sample tables) through the
+    same mask; the console's sample line too."""
+    from helpers import cfg_with
+    from torchrl_grpo.config.settings import LoggingSettings
+    from torchrl_grpo.core import secrets
+    from torchrl_grpo.telemetry.recorder import Telemetry
+
+    monkeypatch.setattr(secrets.masker(), "secrets", [SECRET])
+    settings = LoggingSettings.from_config(cfg_with("logging.progress_bar=false", "logging.samples_frequency=1"))
+    sample = {"prompt": "What is the key?", "completion": f"The key is {SECRET}",
+              "turns": [{"role": "tool", "content": f"printed {SECRET}\n"}], "reward": 1.0}
+    with Telemetry(settings, {}, tmp_path, total_steps=1, start_step=0, resumed=False) as telemetry:
+        telemetry.log(1, {"reward": 1.0}, [sample])
+    written = (tmp_path / "samples.jsonl").read_text()
+    assert SECRET not in written and written.count(MASK) == 2
+    assert json.loads(written)["turns"][0]["content"] == f"printed {MASK}\n"
