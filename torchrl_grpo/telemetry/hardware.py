@@ -7,10 +7,9 @@ the tensors since the previous step. The engine's GPUs (``memory/inference/used_
 in use, all processes together: vLLM usually runs in a process of its own. A vLLM engine in this process on the
 train GPUs allocates through the same torch allocator: what it held once started (weights, KV cache) is taken off the
 trainer's figures, which then count the trainer's tensors and the engine's transient ones. Every figure of a role is
-summed over
-its GPUs (the layers of a model split over several). On every machine, the process's current and peak resident
-set (``memory/rss_gib``, ``memory/peak_rss_gib``): on a CPU, where the models live. These are allocator counters
-and OS figures: reading them waits for no GPU work.
+summed over its GPUs (the layers of a model split over several). On every machine, the process's current and peak
+resident set (``memory/rss_gib``, ``memory/peak_rss_gib``): on a CPU, where the models live. These are allocator
+counters and OS figures: reading them waits for no GPU work.
 """
 from __future__ import annotations
 
