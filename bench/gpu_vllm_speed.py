@@ -68,8 +68,8 @@ def bare(model: Path, prompts: int, n: int, max_tokens: int, gpu_memory_utilizat
         return sum(len(c.token_ids) for out in outputs for c in out.outputs)
 
     engine.llm.generate(requests[:2], params(), use_tqdm=False)  # warm-up
-    row = {"enforce_eager": enforce_eager, "engine_start_s": round(engine.start_s, 1), "prompts": prompts, "n": n, "max_tokens": max_tokens,
-           "prompt_tokens_mean": round(sum(map(len, ids)) / len(ids), 1)}
+    row = {"enforce_eager": enforce_eager, "engine_start_s": round(engine.start_s, 1), "prompts": prompts, "n": n,
+           "max_tokens": max_tokens, "prompt_tokens_mean": round(sum(map(len, ids)) / len(ids), 1)}
     out, seconds = timed(lambda: engine.llm.generate(requests, params(), use_tqdm=False))
     row["bare_tokens_per_s"] = round(tokens(out) / seconds)
     seeds = list(range(1000, 1000 + prompts))

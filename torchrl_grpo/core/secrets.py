@@ -22,8 +22,9 @@ MASK = "***"
 
 def secret_values(environ: Mapping[str, str] = os.environ, names: Iterable[str] = ()) -> list[str]:
     """The values to mask: those of the variables whose names say secret, and of ``names``, longest first."""
+    named = set(names)
     found = {value for name, value in environ.items()
-             if (SECRET_NAME.search(name) or name in set(names)) and len(value) >= MIN_LENGTH}
+             if (SECRET_NAME.search(name) or name in named) and len(value) >= MIN_LENGTH}
     return sorted(found, key=len, reverse=True)
 
 
