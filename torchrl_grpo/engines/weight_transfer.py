@@ -7,9 +7,9 @@ On GPUs the transport is vLLM's own NCCL engine (vLLM 0.32 and later: :mod:`~tor
 On CPUs it is :class:`GlooWeightTransferEngine`, ours, registered in vLLM's worker factory under ``gloo``: the
 trainer (rank 0) and the engine's workers form a gloo group of their own (a TCP store the trainer opens on a free
 port; nothing touches the default process group, which data-parallel ranks use), and the trainer broadcasts the
-weights a bucket at a time, cast to the engine's dtype on the way (:func:`~torchrl_grpo.engines.weight_stream.
-plan_buckets`); each worker copies a bucket's tensors out and loads them through vLLM's layer-wise reload, as
-``reload_weights`` does. Unlike the /dev/shm stream (:mod:`~torchrl_grpo.engines.weight_stream`) it needs no shared
+weights a bucket at a time, cast to the engine's dtype on the way
+(:func:`~torchrl_grpo.engines.weight_stream.plan_buckets`); each worker copies a bucket's tensors out and loads them
+through vLLM's layer-wise reload, as ``reload_weights`` does. Unlike the /dev/shm stream (:mod:`~torchrl_grpo.engines.weight_stream`) it needs no shared
 file system between the two sides.
 
 The worker side is attached after the engine starts (:func:`attach_in_worker`, through ``collective_rpc``), so no
