@@ -11,16 +11,18 @@ from helpers import (LOGPROB_TOL, SMALL, cfg_with, finite, metric_rows, needs_ra
                      run, run_async)
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.spec import resolve_run
+from torchrl_grpo.core.secrets import masker
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.factory import make_engine
 from torchrl_grpo.episodes.setup import build_episode_task
 from torchrl_grpo.episodes.trajectories import PromptSampler
-from torchrl_grpo.episodes.turn_envs import PythonTool, RetryFeedback, Turns, python_call
+from torchrl_grpo.episodes.turn_envs import PythonTool, Reply, RetryFeedback, Turns, python_call
 from torchrl_grpo.objective.loss import token_log_probs
 from torchrl_grpo.tasks import Reward, Task
 
 CALL = "```python\nprint(6 * 7)\n```"
+SECRET = "sk-leak-0123456789abcdef"
 
 
 class ScriptedPolicy:
@@ -96,6 +98,26 @@ def test_a_tool_call_episode_holds_the_sampled_and_inserted_ids_exactly(tokenize
     assert metrics["env_time"] > 0 and "<|im_start|>tool\n42" in texts[0]
     # turn 1: one request per prompt with n episodes; turn 2: one per episode
     assert policy.calls[:2] == [(2, 2), (4, 1)]
+
+
+class LeakyTool(RetryFeedback):
+    """A tool written carelessly: its reply holds the trainer's API key."""
+
+    def step(self, task, row, conversation):
+        return Reply([{"role": "tool", "content": f"OPENAI_API_KEY={SECRET}"}])
+
+
+def test_a_secret_in_a_tool_reply_never_reaches_the_model(tokenizer, monkeypatch):
+    """With the run's masks on, a tool's reply is masked before it joins the conversation: the tokens the model
+    reads next (and the batch, and the samples) hold *** in its place."""
+    monkeypatch.setattr(masker(), "secrets", [SECRET])
+    c = collector(tokenizer, ScriptedPolicy(tokenizer, [CALL, "#### 42"]), LeakyTool(), max_steps=2)
+    groups, stats = c.sample_groups()
+    batch, _, samples = c.collect(0, (groups, stats))
+    assert groups[0].episodes[0].conversation[-2] == {"role": "tool", "content": "OPENAI_API_KEY=***"}
+    ids = batch["tokens"][0][batch["attention_mask"][0]].tolist()
+    assert "OPENAI_API_KEY=***" in tokenizer.decode(ids) and SECRET not in tokenizer.decode(ids)
+    assert not any(SECRET in str(s) for s in samples)
 
 
 def test_episodes_end_at_max_steps_at_a_cut_turn_and_before_the_context_is_full(tokenizer):

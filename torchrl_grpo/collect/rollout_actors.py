@@ -38,6 +38,7 @@ from torchrl_grpo.config.settings import ActorSettings
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.console import quiet_libraries
 from torchrl_grpo.core.errors import ConfigError, one_line
+from torchrl_grpo.core.secrets import mask_output, secret_names
 from torchrl_grpo.engines.weight_check import Probe
 
 EXIT_GRACE_S = 5  # an actor asked to exit (after its collect in flight) is killed after this long
@@ -82,6 +83,7 @@ class RolloutActor:
         from torchrl_grpo.models.sources import resolve_model
 
         quiet_libraries(spec.logging.verbose, log_file)
+        mask_output(names=secret_names(spec.task))  # its console (which Ray forwards) and its tools' replies
         self.version = 0
         self.probe_scores = None  # the engine's weight sync probe log-probs at the last push
         trust = spec.model.trust_remote_code

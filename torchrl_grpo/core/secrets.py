@@ -1,8 +1,8 @@
 """Secrets kept out of what a run writes, as a last line of defence: the values of the environment variables whose
 names say key, token, secret or password (``WANDB_API_KEY``, ``HF_TOKEN``, the judge's ``api_key_env``, ...) are
 replaced by ``***`` in the console, ``grpo.log``, ``samples.jsonl``, the trackers' sample tables, the run's saved
-config and its checkpoints' config. A policy that learns to print a secret, or a prompt that holds one, leaks nothing
-to the files users share. The sandbox (:mod:`torchrl_grpo.episodes.sandbox`) is what keeps model-written code from
+config and its checkpoints' config, and in every tool's reply before the model reads it. A policy that learns to print
+a secret, or a prompt that holds one, leaks nothing to the files users share. The sandbox (:mod:`torchrl_grpo.episodes.sandbox`) is what keeps model-written code from
 reading them in the first place.
 """
 from __future__ import annotations
@@ -26,6 +26,12 @@ def secret_values(environ: Mapping[str, str] = os.environ, names: Iterable[str] 
     found = {value for name, value in environ.items()
              if (SECRET_NAME.search(name) or name in named) and len(value) >= MIN_LENGTH}
     return sorted(found, key=len, reverse=True)
+
+
+def secret_names(env: Mapping[str, Any]) -> list[str]:
+    """The variables a run's ``env`` section names as secret although their names may not say so: the judge's key."""
+    judge = env.get("judge") or {}
+    return [judge["api_key_env"]] if judge.get("api_key_env") else []
 
 
 class Masker:

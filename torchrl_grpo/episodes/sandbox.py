@@ -20,13 +20,17 @@ ended. The layers, measured on Linux 6.18 as root in a container (tests/test_san
   pid 1 ends, the kernel kills what is left: a child that leaves the process group with os.setsid, which is not
   audited, dies with the call too); mount (the folder is a tmpfs of `FOLDER_LIMIT` bytes, in memory, gone with the
   call: writing past it is ENOSPC, the disk is untouched);
+- an unprivileged uid, where the trainer runs as root (many containers): after the namespaces are set up the code
+  drops to uid and gid 65534 (nobody), no supplementary group and no capability, so file modes protect again and
+  no signal reaches a process of root's. The interpreter may live under a home only root can search (pyenv under
+  /root, mode 700): in the sandbox's mount namespace such a directory is a tmpfs holding only the readable paths,
+  bound back in (`_reachable`). A trainer that is not root runs the code as its own user in a user namespace;
 - Landlock (kernel >= 5.13), for the process and every child: reads and execution only beneath the folder, the
   interpreter's prefixes and site-packages, the system's libraries and a few device and CPU files
   (`readable_paths`), and its own /proc entry: no other process's environ (where the trainer's API keys are), no
-  token, run directory, home or data of the trainer's user, whatever the file modes (the code runs as the
-  trainer's user, root in many containers: no uid is dropped, since the interpreter may live under a home only its
-  user can read); file creation, writing, removal and renaming only in the folder; ABI >= 4 also refuses TCP
-  bind/connect, ABI >= 6 signals to processes outside the sandbox;
+  token, run directory, home or data of the trainer's user, whatever the file modes; file creation, writing,
+  removal and renaming only in the folder; ABI >= 4 also refuses TCP bind/connect, ABI >= 6 signals to processes
+  outside the sandbox;
 - an audit hook (sys.addaudithook) installed just before the code: refuses sockets, DNS, subprocess, os.system,
   os.exec*/spawn*/fork, os.kill, ctypes library and symbol loading (importing ctypes stays allowed: numpy needs
   it), and writes or removals outside the folder, each with a clear error. It is defence in depth, not a
@@ -65,7 +69,7 @@ class SandboxResult:
     seconds: float  # wall clock of the whole call
 
 
-# The child's bootstrap (run as `python -c`): limits, namespace, Landlock, audit hook, then the code.
+# The child's bootstrap (run as `python -c`): limits, namespaces, uid, Landlock, audit hook, then the code.
 # argv: folder, memory bytes, CPU seconds, file size bytes, open files, strict (0/1), folder bytes, then the paths it
 # may read. The process that runs the code is the third: bootstrap -> pid 1 of its PID namespace -> the code.
 _BOOT = r'''
@@ -90,6 +94,32 @@ def _contain():
         os.write(w, str(ended[1]).encode())
         os._exit(0)
     os.close(w)
+NOBODY = 65534
+def _reachable(libc, paths):
+    """Let uid NOBODY reach `paths`: over each directory it could not search above them (a home of mode 700 holding
+    the interpreter), mount a tmpfs of mode 755 with only those paths bound back in; the rest of it is gone."""
+    hidden = {}
+    for path in paths:
+        parts = path.split("/")
+        for i in range(2, len(parts)):
+            if not os.stat(above := "/".join(parts[:i])).st_mode & 0o001:
+                hidden.setdefault(above, []).append(path)
+                break
+    for above, inner in hidden.items():
+        inner = [p for p in inner if not any(p.startswith(q + "/") for q in inner)]
+        kept = [(p, os.open(p, os.O_PATH)) for p in inner]  # before the tmpfs hides them
+        if libc.mount(b"tmpfs", above.encode(), b"tmpfs", 0x2 | 0x4, b"size=1m,mode=755") != 0:
+            return False
+        for path, fd in kept:
+            if os.path.isdir(f"/proc/self/fd/{fd}"):
+                os.makedirs(path, 0o755, exist_ok=True)
+            else:
+                os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+                open(path, "a").close()
+            if libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, 0x1000 | 0x4000, None) != 0:
+                return False  # MS_BIND | MS_REC
+            os.close(fd)
+    return True
 def _setup():
     root, (mem, cpu, fsize, nofile, strict, disk) = sys.argv[1], map(int, sys.argv[2:8])
     readable = sys.argv[8:]
@@ -105,7 +135,8 @@ def _setup():
             os._exit(1)
     source = open("snippet.py").read()
     # namespaces: network (no interface up), PID (nothing it starts outlives it), mount (its folder a bounded tmpfs)
-    if libc.unshare(0x40000000 | 0x20000000 | 0x00020000) != 0:  # NEWNET | NEWPID | NEWNS
+    privileged = libc.unshare(0x40000000 | 0x20000000 | 0x00020000) == 0  # NEWNET | NEWPID | NEWNS
+    if not privileged:
         uid, gid = os.getuid(), os.getgid()
         if libc.unshare(0x40000000 | 0x20000000 | 0x00020000 | 0x10000000) == 0:  # | NEWUSER: no privilege needed
             for name, line in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
@@ -114,12 +145,21 @@ def _setup():
         else:
             fail("namespaces (unshare CLONE_NEWNET | CLONE_NEWPID | CLONE_NEWNS)")
     _contain()
+    drop = privileged and os.getuid() == 0  # root: the code runs as nobody
+    owner = f",uid={NOBODY},gid={NOBODY}" if drop else ""
     if (libc.mount(None, b"/", None, 0x40000 | 0x4000, None) != 0  # MS_REC | MS_PRIVATE: nothing propagates out
-            or libc.mount(b"tmpfs", root.encode(), b"tmpfs", 0x2 | 0x4, f"size={disk},mode=700".encode()) != 0):
+            or libc.mount(b"tmpfs", root.encode(), b"tmpfs", 0x2 | 0x4, f"size={disk},mode=700{owner}".encode())):
         fail(f"a tmpfs of {disk >> 20} MiB on the folder (mount)")  # MS_NOSUID | MS_NODEV
     os.chdir(root)
     with open("snippet.py", "w") as f:
         f.write(source)
+    if drop and not _reachable(libc, [*readable, root]):
+        fail(f"a view of the readable paths for uid {NOBODY} (mount)")
+    elif drop:
+        os.setgroups([])
+        os.setresgid(NOBODY, NOBODY, NOBODY)
+        os.setresuid(NOBODY, NOBODY, NOBODY)  # every capability goes with uid 0
+        libc.prctl(4, 1, 0, 0, 0)  # PR_SET_DUMPABLE: its own /proc entry stays readable to it
     readable.append(os.path.join("/proc", os.readlink("/proc/self")))  # its own /proc entry, no other process's
     abi = libc.syscall(444, None, 0, 1)  # landlock_create_ruleset(NULL, 0, VERSION)
     if abi < 1:

@@ -29,6 +29,7 @@ from torchrl.data.llm import History
 from torchrl.envs import Compose, EnvBase, Transform, TransformedEnv
 
 from torchrl_grpo.core.errors import ConfigError, import_target, one_line
+from torchrl_grpo.core.secrets import masker
 from torchrl_grpo.episodes.episode import inserted_ids
 from torchrl_grpo.episodes.trajectories import prompt_token_ids
 from torchrl_grpo.episodes.turn_envs import TurnEnv, Turns
@@ -103,7 +104,7 @@ class TaskEnv(EnvBase):
             for name, count in reply.counts.items():
                 counts[name] = counts.get(name, 0) + int(count)
             if not reply.done:
-                conversation += reply.messages
+                conversation += masker().tree(reply.messages)  # a tool that read a secret tells it no one
         out = TensorDict({"history": _chat_history(conversation), **_flags(done), "reward": torch.zeros(1, 1)},
                          batch_size=(1,))
         out["tokens", "prompt"] = torch.cat([td["tokens", "prompt"], td["tokens", "response"]], -1)

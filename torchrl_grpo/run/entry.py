@@ -21,7 +21,7 @@ from torchrl_grpo.config import CONFIG_DIR
 from torchrl_grpo.config.command_line import checked_command_line
 from torchrl_grpo.core.console import quiet_libraries
 from torchrl_grpo.core.errors import exit_with_one_line
-from torchrl_grpo.core.secrets import mask_output
+from torchrl_grpo.core.secrets import mask_output, secret_names
 
 DEFAULT_CONFIG = "grpo_gsm8k"
 
@@ -58,8 +58,7 @@ def _hydra_main(main: Callable[[DictConfig, Path], None], job: str) -> Callable[
     def task(cfg: DictConfig) -> None:
         quiet_libraries(cfg.logging.verbose is True)
         run_dir = Path(HydraConfig.get().runtime.output_dir)
-        judge = cfg.get("env", {}).get("judge") or {}
-        masks = mask_output(names=[judge["api_key_env"]] if judge.get("api_key_env") else [])
+        masks = mask_output(names=secret_names(cfg.get("env", {})))
         for written in (run_dir / ".hydra").glob("*.yaml"):  # Hydra wrote them before the masks were on
             masks.file(written)
         main(cfg, run_dir)
