@@ -6,10 +6,12 @@ synthetic batches of rows of ``--tokens`` tokens each (a 256-token prompt, the r
 every row moves the weights). A step is 128k tokens: micro-batches of 16k tokens (16k-token rows one at a time),
 8 of them accumulated into one optimizer step. No engine: generation at these lengths is not what is timed.
 Prints the median over the steps after the first of the trainer's own ``train_tokens_per_s``,
-``train_flops_per_s`` and ``mfu`` (:mod:`torchrl_grpo.models.flops`), and the peak device memory.
+``train_flops_per_s`` and ``mfu`` (:mod:`torchrl_grpo.models.flops`), the peak device memory and the peak resident
+set of the process over those steps (what a CPU run holds).
 
     python bench/train_throughput.py --shape qwen3-0.6b --tokens 2048 16384     # on a GPU
     python bench/train_throughput.py --shape tiny --tokens 64 --step-tokens 1024 --micro-tokens 256  # a CPU
+    python bench/train_throughput.py --shape tiny-151k --tokens 2048 --step-tokens 16384 --micro-tokens 4096 --steps 2
     python bench/train_throughput.py --json results.json ...                    # also write the rows
 """
 import argparse
@@ -34,6 +36,10 @@ SHAPES = {
     "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                                    num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                                    tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6)),
+    # the tiny model's layers with Qwen's vocabulary: the memory of the head and the log-softmax dominates
+    "tiny-151k": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, vocab_size=151936, tie_word_embeddings=True,
+                                max_position_embeddings=4096)),
     "tiny": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                            num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True,
                            max_position_embeddings=4096)),
@@ -92,6 +98,7 @@ def measure(shape: str, tokens: int, steps: int, overrides: list[str],
     vocab = trainer.policy.config.vocab_size
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(trainer.device)
+    reset_peak_rss()
     per_step = []
     for step in range(steps + 1):
         batch = synthetic_batch(rows, tokens, vocab, seed=step)
@@ -109,7 +116,22 @@ def measure(shape: str, tokens: int, steps: int, overrides: list[str],
             "weights": str(next(trainer.policy.parameters()).dtype).removeprefix("torch."),
             "steps_timed": len(timed), "train_tokens_per_s": median("train_tokens_per_s"),
             "train_flops_per_s": median("train_flops_per_s"), "mfu": median("mfu"), "peak_memory_gib": peak,
+            "peak_rss_gib": peak_rss_gib(),
             "loss_finite": all(m["loss"] == m["loss"] for m in per_step)}
+
+
+def reset_peak_rss() -> None:
+    """Start the process's peak resident set (VmHWM) again from its current size (Linux), so that each shape's
+    steps are measured apart from the model building and from the shapes before."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss_gib() -> float:
+    """The process's peak resident set since :func:`reset_peak_rss`: the CPU's memory in use, in GiB."""
+    with open("/proc/self/status") as f:
+        kib = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+    return kib / 2**20
 
 
 def main() -> None:
@@ -134,7 +156,8 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
-    print(f"\n{'shape':14s} {'tokens/row':>10s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>8s}")
+    print(f"\n{'shape':14s} {'tokens/row':>10s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>8s} "
+          f"{'peak RSS GiB':>12s}")
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:14s} {r['tokens_per_row']:10d} {r['error'][:60]}")
@@ -142,7 +165,7 @@ def main() -> None:
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         peak = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
         print(f"{r['shape']:14s} {r['tokens_per_row']:10d} {r['train_tokens_per_s']:10.0f} "
-              f"{r['train_flops_per_s'] / 1e12:8.2f} {mfu:>6s} {peak:>8s}")
+              f"{r['train_flops_per_s'] / 1e12:8.2f} {mfu:>6s} {peak:>8s} {r['peak_rss_gib']:12.2f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Data-parallel training (torchrl_grpo/parallel/ranks.py): two real gloo ranks with the policy (and the
 reference) sharded by FSDP2 take the same update as one process on the same batch and seed: losses, gradient
 norm and the updated weights (gathered by streaming, LoRA merged) within 1e-5 in float32, for every
-aggregation, with a reference model and with LoRA.
+aggregation, with a reference model and with LoRA, the head's log-probs in chunks of three tokens.
 
 One launch of two ranks runs every case (this file is also the ranks' program); each rank is a subprocess
 with its own time limit, and both are killed whatever happens. Then grpo.py as users run it with
@@ -30,6 +30,7 @@ from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.models.loading import load_policy, merged_weights
+from torchrl_grpo.objective import log_probs
 from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.objective.terms import AGGREGATIONS
 from torchrl_grpo.parallel.ranks import DataParallel, gathered, process_group, shard_model
@@ -182,9 +183,18 @@ def sample_case(model_path: str, parallel: DataParallel | None) -> dict:
     return out
 
 
+def three_token_chunks(model_path: str) -> int:
+    """``log_probs.CHUNK_BYTES`` for chunks of three tokens: each micro-batch's head and log-softmax run in several
+    chunks, recomputed in the backward, on the ranks as in one process."""
+    from transformers import AutoConfig
+
+    return 4 * 3 * AutoConfig.from_pretrained(model_path).vocab_size
+
+
 def main(rank: int, store: str, model_path: str, out: str) -> None:
     """A rank's program: every case, results saved by rank 0."""
     torch.set_num_threads(1)
+    log_probs.CHUNK_BYTES = three_token_chunks(model_path)
     with process_group(rank, WORLD, f"file://{store}", timeout_s=120) as parallel:
         results = {name: run_case(model_path, name, parallel, Path(out).parent / "ranks") for name in CASES}
         results["sampling"] = sample_case(model_path, parallel)
@@ -192,8 +202,9 @@ def main(rank: int, store: str, model_path: str, out: str) -> None:
         torch.save(results, out)
 
 
-def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path):
+def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path, monkeypatch):
     assert set(AGGREGATIONS) <= {case[0]["aggregation"] for case in CASES.values()}
+    monkeypatch.setattr(log_probs, "CHUNK_BYTES", three_token_chunks(tiny_model_path))
     out = tmp_path / "ranks.pt"
     env = {**os.environ, **SCRIPT_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}  # gloo
     started = time.perf_counter()

@@ -18,7 +18,7 @@ from torchrl_grpo.engines.factory import make_engine
 from torchrl_grpo.episodes.setup import build_episode_task
 from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.episodes.turn_envs import PythonTool, Reply, RetryFeedback, Turns, python_call
-from torchrl_grpo.objective.loss import token_log_probs
+from torchrl_grpo.objective.log_probs import token_log_probs
 from torchrl_grpo.tasks import Reward, Task
 
 CALL = "```python\nprint(6 * 7)\n```"

@@ -9,7 +9,8 @@ from tensordict import TensorDict
 from helpers import CONFIG_DIR, cfg_with
 from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.objective.loss import GRPOLoss, token_log_probs, total_loss
+from torchrl_grpo.objective.log_probs import token_log_probs
+from torchrl_grpo.objective.loss import GRPOLoss, total_loss
 from torchrl_grpo.objective.terms import (accumulation_weight, aggregate, clipped_surrogate, completion_mean,
                                           group_advantages, kl_estimate, loss_token_mask, off_policy_keep,
                                           geometric_mean_surrogate, mis_weights, overlong_buffer_tokens,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from torchrl_grpo.core.errors import RunError
-from torchrl_grpo.objective.loss import token_log_probs
+from torchrl_grpo.objective.log_probs import token_log_probs
 
 PROBE_TEXT = ("Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
               "How many clips did Natalia sell altogether in April and May? In May she sold 48 / 2 = 24 clips, "

@@ -8,72 +8,19 @@ whose key is set, so a new variant is a registered function, a preset line and a
 """
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from tensordict import TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
+from torchrl_grpo.objective.log_probs import token_log_probs
 from torchrl_grpo.objective.terms import (COMPLETION_LEVELS, KL_ESTIMATORS, MISMATCH_CORRECTIONS, MODIFIER_FLOORS,
                                           SURROGATE_MODIFIERS, SurrogateInputs, accumulation_weight, aggregate,
                                           kl_estimate, loss_token_mask, per_token, term, token_advantages)
 
 # the registered families that GRPOLoss takes by the name of their config key (loss.<family>)
 LOSS_CHOICES = ("aggregation", "kl_estimator", "importance_level", "overlong")
-
-
-def token_log_probs(model, tokens, attention_mask, temperature: float = 1.0, with_entropy: bool = False,
-                    wanted: torch.Tensor | None = None, entropy_grad: bool = False):
-    """Log-prob of each token given its prefix, under ``softmax(logits / temperature)``, as [N, L].
-
-    Only the ``wanted`` positions ([N, L] bool; default: all but the first, which has no prefix) are
-    computed, the rest are 0: the model's head and the log-softmax run on exactly those tokens (the
-    completions), never on prompt or padding positions, which would dominate both the cost and the memory
-    of short completions over a full vocabulary (:func:`head_only_at`). The temperature is the sampling
-    one, so that these log-probs and the engine's describe the same distribution. The per-position entropy
-    of that distribution too if asked, differentiable only if ``entropy_grad`` (otherwise it is a
-    diagnostic and must not cost a backward pass).
-    """
-    wanted = torch.ones_like(tokens, dtype=torch.bool) if wanted is None else wanted.to(tokens.device, torch.bool)
-    wanted = torch.cat([torch.zeros_like(wanted[:, :1]), wanted[:, 1:]], 1)
-    columns = wanted.any(0).nonzero()
-    start = int(columns.min()) if len(columns) else tokens.shape[1]
-    window = wanted[:, start:]  # position t's token is predicted from the hidden state at t - 1
-    with head_only_at(model, window):
-        logits = model(input_ids=tokens, attention_mask=attention_mask.long(),
-                       logits_to_keep=tokens.shape[1] - start + 1).logits[0].float()
-    if temperature != 1.0:
-        logits = logits / temperature
-    log_probs = F.log_softmax(logits, dim=-1)
-    # with the layers split over several GPUs the logits live on the last one: come back to the inputs'
-    taken = log_probs.gather(-1, tokens[:, start:][window].unsqueeze(-1).to(log_probs.device)).squeeze(-1)
-    zeros = torch.zeros(tokens.shape, dtype=taken.dtype, device=tokens.device)
-    taken = zeros.masked_scatter(wanted, taken.to(tokens.device))
-    if not with_entropy:
-        return taken, None
-    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-    return taken, zeros.masked_scatter(wanted, entropy.to(tokens.device))
-
-
-@contextlib.contextmanager
-def head_only_at(model, window: torch.Tensor):
-    """Within this block, ``model``'s output head (``get_output_embeddings()``) sees only the hidden states
-    of ``window`` ([N, K] bool over the last K + 1 positions kept by ``logits_to_keep``, the last dropped:
-    it predicts nothing), flattened to [1, n, hidden]: the logits come out as [1, n, vocab]. A hook on the
-    head rather than the decoder's hidden states, so that the head is called where the model calls it, with
-    whatever wraps the model (PEFT, FSDP2, layers split over devices) in place."""
-    def select(module, args):
-        hidden = args[0][:, :-1]
-        return (hidden[window.to(hidden.device)].unsqueeze(0), *args[1:])
-
-    handle = model.get_output_embeddings().register_forward_pre_hook(select)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 # the loss's diagnostics that are a maximum over the step's micro-batches (the others are means)
