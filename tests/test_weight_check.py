@@ -155,22 +155,69 @@ def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(
     assert (tmp_path / "checkpoints" / "step_000001" / "trainer_state.pt").is_file()
 
 
+class Recording(TransformersEngine):
+    """The transformers engine, recording the loop's calls to it."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls = []
+
+    def generate(self, *args, **kwargs):
+        self.calls.append("generate")
+        return super().generate(*args, **kwargs)
+
+    def push_weights(self, state_dict):
+        self.calls.append("push")
+        super().push_weights(state_dict)
+
+    def sleep(self):
+        self.calls.append("sleep")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "sync_iter_false"])
+def test_the_loop_lets_its_engine_sleep_from_its_last_generation_to_the_next_push(tiny_model_path, tokenizer,
+                                                                                 tmp_path, overlap):
+    """Each step: the engine generates the batch, sleeps while the trainer trains, then takes the push. With
+    train.sync_iter=false it generates the next batch meanwhile, and is never asked to sleep."""
+    cfg = cfg_with("model=tiny", "env.num_envs=2", "env.repeats=2", "train.optim_batch_size=4",
+                   "train.total_dialog_turns=8", "inference_model.max_tokens=4", "logging.progress_bar=false",
+                   "logging.checkpoint_frequency=0")
+    rows = datasets.Dataset.from_dict({"question": [f"Say some numbers, {i}." for i in range(4)], "answer": ["0"] * 4})
+    task = Task("length", rows, system_prompt=None, rewards=[Reward("length", lambda c, row: float(len(c)))])
+    policy = build_policy(cfg, tiny_model_path, ["cpu"], None, torch.float32)
+    trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), resolve_run(cfg).train,
+                      torch.device("cpu"), None)
+    engine = Recording(copy.deepcopy(policy), tokenizer, seed=0)
+    collector = Collector(task, tokenizer, engine, PromptSampler(len(rows), 0), resolve_run(cfg).collect)
+    run = Run(LocalSource(collector, EngineSync(trainer, engine), overlap=overlap), trainer,
+              RunState(resolve_run(cfg), tmp_path), resolve_run(cfg))
+    run_loop(run)
+    steps = "".join({"generate": "g", "sleep": "s", "push": "p"}[call] for call in engine.calls)
+    assert steps == ("gspgsp" if not overlap else "ggpp"), engine.calls
+
+
 def test_a_step_that_took_no_update_pushes_nothing():
     """The engine already has the weights of a step whose optimizer steps were all without signal (or skipped):
-    no push, no check, no push metrics; the next update is pushed again."""
+    no push, no check, no push metrics; the next update is pushed again, and so are the same weights to an engine
+    that dropped its own while it slept."""
     pushes = []
 
     class Counting:
         def push_weights(self, engine):
             pushes.append(engine)
 
-    trainer = Counting()
+    class Engine:
+        needs_weights = False
+
+    trainer, engine = Counting(), Engine()
     trainer.updates = 0
-    sync = EngineSync(trainer, "engine")
+    sync = EngineSync(trainer, engine)
     assert sync.push() == {} and pushes == []
     trainer.updates = 1
-    assert "weight_push_time" in sync.push() and pushes == ["engine"]
-    assert sync.push() == {} and pushes == ["engine"]
+    assert "weight_push_time" in sync.push() and pushes == [engine]
+    assert sync.push() == {} and pushes == [engine]
+    engine.needs_weights = True  # it slept at level 2: the same weights are pushed again
+    assert "weight_push_time" in sync.push() and pushes == [engine, engine]
 
 
 def test_actors_get_no_push_and_no_new_version_after_a_step_without_update():

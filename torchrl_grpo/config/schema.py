@@ -21,6 +21,7 @@ from torchrl_grpo.objective.terms import (AGGREGATIONS, IMPORTANCE_LEVELS, KL_ES
 
 ENGINE_PROCESSES = ("auto", "same", "own")  # inference_model.engine_process
 WEIGHT_TRANSFERS = ("auto", "collective", "shm")  # inference_model.weight_transfer
+SLEEP_LEVELS = ("auto", 0, 1, 2)  # inference_model.sleep
 ADVANTAGES = ("group", "gae")  # loss.advantage
 
 # kind -> (accepts(value), the default complaint)
@@ -114,6 +115,9 @@ class Train:
     total_dialog_turns: int = key("int>0", "completions over the whole run; steps = total / completions per step")
     dialog_turns_per_batch: int = key("int>0", "completions per step; null = env.num_envs x env.repeats", null=True)
     optim_batch_size: int = key("int>0", "completions per forward/backward micro-batch")
+    micro_batch_tokens: int = key("int>0", "packed micro-batches: each optimizer step's completions end to end, "
+                                  "no padding, at most this many tokens (prompts included) a micro-batch on each "
+                                  "rank, instead of train.optim_batch_size completions; null = off", null=True)
     gradient_accumulation_steps: int = key("int>0", "micro-batches per optimizer step; null = all of a step's",
                                            null=True)
     epochs: int = key("int>0", "passes over each collected batch (mu / num_iterations)")
@@ -175,6 +179,10 @@ class InferenceModel(Devices):
                                "weight-transfer API: NCCL on GPUs, gloo on CPUs; also to Ray rollout actors), shm (a "
                                "buffer in /dev/shm; Ray's object store for actors), auto (collective)",
                                choices=WEIGHT_TRANSFERS)
+    sleep: int | str = key("choice", "vLLM's sleep mode while the trainer trains: 1 (KV cache released, weights moved "
+                           "to the CPU), 2 (weights dropped too: the push replaces them), 0 (never); auto (2 where "
+                           "the engine shares a GPU with the trainer or the reference and idles while they train, "
+                           "else 0)", choices=SLEEP_LEVELS)
 
 
 @dataclass

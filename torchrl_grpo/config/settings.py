@@ -69,6 +69,7 @@ class EngineSettings:
     max_model_len: int              # inference_model.max_model_len
     engine_process: str             # inference_model.engine_process: same | own | auto
     weight_transfer: str            # inference_model.weight_transfer: auto | collective | shm
+    sleep: int | str                # inference_model.sleep: auto | 0 | 1 | 2 (a level once resolved)
     trust_remote_code: bool         # model.trust_remote_code
     prompts_per_step: int           # env.num_envs: with the two below, what a step's KV cache must hold
     completions_per_step: int       # env.num_envs x env.repeats
@@ -79,7 +80,7 @@ class EngineSettings:
         inference = cfg.inference_model
         return cls(backend=str(inference.backend), gpu_memory_utilization=float(inference.gpu_memory_utilization),
                    max_model_len=int(inference.max_model_len), engine_process=str(inference.engine_process),
-                   weight_transfer=str(inference.weight_transfer),
+                   weight_transfer=str(inference.weight_transfer), sleep=inference.sleep,
                    trust_remote_code=bool(cfg.model.trust_remote_code), prompts_per_step=plan.prompts_per_step,
                    completions_per_step=plan.completions_per_step, max_tokens=plan.max_tokens)
 
@@ -123,12 +124,14 @@ class TrainSettings:
     no_signal_patience: int = 0     # train.no_signal_patience: silent or collapsed steps in a row that warn
     min_ess: float = 0.5            # train.min_ess
     no_signal_stop: bool = False    # train.no_signal_stop: stop at that warning
+    micro_batch_tokens: int | None = None  # train.micro_batch_tokens: packed micro-batches of at most this many tokens
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan, precision: Precision) -> TrainSettings:
         clip = cfg.optimizer.clip_grad_norm
         return cls(
             group_size=plan.group_size, micro_batch=plan.micro_batch, accumulation=plan.accumulation,
+            micro_batch_tokens=None if cfg.train.micro_batch_tokens is None else int(cfg.train.micro_batch_tokens),
             epochs=plan.epochs, temperature=float(cfg.inference_model.temperature),
             recompute_old_log_probs=precision.trainer_old_log_probs,
             kl_in_reward_coeff=0.0 if cfg.train.kl_coef_in_loss else float(cfg.train.kl_to_ref_coeff),

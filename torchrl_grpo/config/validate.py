@@ -38,14 +38,20 @@ class BatchPlan:
     optimizer_steps_per_step: int
     total_steps: int
     max_tokens: int
+    micro_batch_tokens: int | None = None  # packed micro-batches of at most this many tokens (None: of micro_batch rows)
 
     def table(self) -> str:
+        cut = [("completions per micro-batch", f"{self.micro_batch}", "train.optim_batch_size"),
+               ("micro-batches per optimizer step", f"{self.accumulation}", "train.gradient_accumulation_steps")]
+        if self.micro_batch_tokens is not None:
+            cut = [("completions per optimizer step", f"{self.micro_batch * self.accumulation}",
+                    "train.optim_batch_size x train.gradient_accumulation_steps"),
+                   ("tokens per packed micro-batch", f"{self.micro_batch_tokens}", "train.micro_batch_tokens")]
         rows = [
             ("prompts per step", f"{self.prompts_per_step}", "env.num_envs"),
             ("completions per prompt (G)", f"{self.group_size}", "env.repeats"),
             ("completions per step", f"{self.completions_per_step}", "train.dialog_turns_per_batch"),
-            ("completions per micro-batch", f"{self.micro_batch}", "train.optim_batch_size"),
-            ("micro-batches per optimizer step", f"{self.accumulation}", "train.gradient_accumulation_steps"),
+            *cut,
             ("epochs over each step's data", f"{self.epochs}", "train.epochs"),
             ("optimizer steps per step", f"{self.optimizer_steps_per_step}", "derived"),
             ("max completion tokens per step",
@@ -112,6 +118,7 @@ def batch_plan(cfg: DictConfig) -> BatchPlan:
         optimizer_steps_per_step=epochs * micro_batches // accumulation,
         total_steps=math.ceil(total / per_step),
         max_tokens=_positive_int(cfg, "inference_model.max_tokens"),
+        micro_batch_tokens=_get(cfg, "train.micro_batch_tokens"),
     )
 
 
@@ -133,6 +140,23 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
         raise ConfigError(f"inference_model.engine_process=same with train.strategy={_get(cfg, 'train.strategy')} "
                           "(fsdp): in rank 0's process vLLM would take the ranks' process group and wait for them "
                           "forever; use auto or own")
+
+
+def check_packing(cfg: DictConfig) -> None:
+    """``train.micro_batch_tokens`` holds the longest row a step can have (``inference_model.max_model_len``), twice
+    over with data-parallel ranks, so that every rank has a share of every micro-batch
+    (:func:`~torchrl_grpo.training.packing.packed_micro_batches`)."""
+    tokens = _get(cfg, "train.micro_batch_tokens")
+    if tokens is None:
+        return
+    longest = _get(cfg, "inference_model.max_model_len")
+    ranks = _get(cfg, "train_model.num_devices") if train_strategy(cfg) == "fsdp" else 1
+    need = longest * (2 if ranks > 1 else 1)
+    if tokens < need:
+        over = f", twice over with {ranks} data-parallel ranks (each takes a share of every micro-batch)" if ranks > 1 else ""
+        raise ConfigError(f"train.micro_batch_tokens={tokens}: a packed micro-batch must hold the longest completion a "
+                          f"step can have, prompt included (inference_model.max_model_len={longest}){over}; set "
+                          f"train.micro_batch_tokens={need} or more")
 
 
 def _check_trackers(cfg: DictConfig) -> None:
@@ -198,6 +222,7 @@ def validate(cfg: DictConfig) -> BatchPlan:
             f"{max(1, plan.max_tokens // 5)})"
         )
     check_strategy(cfg, plan)
+    check_packing(cfg)
     samples, temperature = _get(cfg, "eval.samples"), _get(cfg, "eval.temperature")
     if samples > 1 and temperature == 0:
         raise ConfigError(f"eval.samples={samples} with eval.temperature=0: greedy decoding gives {samples} identical "

@@ -88,6 +88,12 @@ class Engine(Protocol):
         """Continue from a :meth:`sampling_state`."""
         ...
 
+    def sleep(self) -> None:
+        """While the trainer trains on the engine's GPU: release what the engine holds there until its next push
+        or generation (vLLM's sleep mode); most engines hold nothing to release."""
+
+    needs_weights = False  # whether the engine dropped its weights while asleep: push some before it samples
+
     def close(self) -> None:
         """Free what the engine holds."""
         ...

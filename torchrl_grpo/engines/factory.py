@@ -9,7 +9,7 @@ from torchrl_grpo.engines.base import Engine
 
 # vllm.LLM arguments the transformers backend ignores, so that one config can drive either backend.
 _VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "kv_cache_tokens", "engine_process",
-                     "weight_transfer")
+                     "weight_transfer", "sleep_level")
 
 
 def engine_options(settings: EngineSettings) -> dict:
@@ -17,7 +17,9 @@ def engine_options(settings: EngineSettings) -> dict:
     each rollout actor's); the caller adds its own dtype, device and seed."""
     return {"gpu_memory_utilization": settings.gpu_memory_utilization, "max_model_len": settings.max_model_len,
             "kv_cache_tokens": kv_cache_tokens(settings), "trust_remote_code": settings.trust_remote_code,
-            "engine_process": settings.engine_process, "weight_transfer": settings.weight_transfer}
+            "engine_process": settings.engine_process, "weight_transfer": settings.weight_transfer,
+            # resolved by the trainer's run (run.build.with_sleep); unresolved, no training shares the engine's GPU
+            "sleep_level": 0 if settings.sleep == "auto" else int(settings.sleep)}
 
 
 def kv_cache_tokens(settings: EngineSettings) -> int:
@@ -37,7 +39,7 @@ def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
     transformers: loads its own copy of ``model_path`` (``dtype`` default "float32", ``device`` default
     "cpu"), unless ``model=`` (e.g. the trainer's model object) and optionally ``tokenizer=`` are given;
     ``seed`` and ``trust_remote_code`` are honoured and vLLM-only arguments (gpu_memory_utilization, max_model_len,
-    enable_prefix_caching, kv_cache_tokens, engine_process, weight_transfer) are ignored.
+    enable_prefix_caching, kv_cache_tokens, engine_process, weight_transfer, sleep_level) are ignored.
     """
     # vLLM and transformers import in seconds: only the backend asked for
     if backend == "vllm":

@@ -21,6 +21,7 @@ from torchrl_grpo.core.console import child_process_quiet_env
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines import vllm_cpu_fixes, vllm_releases
 from torchrl_grpo.engines.base import Completion, Engine
+from torchrl_grpo.engines.sleep import Sleep
 from torchrl_grpo.engines.weight_stream import StreamedWeights, WeightStream, receive_weights
 
 log = logging.getLogger(__name__)
@@ -218,6 +219,9 @@ class VLLMEngine(Engine):
     Do not use ``engine_process=same`` on a GPU unless the engine should use the process's first visible GPU: an in-process engine cannot be moved
     by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
 
+    ``sleep_level`` (``inference_model.sleep`` resolved, GPUs only): vLLM's sleep mode at that level, for an engine
+    sharing its GPU with the trainer (:meth:`sleep`, :mod:`torchrl_grpo.engines.sleep`); 0: it never sleeps.
+
     Prefix caching is on (vLLM's own default): the G completions of a prompt share its full KV blocks (128
     tokens on CPU; a shorter prompt shares nothing) and a push resets the cache.
 
@@ -238,6 +242,7 @@ class VLLMEngine(Engine):
         trust_remote_code: bool = False,
         engine_process: str = "auto",
         weight_transfer: str = "auto",
+        sleep_level: int = 0,
         **llm_kwargs,
     ):
         self.model_path = str(model_path)
@@ -282,6 +287,8 @@ class VLLMEngine(Engine):
             kwargs["enforce_eager"] = True
         elif len(self.devices) > 1:
             kwargs["tensor_parallel_size"] = len(self.devices)
+        if sleep_level:
+            kwargs["enable_sleep_mode"] = True
         kwargs.update(llm_kwargs)
         t0 = time.perf_counter()
         on_gpus_here = self._in_process and not self._on_cpu
@@ -290,6 +297,7 @@ class VLLMEngine(Engine):
             self.llm = vllm.LLM(**kwargs)
         # what this engine holds through this process's torch allocator (telemetry takes it off the trainer's)
         self.cuda_bytes_in_process = {d: torch.cuda.memory_allocated(d) - n for d, n in before.items()}
+        self.sleeping = Sleep(self.llm, sleep_level)
         if self._in_process:
             _IN_PROCESS_ENGINES.add(id(self))
         else:
@@ -375,6 +383,7 @@ class VLLMEngine(Engine):
     ) -> list[Completion]:
         if self.llm is None:
             raise RuntimeError("VLLMEngine.generate after close()")
+        self.sleeping.for_generation()
         # detokenize=False: the text is decoded below in one piece (vLLM's incremental detokenizer
         # holds back a trailing incomplete UTF-8 sequence, so its text can differ from decode(ids))
         prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_token_ids]
@@ -399,6 +408,7 @@ class VLLMEngine(Engine):
         """Prompt log-probs of ``token_ids[1:]`` (one greedy token is generated: no sampling state is used)."""
         if self.llm is None:
             raise RuntimeError("VLLMEngine.score after close()")
+        self.sleeping.for_generation()
         ids = [int(t) for t in token_ids]
         params = self._sampling_params_cls(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
@@ -424,21 +434,32 @@ class VLLMEngine(Engine):
         kept = [(name, t) for name, t in specs if not (self.tied_embeddings and name == "lm_head.weight")]
         names = {name for name, _ in kept}
         tensors = ((name, t.detach()) for name, t in weights.items() if name in names)
-        if self.weight_transfer == "in place":
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
-        elif self.weight_transfer == "collective":
-            self._collective(kept).feed(tensors)
-            try:
-                self._transfer.send_weights()
-            except BaseException:  # the group may hold a broadcast that never ends: the next push forms a new one
-                self._close_transfer()
-                raise
-        else:
-            counts = self._stream().push(kept, lambda wire: self.llm.collective_rpc(receive_weights, args=(wire,)),
-                                         self.dtype, source=tensors)
-            if any(count != len(kept) for count in counts):
-                raise RuntimeError(f"weight push: the engine's workers loaded {counts} of {len(kept)} tensors")
+        with self.sleeping.for_push():
+            if self.weight_transfer == "in place":
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
+            elif self.weight_transfer == "collective":
+                self._collective(kept).feed(tensors)
+                try:
+                    self._transfer.send_weights()
+                except BaseException:  # the group may hold a broadcast that never ends: the next push forms one
+                    self._close_transfer()
+                    raise
+            else:
+                counts = self._stream().push(kept, lambda wire: self.llm.collective_rpc(receive_weights, args=(wire,)),
+                                             self.dtype, source=tensors)
+                if any(count != len(kept) for count in counts):
+                    raise RuntimeError(f"weight push: the engine's workers loaded {counts} of {len(kept)} tensors")
         self._loaded()
+
+    def sleep(self) -> None:
+        """While the trainer trains: with ``sleep_level`` (``inference_model.sleep``), release the GPU's memory
+        (:mod:`torchrl_grpo.engines.sleep`); the next push or generation wakes it."""
+        self.sleeping.sleep()
+
+    @property
+    def needs_weights(self) -> bool:
+        """Whether the engine dropped its weights (a level 2 sleep) and must be pushed some before it samples."""
+        return self.sleeping.weights_lost
 
     def join_weight_transfer(self, backend: str, init_info: dict) -> bool:
         """This engine's workers join a sender's weight-transfer group as its receivers (vLLM's

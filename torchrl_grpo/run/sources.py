@@ -78,6 +78,8 @@ class LocalSource:
         started = time.perf_counter()
         version, sampled = self.prefetch.next(more=step < self.total_steps) if self.prefetch else (step - 1, None)
         batch, metrics, samples = self.collector.collect(version, sampled)
+        if not self.overlap:  # the engine idles while this batch trains: it gives its GPU memory back meanwhile
+            self.collector.engine.sleep()
         return Delivery(batch, metrics, samples, version, started)
 
     def finish(self, step: int, delivery: Delivery, stopping: bool) -> dict:

@@ -33,6 +33,7 @@ from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, total_loss
 from torchrl_grpo.objective.terms import aggregate, group_advantages
 from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.no_signal import NoSignalWatch
+from torchrl_grpo.training.packing import packed_micro_batches
 from torchrl_grpo.training.recast import weights_recast_in_backward
 from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, gathered, load_optimizer, save_optimizer
 
@@ -133,22 +134,44 @@ class Trainer:
     def log_probs(self, model: torch.nn.Module, device: torch.device, batch) -> torch.Tensor:
         """Completion-token log-probs of ``batch`` under ``model`` (reference, or the policy before its
         update), in micro-batches; 0 outside completions. Data-parallel: each rank its share, then gathered."""
+        packed = self.settings.micro_batch_tokens is not None
         return self._per_row(lambda mb: token_log_probs(model, mb["tokens"], mb["attention_mask"],
-                                                        self.settings.temperature, wanted=mb["completion_mask"])[0],
+                                                        self.settings.temperature, wanted=mb["completion_mask"],
+                                                        packed=packed)[0],
                              device, batch)
 
     @torch.no_grad()
     def _per_row(self, compute, device: torch.device, batch) -> torch.Tensor:
-        """``compute(micro-batch)`` -> [n, l] per token over ``batch``, in micro-batches of similar lengths on
-        ``device``, as float32 [N, L] on the CPU. Data-parallel: each rank its share, then gathered."""
-        rows = batch if self.parallel is None else batch[self.parallel.share(len(batch))]
-        out = torch.zeros_like(rows["sample_log_probs"])
-        for idx in by_length(torch.arange(len(rows)), rows["attention_mask"]).split(self.settings.micro_batch):
-            mb = trim_padding(rows[idx]).to(device)
+        """``compute(micro-batch)`` -> [n, l] per token over ``batch``, in the training's micro-batches
+        (:meth:`_micro_batches`) on ``device``, as float32 [N, L] on the CPU. Data-parallel: each rank its shares,
+        then every rank's rows put together."""
+        out = torch.zeros_like(batch["sample_log_probs"])
+        for idx in self._micro_batches(torch.arange(len(batch)), batch["attention_mask"]):
+            mb = trim_padding(batch[idx]).to(device)
             with self._autocast(device):
                 values = compute(mb)
             out[idx, : values.shape[1]] = values.float().cpu()
-        return out if self.parallel is None else self.parallel.gather_shares(out)
+        return out if self.parallel is None else self.parallel.sum_rows(out)
+
+    @property
+    def _rows_per_micro_batch(self) -> int:
+        """What the rows trained are filled up to a multiple of: a micro-batch's rows, or with packing, a row per
+        rank (each takes part in every micro-batch)."""
+        if self.settings.micro_batch_tokens is None:
+            return self.settings.micro_batch
+        return 1 if self.parallel is None else self.parallel.world_size
+
+    def _micro_batches(self, rows: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's rows (batch indices) of each micro-batch over ``rows``: ``train.optim_batch_size`` rows of
+        similar lengths (data-parallel: this rank's share of them), or packed by ``train.micro_batch_tokens``
+        (:func:`~torchrl_grpo.training.packing.packed_micro_batches`). Every rank gets as many micro-batches."""
+        s, parallel = self.settings, self.parallel
+        if s.micro_batch_tokens is not None:
+            ranks, rank = (1, 0) if parallel is None else (parallel.world_size, parallel.rank)
+            plan = packed_micro_batches(rows, attention_mask[rows].sum(-1), s.micro_batch_tokens, ranks)
+            return [shares[rank] for shares in plan]
+        order = by_length(rows, attention_mask).split(s.micro_batch)
+        return list(order) if parallel is None else [idx[parallel.share(len(idx))] for idx in order]
 
     @collective
     def optimize(self, batch) -> dict:
@@ -184,11 +207,9 @@ class Trainer:
                 moving = (self.loss.moving_rows(batch[window]) if self.critic is None
                           else self.loss.token_mask(batch[window]).any(-1))
                 moves = bool(moving.any())
-                rows = rows_to_train(window, moving, s.micro_batch) if moves else window
+                rows = rows_to_train(window, moving, self._rows_per_micro_batch) if moves else window
                 trained_rows += len(rows) if moves else 0
-                order = by_length(rows, batch["attention_mask"]).split(s.micro_batch)
-                if parallel is not None:
-                    order = [idx[parallel.share(len(idx))] for idx in order]
+                order = self._micro_batches(rows, batch["attention_mask"])
                 micro = [trim_padding(batch[idx]).to(self.device) for idx in order]
                 weights = [self.loss.accumulation_weight(mb) for mb in micro]
                 total = self.loss.accumulation_weight(batch[window])  # every row of the window counts

@@ -53,8 +53,9 @@ class EngineSync(_Pushes):
 
     def push(self) -> dict:
         """Push, then check (before the next generation); the step's metrics. A step that took no update (every
-        optimizer step without signal, or skipped) left the weights as the engine has them: nothing to push."""
-        if not self.changed:
+        optimizer step without signal, or skipped) left the weights as the engine has them: nothing to push, unless
+        the engine dropped them while it slept."""
+        if not self.changed and not self.engine.needs_weights:
             return {}
         started = time.perf_counter()
         self.trainer.push_weights(self.engine)
