@@ -53,7 +53,12 @@ CASES = {
     "token_mean_bf16": ({"aggregation": "token_mean", "kl_to_ref_coeff": 0.1}, {"mixed_precision": True}),
     # actor-critic (loss=ppo): the critic sharded like the policy, its values, GAE, value loss and own optimizer
     "ppo_critic_kl_in_reward": ({"aggregation": "token_mean"}, {"critic": True, "kl_in_reward": 0.05}),
+    # train.micro_batch_tokens: each optimizer step's rows packed, each rank an equal share of every micro-batch
+    "sequence_mean_packed_kl_in_loss": ({"aggregation": "sequence_mean", "kl_to_ref_coeff": 0.1}, {"packed": 24}),
 }
+# packed micro-batches are cut per rank count (one of 24 tokens a rank over two ranks, two in one process): the
+# update is the same, the per-micro-batch loss averages are not
+PACKED_COMPARED = ("grad_norm", "reward", "advantage_abs_mean", "resumed/grad_norm")
 # bf16 rounds the ranks' weights (gathered in bf16) where one process's autocast keeps norms and embeddings in
 # float32 (measured: 3e-4 relative on the loss and gradient norm)
 BF16_TOLERANCE = 0.005
@@ -114,14 +119,15 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
     projection = policy.get_submodule("model.layers.0.self_attn.q_proj") if lora is None else None
     if projection is not None:
         projection.register_forward_pre_hook(lambda module, args: compute_dtypes.add(module.weight.dtype))
-    loss = GRPOLoss(policy, temperature=0.9, **loss_options)
+    packed = train_options.get("packed")
+    loss = GRPOLoss(policy, temperature=0.9, packed=packed is not None, **loss_options)
     # eps 1e-6, not 1e-8: Adam's first update is lr * g / (|g| + eps), which turns the float rounding of a
     # near-zero gradient element (the order of the sum over ranks) into up to lr/eps = 1e5 times as much weight
     optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
     settings = TrainSettings(group_size=GROUP, micro_batch=2, accumulation=2, epochs=2, temperature=0.9,
                              recompute_old_log_probs=True, kl_in_reward_coeff=train_options.get("kl_in_reward", 0.0),
                              reward_scale="group", clip_grad_norm=train_options.get("clip"), mixed_precision=mixed,
-                             max_nonfinite_updates=3, seed=0)
+                             max_nonfinite_updates=3, seed=0, micro_batch_tokens=packed)
     trainer = Trainer(policy, ref, loss, optimizer, settings, torch.device("cpu"), torch.device("cpu"), parallel,
                       critic=critic())
     batch = make_batch(policy.config.vocab_size)
@@ -226,7 +232,7 @@ def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path, m
         metrics, weights = run_case(tiny_model_path, name, None, tmp_path / "one")
         dp_metrics, dp_weights = results[name]
         bf16 = CASES[name][1].get("mixed_precision", False)
-        for key in COMPARED:
+        for key in PACKED_COMPARED if CASES[name][1].get("packed") else COMPARED:
             if key in metrics:
                 tolerance = (BF16_TOLERANCE if bf16 else 1e-5) * max(1.0, abs(metrics[key]))  # relative above 1
                 assert abs(dp_metrics[key] - metrics[key]) <= tolerance, (name, key, dp_metrics[key], metrics[key])

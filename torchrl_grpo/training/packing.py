@@ -1,5 +1,6 @@
 """Micro-batches by a token budget (``train.micro_batch_tokens``): the rows of an optimizer step packed end to end
-into as few micro-batches as fit, each holding at most the budget's tokens on each data-parallel rank.
+into as few micro-batches as fit, each holding at most the budget's tokens on each data-parallel rank, with equal
+token loads.
 
 The update does not depend on how a step's rows are cut: each micro-batch's loss is weighted by its share of the
 step's aggregation (:meth:`~torchrl_grpo.objective.loss.GRPOLoss.accumulation_weight`), so only the float rounding
@@ -18,46 +19,47 @@ def packed_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int,
     """``rows`` (batch indices; ``lengths``, their token counts) as micro-batches, each a share per rank:
     ``plan[m][r]`` holds the rows rank ``r`` trains in micro-batch ``m``, at most ``budget`` tokens, shortest first.
 
-    First fit decreasing: the longest row first, each into the least loaded share of the first micro-batch with
-    room, so that ranks carry equal token loads. Every share holds a row (a rank's forward takes part in its
-    micro-batch's collectives): an empty one takes the shortest row of a share holding several, which a budget of
-    at least twice the longest row always finds (``config/validate.py`` asks that much of data-parallel runs).
+    The fewest micro-batches the tokens need, then more only if the rows do not fit them: the longest row first,
+    each into the least loaded of the micro-batches' shares (longest processing time first), so that every share,
+    hence every rank in every micro-batch, carries about the same tokens. Every share holds a row (a rank's forward
+    takes part in its micro-batch's collectives): an empty one takes the shortest row of a share holding several.
     Every rank computes the same plan from the same rows."""
-    order = torch.sort(lengths, descending=True, stable=True).indices
-    if len(order) and int(lengths[order[0]]) > budget:
-        raise RunError(f"a completion of {int(lengths[order[0]])} tokens (prompt included) is longer than "
+    order = torch.sort(lengths, descending=True, stable=True).indices.tolist()
+    sizes = [int(n) for n in lengths]
+    if order and sizes[order[0]] > budget:
+        raise RunError(f"a completion of {sizes[order[0]]} tokens (prompt included) is longer than "
                        f"train.micro_batch_tokens={budget}: raise it to at least inference_model.max_model_len")
-    shares: list[list[list[int]]] = []  # micro-batch -> rank -> positions in rows
-    loads: list[list[int]] = []
-    for i in order.tolist():
-        size = int(lengths[i])
-        for m, load in enumerate(loads):
-            r = min(range(ranks), key=load.__getitem__)
-            if load[r] + size <= budget:
-                break
-        else:
-            shares.append([[] for _ in range(ranks)])
-            loads.append([0] * ranks)
-            m, r = len(loads) - 1, 0
-        shares[m][r].append(i)
-        loads[m][r] += size
-    _fill_empty_shares(shares, lengths)
-    return [[rows[torch.tensor(sorted(share, key=lambda i: (int(lengths[i]), i)), dtype=torch.long)]
-             for share in micro] for micro in shares]
+    count = max(1, -(-sum(sizes) // (budget * ranks)))
+    while (shares := _longest_first(order, sizes, budget, count * ranks)) is None:
+        count += 1
+    _fill_empty_shares(shares, sizes)
+    plan = [shares[m * ranks:(m + 1) * ranks] for m in range(count)]
+    return [[rows[torch.tensor(sorted(share, key=lambda i: (sizes[i], i)), dtype=torch.long)] for share in micro]
+            for micro in plan]
 
 
-def _fill_empty_shares(shares: list[list[list[int]]], lengths: torch.Tensor) -> None:
-    """Give each empty share the shortest row of a share holding several (its own micro-batch's first)."""
-    for micro in shares:
-        for share in micro:
-            if share:
-                continue
-            donors = [s for s in micro if len(s) > 1] or [s for m in shares for s in m if len(s) > 1]
-            if not donors:
-                raise RunError(f"{sum(len(s) for m in shares for s in m)} completions cannot give each of "
-                               f"{len(micro)} data-parallel ranks a share of every micro-batch: raise "
-                               "train.micro_batch_tokens")
-            donor = max(donors, key=len)
-            shortest = min(donor, key=lambda i: int(lengths[i]))
-            donor.remove(shortest)
-            share.append(shortest)
+def _longest_first(order: list[int], sizes: list[int], budget: int, bins: int) -> list[list[int]] | None:
+    """Rows (``order``: longest first) each into the least loaded of ``bins`` shares; None if one does not fit."""
+    shares: list[list[int]] = [[] for _ in range(bins)]
+    loads = [0] * bins
+    for i in order:
+        b = min(range(bins), key=loads.__getitem__)
+        if loads[b] + sizes[i] > budget:
+            return None
+        shares[b].append(i)
+        loads[b] += sizes[i]
+    return shares
+
+
+def _fill_empty_shares(shares: list[list[int]], sizes: list[int]) -> None:
+    """Give each empty share the shortest row of the share holding the most rows."""
+    for share in shares:
+        if share:
+            continue
+        donor = max(shares, key=len)
+        if len(donor) < 2:
+            raise RunError(f"{sum(map(len, shares))} completions cannot give a share of every micro-batch to each "
+                           "data-parallel rank: raise train.micro_batch_tokens")
+        shortest = min(donor, key=sizes.__getitem__)
+        donor.remove(shortest)
+        share.append(shortest)

@@ -1,0 +1,179 @@
+"""Packed micro-batches (train.micro_batch_tokens; torchrl_grpo/training/packing.py and the packed forward of
+torchrl_grpo/objective/log_probs.py): the plan's budget, shares and errors; packed log-probs equal to the padded ones
+on the real tiny model in float64 (values and gradients, multi-turn rows with inserted tokens, LoRA); the update of
+a packed step equal to the padded step's for every aggregation; and a model that lets packed rows see each other
+refused in one line."""
+import dataclasses
+
+import pytest
+import torch
+from tensordict import TensorDict
+
+from helpers import LORA, cfg_with
+from torchrl_grpo.config.settings import TrainSettings
+from torchrl_grpo.config.validate import validate
+from torchrl_grpo.core.errors import ConfigError, RunError
+from torchrl_grpo.models.loading import load_policy
+from torchrl_grpo.objective.log_probs import packing_gap, token_log_probs
+from torchrl_grpo.objective.loss import GRPOLoss
+from torchrl_grpo.training.packing import packed_micro_batches
+from torchrl_grpo.training.trainer import Trainer
+
+
+def test_a_plan_holds_every_row_once_within_the_budget_longest_first():
+    lengths = torch.tensor([5, 9, 3, 7, 2, 8, 4, 6])
+    rows = torch.arange(100, 108)
+    plan = packed_micro_batches(rows, lengths, budget=12)
+    assert sorted(int(r) for micro in plan for share in micro for r in share) == list(range(100, 108))
+    loads = [int(lengths[share - 100].sum()) for micro in plan for share in micro]
+    assert max(loads) <= 12 and sum(loads) == 44
+    assert len(plan) == 4 and loads == [11, 11, 11, 11]  # 44 tokens by 12: 4 is the fewest, equally loaded
+    assert [[int(r) - 100 for r in micro[0]] for micro in plan] == [[4, 1], [2, 5], [6, 3], [0, 7]]  # shortest first
+    again = packed_micro_batches(rows, lengths, budget=12)  # every rank plans alike
+    assert [[s.tolist() for s in micro] for micro in plan] == [[s.tolist() for s in micro] for micro in again]
+
+
+def test_ranks_get_equal_token_loads_and_a_share_of_every_micro_batch():
+    lengths = torch.tensor([30, 28, 25, 20, 18, 10, 9, 4, 3, 1])
+    plan = packed_micro_batches(torch.arange(10), lengths, budget=60, ranks=2)
+    assert all(len(micro) == 2 and all(len(share) for share in micro) for micro in plan)
+    loads = [[int(lengths[share].sum()) for share in micro] for micro in plan]
+    assert loads == [[37, 37], [36, 38]]  # 148 tokens: two micro-batches of 60 per rank, every share 36-38
+    assert sorted(int(r) for micro in plan for share in micro for r in share) == list(range(10))
+    # two rows for two ranks where one would fit the budget: each rank gets one
+    plan = packed_micro_batches(torch.arange(2), torch.tensor([3, 2]), budget=20, ranks=2)
+    assert [[share.tolist() for share in micro] for micro in plan] == [[[0], [1]]]
+    with pytest.raises(RunError, match="cannot give a share of every micro-batch to each data-parallel rank"):
+        packed_micro_batches(torch.arange(1), torch.tensor([3]), budget=20, ranks=2)
+
+
+def test_a_row_longer_than_the_budget_is_an_error_not_a_truncation():
+    with pytest.raises(RunError, match=r"a completion of 13 tokens .* longer than train.micro_batch_tokens=12"):
+        packed_micro_batches(torch.arange(2), torch.tensor([5, 13]), budget=12)
+
+
+def test_the_budget_must_hold_the_longest_row_twice_over_with_ranks():
+    validate(cfg_with("inference_model.max_model_len=512", "train.micro_batch_tokens=512"))
+    for extra, need in (([], 512), (["train_model.num_devices=2", "train.strategy=fsdp"], 1024)):
+        with pytest.raises(ConfigError) as error:
+            validate(cfg_with("inference_model.max_model_len=512", f"train.micro_batch_tokens={need - 1}", *extra))
+        message = str(error.value)
+        assert "\n" not in message and message.endswith(f"set train.micro_batch_tokens={need} or more")
+
+
+def multi_turn_batch(vocab: int, seed: int = 0, rows: int = 6) -> TensorDict:
+    """Right-padded rows of mixed lengths; each completion has a hole (a tool's inserted tokens, not trained)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [(4, 9), (2, 5), (6, 12), (3, 3), (5, 7), (2, 10)][:rows]
+    width = max(p + c for p, c in lengths) + 2
+    tokens = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention = torch.zeros_like(tokens, dtype=torch.bool)
+    completion = torch.zeros_like(attention)
+    for i, (p, c) in enumerate(lengths):
+        tokens[i, : p + c] = torch.randint(1, vocab, (p + c,), generator=g)
+        attention[i, : p + c] = True
+        completion[i, p: p + c] = True
+        if c > 4:
+            completion[i, p + 2: p + 4] = False  # inserted tokens between two turns
+    sample = torch.where(completion, -3 * torch.rand(tokens.shape, generator=g), 0.0)
+    return TensorDict({"tokens": tokens, "attention_mask": attention, "completion_mask": completion,
+                       "sample_log_probs": sample, "reward": torch.rand(len(lengths), generator=g),
+                       "truncated": torch.zeros(len(lengths), dtype=torch.bool)}, batch_size=[len(lengths)])
+
+
+@pytest.mark.parametrize("lora", [None, LORA], ids=["plain", "lora"])
+def test_packed_log_probs_and_gradients_are_the_padded_ones(tiny_model_path, lora):
+    torch.manual_seed(0)
+    model = load_policy(tiny_model_path, dtype=torch.float64, device="cpu", lora=lora)
+    batch = multi_turn_batch(model.config.vocab_size)
+    results = []
+    for packed in (False, True):
+        got, entropy = token_log_probs(model, batch["tokens"], batch["attention_mask"], 0.8, with_entropy=True,
+                                       wanted=batch["completion_mask"], entropy_grad=True, packed=packed)
+        weights = torch.linspace(-1, 1, got.numel(), dtype=torch.float64).view_as(got)
+        (got * weights + entropy).sum().backward()
+        results.append((got, entropy, {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}))
+        model.zero_grad()
+    (padded, padded_entropy, padded_grads), (packed, packed_entropy, packed_grads) = results
+    assert torch.allclose(packed, padded, atol=1e-12, rtol=0) and torch.allclose(packed_entropy, padded_entropy,
+                                                                                    atol=1e-12, rtol=0)
+    assert (packed[~batch["completion_mask"]] == 0).all()
+    for name, grad in padded_grads.items():
+        assert torch.allclose(packed_grads[name], grad, atol=1e-12, rtol=1e-9), name
+
+
+def one_step(model_path: str, loss_options: dict, tokens: int | None, parallel=None) -> tuple[dict, dict]:
+    """A step of two optimizer steps over a float64 tiny policy: padded micro-batches of 2 rows, or packed ones of
+    ``tokens``; the metrics and the updated weights."""
+    policy = load_policy(model_path, dtype=torch.float64, device="cpu")
+    loss = GRPOLoss(policy, temperature=0.9, packed=tokens is not None, **loss_options)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
+    settings = TrainSettings(group_size=3, micro_batch=2, accumulation=2, epochs=1, temperature=0.9,
+                             recompute_old_log_probs=True, kl_in_reward_coeff=0.0, reward_scale="group",
+                             clip_grad_norm=None, mixed_precision=False, max_nonfinite_updates=3, seed=0,
+                             micro_batch_tokens=tokens)
+    trainer = Trainer(policy, None, loss, optimizer, settings, torch.device("cpu"), None, parallel)
+    batch = multi_turn_batch(policy.config.vocab_size, seed=1)
+    metrics = trainer.prepare(batch)
+    metrics.update(trainer.optimize(batch))
+    return metrics, {n: p.detach().clone() for n, p in policy.named_parameters()}
+
+
+@pytest.mark.parametrize("loss_options", [
+    {"aggregation": "token_mean"},
+    {"aggregation": "sequence_mean"},
+    {"aggregation": "constant_sum", "aggregation_constant": 16.0},
+    {"aggregation": "sequence_mean", "importance_level": "sequence"},  # GSPO's sequence ratio
+], ids=["token_mean", "sequence_mean", "constant_sum", "gspo"])
+def test_a_packed_step_takes_the_padded_steps_update(tiny_model_path, loss_options):
+    """Each optimizer step's four rows, two at a time padded or packed by 20 tokens (one to three rows each): the
+    weights after the step agree to the rounding of the loss, which every run computes in float32 (measured: 6e-8
+    where the step moved a weight by 0.57); a count that differed would be off by tens of percent."""
+    padded, padded_weights = one_step(tiny_model_path, loss_options, None)
+    packed, packed_weights = one_step(tiny_model_path, loss_options, 20)
+    moved = max((padded_weights[k] - w).abs().max().item()
+                for k, w in load_policy(tiny_model_path, dtype=torch.float64, device="cpu").named_parameters())
+    gap = max((packed_weights[k] - w).abs().max().item() for k, w in padded_weights.items())
+    assert moved > 1e-2 and gap < 1e-6 * moved, (moved, gap)
+    assert packed["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-6)
+
+
+def test_a_model_whose_rows_see_each_other_when_packed_is_refused(tiny_model_path, monkeypatch):
+    """The check runs the policy as it is: on the tiny Qwen2 a row packed after another does not move (gap 0);
+    with transformers' packed-sequence detection switched off it sees the row before it, and the run is refused."""
+    import transformers.masking_utils
+
+    from torchrl_grpo.run.build import check_packing_keeps_rows_apart
+
+    policy = load_policy(tiny_model_path, dtype=torch.bfloat16, device="cpu", trainable=False)
+    assert packing_gap(policy) == 0
+    check_packing_keeps_rows_apart(policy)
+    monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+    assert packing_gap(policy) > 0.1
+    with pytest.raises(ConfigError) as error:
+        check_packing_keeps_rows_apart(policy)
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("train.micro_batch_tokens: Qwen2ForCausalLM lets packed rows")
+    assert message.endswith("set train.micro_batch_tokens=null")
+
+
+def test_settings_carry_the_budget():
+    cfg = cfg_with("train.micro_batch_tokens=2048", "inference_model.max_model_len=1024")
+    from torchrl_grpo.config.spec import resolve_run
+
+    spec = resolve_run(cfg)
+    assert spec.train.micro_batch_tokens == 2048 and "tokens per packed micro-batch" in spec.plan.table()
+    assert dataclasses.replace(spec.train, micro_batch_tokens=None).micro_batch_tokens is None
+
+
+def test_grpo_py_trains_packed_micro_batches(tmp_path):
+    """grpo.py as users start it, with the transformers engine: the batch plan says so and two steps train."""
+    from helpers import SMALL, finite, metric_rows, run
+
+    run_dir = tmp_path / "run"
+    done = run([*SMALL, "inference_model.backend=transformers", "inference_model.max_model_len=256",
+                "train.micro_batch_tokens=512", "train.total_dialog_turns=16", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "tokens per packed micro-batch" in done.stdout and "512" in done.stdout
+    logged = metric_rows(run_dir)
+    assert len(logged) == 2 and all(finite(r["loss"]) and finite(r["grad_norm"]) for r in logged)
