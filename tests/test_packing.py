@@ -172,7 +172,8 @@ def test_grpo_py_trains_packed_micro_batches(tmp_path):
 
     run_dir = tmp_path / "run"
     done = run([*SMALL, "inference_model.backend=transformers", "inference_model.max_model_len=256",
-                "train.micro_batch_tokens=512", "train.total_dialog_turns=16", f"hydra.run.dir={run_dir}"], cwd=tmp_path)
+                "train.micro_batch_tokens=512", "train.total_dialog_turns=16", f"hydra.run.dir={run_dir}"],
+               cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "tokens per packed micro-batch" in done.stdout and "512" in done.stdout
     logged = metric_rows(run_dir)

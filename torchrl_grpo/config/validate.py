@@ -38,7 +38,7 @@ class BatchPlan:
     optimizer_steps_per_step: int
     total_steps: int
     max_tokens: int
-    micro_batch_tokens: int | None = None  # packed micro-batches of at most this many tokens (None: of micro_batch rows)
+    micro_batch_tokens: int | None = None  # packed micro-batches of at most this many tokens (None: micro_batch rows)
 
     def table(self) -> str:
         cut = [("completions per micro-batch", f"{self.micro_batch}", "train.optim_batch_size"),
@@ -153,7 +153,8 @@ def check_packing(cfg: DictConfig) -> None:
     ranks = _get(cfg, "train_model.num_devices") if train_strategy(cfg) == "fsdp" else 1
     need = longest * (2 if ranks > 1 else 1)
     if tokens < need:
-        over = f", twice over with {ranks} data-parallel ranks (each takes a share of every micro-batch)" if ranks > 1 else ""
+        over = (f", twice over with {ranks} data-parallel ranks (each takes a share of every micro-batch)"
+                if ranks > 1 else "")
         raise ConfigError(f"train.micro_batch_tokens={tokens}: a packed micro-batch must hold the longest completion a "
                           f"step can have, prompt included (inference_model.max_model_len={longest}){over}; set "
                           f"train.micro_batch_tokens={need} or more")

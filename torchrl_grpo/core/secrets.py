@@ -1,9 +1,9 @@
 """Secrets kept out of what a run writes, as a last line of defence: the values of the environment variables whose
 names say key, token, secret or password (``WANDB_API_KEY``, ``HF_TOKEN``, the judge's ``api_key_env``, ...) are
 replaced by ``***`` in the console, ``grpo.log``, ``samples.jsonl``, the trackers' sample tables, the run's saved
-config and its checkpoints' config, and in every tool's reply before the model reads it. A policy that learns to print
-a secret, or a prompt that holds one, leaks nothing to the files users share. The sandbox (:mod:`torchrl_grpo.episodes.sandbox`) is what keeps model-written code from
-reading them in the first place.
+config and its checkpoints' config, and in every tool's reply before the model reads it. A policy that learns to
+print a secret, or a prompt that holds one, leaks nothing to the files users share. The sandbox
+(:mod:`torchrl_grpo.episodes.sandbox`) is what keeps model-written code from reading them in the first place.
 """
 from __future__ import annotations
 

@@ -137,7 +137,8 @@ def packed_inputs(tokens: torch.Tensor, attention: torch.Tensor, wanted: torch.T
     """The model's inputs for ``tokens``' rows ([N, L], ``attention`` their tokens) packed end to end: ids [1, T]
     and position ids restarting at 0 at each row, no attention mask and no KV cache (transformers then builds a causal
     mask within each run of increasing positions: sdpa, eager and flex attention; flash-attention takes them as its
-    varlen boundaries); and the packed index of the hidden state that predicts each ``wanted`` token, in row-major order."""
+    varlen boundaries); and the packed index of the hidden state that predicts each ``wanted`` token, in row-major
+    order."""
     index = attention.flatten().cumsum(0).view_as(attention) - 1  # each token's place in the packed sequence
     previous = torch.cat([torch.zeros_like(index[:, :1]), index[:, :-1]], 1)  # that of the token before it
     positions = (attention.cumsum(-1) - 1)[attention]

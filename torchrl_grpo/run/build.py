@@ -230,9 +230,10 @@ def check_packing_keeps_rows_apart(policy) -> None:
 
     gap = packing_gap(policy)
     if gap > 1e-3:  # 0 on the CPU in float32 and bf16; a row that sees another moves by 0.4 (tiny) to 2.8 (SmolLM2)
-        raise ConfigError(f"train.micro_batch_tokens: {type(hf_model(policy)).__name__} lets packed rows attend to each "
-                          f"other (a row's log-probs moved by {gap:.3g} with the row before it; its attention ignores "
-                          "restarting position ids); set train.micro_batch_tokens=null")
+        name = type(hf_model(policy)).__name__
+        raise ConfigError(f"train.micro_batch_tokens: {name} lets packed rows attend to each other (a row's log-probs "
+                          f"moved by {gap:.3g} with the row before it; its attention ignores restarting position "
+                          "ids); set train.micro_batch_tokens=null")
 
 
 def build_follower(spec: RunSpec, parallel: DataParallel) -> tuple[Trainer, object]:

@@ -15,7 +15,8 @@ import torch
 from torchrl_grpo.core.errors import RunError
 
 
-def packed_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int, ranks: int = 1) -> list[list[torch.Tensor]]:
+def packed_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int,
+                         ranks: int = 1) -> list[list[torch.Tensor]]:
     """``rows`` (batch indices; ``lengths``, their token counts) as micro-batches, each a share per rank:
     ``plan[m][r]`` holds the rows rank ``r`` trains in micro-batch ``m``, at most ``budget`` tokens, shortest first.
 
