@@ -133,7 +133,8 @@ class Trainer:
 
     def log_probs(self, model: torch.nn.Module, device: torch.device, batch) -> torch.Tensor:
         """Completion-token log-probs of ``batch`` under ``model`` (reference, or the policy before its
-        update), in micro-batches; 0 outside completions. Data-parallel: each rank its share, then gathered."""
+        update), in the training's micro-batches; 0 outside completions. Data-parallel: each rank its shares of
+        them, then put together."""
         packed = self.settings.micro_batch_tokens is not None
         return self._per_row(lambda mb: token_log_probs(model, mb["tokens"], mb["attention_mask"],
                                                         self.settings.temperature, wanted=mb["completion_mask"],
