@@ -14,6 +14,7 @@ from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.config.validate import validate
 from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.models.loading import load_policy
+from torchrl_grpo.models.packed_attention import attend_by_row
 from torchrl_grpo.objective.log_probs import packing_gap, token_log_probs
 from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.training.packing import packed_micro_batches
@@ -81,10 +82,15 @@ def multi_turn_batch(vocab: int, seed: int = 0, rows: int = 6) -> TensorDict:
                        "truncated": torch.zeros(len(lengths), dtype=torch.bool)}, batch_size=[len(lengths)])
 
 
+@pytest.mark.parametrize("by_row", [False, True], ids=["block_mask", "by_row"])
 @pytest.mark.parametrize("lora", [None, LORA], ids=["plain", "lora"])
-def test_packed_log_probs_and_gradients_are_the_padded_ones(tiny_model_path, lora):
+def test_packed_log_probs_and_gradients_are_the_padded_ones(tiny_model_path, lora, by_row):
+    """transformers' block mask over the packed sequence (sdpa), and sdpa row by row (what a run uses)."""
     torch.manual_seed(0)
     model = load_policy(tiny_model_path, dtype=torch.float64, device="cpu", lora=lora)
+    if by_row:
+        attend_by_row(model)
+        assert model.config._attn_implementation == "sdpa_by_row"
     batch = multi_turn_batch(model.config.vocab_size)
     results = []
     for packed in (False, True):
@@ -106,6 +112,8 @@ def one_step(model_path: str, loss_options: dict, tokens: int | None, parallel=N
     """A step of two optimizer steps over a float64 tiny policy: padded micro-batches of 2 rows, or packed ones of
     ``tokens``; the metrics and the updated weights."""
     policy = load_policy(model_path, dtype=torch.float64, device="cpu")
+    if tokens is not None:
+        attend_by_row(policy)  # as a run does
     loss = GRPOLoss(policy, temperature=0.9, packed=tokens is not None, **loss_options)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
     settings = TrainSettings(group_size=3, micro_batch=2, accumulation=2, epochs=1, temperature=0.9,
@@ -178,3 +186,21 @@ def test_grpo_py_trains_packed_micro_batches(tmp_path):
     assert "tokens per packed micro-batch" in done.stdout and "512" in done.stdout
     logged = metric_rows(run_dir)
     assert len(logged) == 2 and all(finite(r["loss"]) and finite(r["grad_norm"]) for r in logged)
+
+
+def test_attention_by_row_is_plain_sdpa_for_padded_rows_and_generation(tiny_model_path, tokenizer):
+    """The same model serves padded micro-batches and (the transformers engine) generation with a KV cache: there
+    sdpa_by_row is sdpa, bit for bit."""
+    from torchrl_grpo.engines.hf import TransformersEngine
+
+    plain = load_policy(tiny_model_path, dtype=torch.float32, device="cpu", trainable=False)
+    by_row = load_policy(tiny_model_path, dtype=torch.float32, device="cpu", trainable=False)
+    attend_by_row(by_row)
+    batch = multi_turn_batch(plain.config.vocab_size)
+    with torch.no_grad():
+        padded = [token_log_probs(m, batch["tokens"], batch["attention_mask"], wanted=batch["completion_mask"])[0]
+                  for m in (plain, by_row)]
+    assert torch.equal(*padded)
+    samples = [TransformersEngine(m, tokenizer, seed=3).generate([[5, 9, 13], [7, 3]], n=2, max_tokens=6)
+               for m in (plain, by_row)]
+    assert [(c.token_ids, c.log_probs) for c in samples[0]] == [(c.token_ids, c.log_probs) for c in samples[1]]

@@ -213,6 +213,11 @@ def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: 
         print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
               "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)
     if spec.train.micro_batch_tokens is not None:
+        from torchrl_grpo.models.packed_attention import attend_by_row
+
+        for model in (policy, ref_policy):
+            if model is not None:
+                attend_by_row(model)
         check_packing_keeps_rows_apart(policy)
     optimizer = build_optimizer(cfg, policy)
     critic = None
