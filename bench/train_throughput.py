@@ -12,6 +12,8 @@ set of the process over those steps (what a CPU run holds).
     python bench/train_throughput.py --shape qwen3-0.6b --tokens 2048 16384     # on a GPU
     python bench/train_throughput.py --shape tiny --tokens 64 --step-tokens 1024 --micro-tokens 256  # a CPU
     python bench/train_throughput.py --shape tiny-151k --tokens 2048 --step-tokens 16384 --micro-tokens 4096 --steps 2
+    python bench/train_throughput.py --shape smollm2-135m --tokens 256 --step-tokens 4096 --micro-tokens 1024 \
+        --ragged [train.micro_batch_tokens=1024]                                # padded against packed, a CPU
     python bench/train_throughput.py --json results.json ...                    # also write the rows
 """
 import argparse
@@ -36,6 +38,9 @@ SHAPES = {
     "qwen2.5-1.5b": ("qwen2", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
                                    num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
                                    tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6)),
+    "smollm2-135m": ("llama", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                                   num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True,
+                                   max_position_embeddings=8192, rope_theta=100000.0)),
     # the tiny model's layers with Qwen's vocabulary: the memory of the head and the log-softmax dominates
     "tiny-151k": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                                 num_key_value_heads=2, head_dim=16, vocab_size=151936, tie_word_embeddings=True,
@@ -65,21 +70,27 @@ def plan(tokens: int, step_tokens: int, micro_tokens: int) -> tuple[int, int, in
     return rows, micro, -(-rows // micro)
 
 
-def synthetic_batch(rows: int, tokens: int, vocab: int, seed: int):
+def synthetic_batch(rows: int, tokens: int, vocab: int, seed: int, ragged: bool = False):
+    """Rows of ``tokens`` tokens; ``ragged``: each row's completion stops at a length drawn uniformly between an
+    eighth of its budget and all of it, right-padded (completions that end early, as sampled ones do)."""
     from tensordict import TensorDict
 
     g = torch.Generator().manual_seed(seed)
     prompt = min(PROMPT, tokens // 4)
-    completion = torch.zeros(rows, tokens, dtype=torch.bool)
-    completion[:, prompt:] = True
+    budget = tokens - prompt
+    ends = prompt + (torch.randint(max(1, budget // 8), budget + 1, (rows,), generator=g) if ragged
+                     else torch.full((rows,), budget))
+    attention = torch.arange(tokens) < ends.unsqueeze(1)
+    completion = attention.clone()
+    completion[:, :prompt] = False
     return TensorDict({"tokens": torch.randint(3, vocab, (rows, tokens), generator=g),
-                       "attention_mask": torch.ones(rows, tokens, dtype=torch.bool), "completion_mask": completion,
+                       "attention_mask": attention, "completion_mask": completion,
                        "sample_log_probs": torch.where(completion, -2.0, 0.0),
                        "reward": torch.rand(rows, generator=g)}, batch_size=[rows])
 
 
 def measure(shape: str, tokens: int, steps: int, overrides: list[str],
-            step_tokens: int = STEP_TOKENS, micro_tokens: int = MICRO_TOKENS) -> dict:
+            step_tokens: int = STEP_TOKENS, micro_tokens: int = MICRO_TOKENS, ragged: bool = False) -> dict:
     """One shape at one row length: the medians of the trainer's metrics over ``steps`` steps after a warm-up."""
     from hydra import compose, initialize_config_dir
 
@@ -101,7 +112,7 @@ def measure(shape: str, tokens: int, steps: int, overrides: list[str],
     reset_peak_rss()
     per_step = []
     for step in range(steps + 1):
-        batch = synthetic_batch(rows, tokens, vocab, seed=step)
+        batch = synthetic_batch(rows, tokens, vocab, seed=step, ragged=ragged)
         trainer.prepare(batch)
         per_step.append(trainer.optimize(batch))
     timed = per_step[1:] or per_step
@@ -141,6 +152,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="timed steps, after one warm-up step")
     parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS, help="tokens per optimizer step")
     parser.add_argument("--micro-tokens", type=int, default=MICRO_TOKENS, help="tokens per micro-batch")
+    parser.add_argument("--ragged", action="store_true", help="completions of random lengths, right-padded")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the recipe, e.g. train_model.gradient_checkpointing=false")
     args = parser.parse_args()
@@ -148,7 +160,8 @@ def main() -> None:
     for shape in args.shape:
         for tokens in args.tokens:
             try:
-                rows.append(measure(shape, tokens, args.steps, args.overrides, args.step_tokens, args.micro_tokens))
+                rows.append(measure(shape, tokens, args.steps, args.overrides, args.step_tokens, args.micro_tokens,
+                                    args.ragged))
             except torch.OutOfMemoryError as error:
                 rows.append({"shape": shape, "tokens_per_row": tokens, "error": f"out of memory: {error}"[:200]})
             if torch.cuda.is_available():
