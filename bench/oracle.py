@@ -27,10 +27,11 @@ TINY = ["model=tiny", "env=gsm_symbolic", "env.size=64", "env.num_envs=2", "env.
 # case -> (script, overrides); "killed_resumed" is run in two parts (see capture_killed)
 CASES = {
     "tiny_length": ("grpo.py", [*TINY, "env=length_reward", "train.total_dialog_turns=48"]),
+    # not train.sync_iter=false: two runs of one seed part after a few steps (docs/see-it-learn.md)
     "full_feature": ("grpo.py", [
         *TINY, "train.total_dialog_turns=48", "train.kl_to_ref_coeff=0.05", "train.kl_coef_in_loss=false",
         "loss=dapo", "loss.old_log_probs=trainer", "loss.tis_cap=2.0", "train.epochs=2",
-        "train.gradient_accumulation_steps=1", "train.optim_batch_size=2", "train.sync_iter=false",
+        "train.gradient_accumulation_steps=1", "train.optim_batch_size=2",
         "logging.eval_frequency=3", "eval.num_prompts=4", "logging.samples_frequency=1"]),
     "async_ref": ("grpo-async.py", [*TINY, "train.total_dialog_turns=40", "train.kl_to_ref_coeff=0.05",
                                     "logging.samples_frequency=1"]),

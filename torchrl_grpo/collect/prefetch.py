@@ -7,7 +7,8 @@ after :meth:`Prefetch.finish`. Policy-dependent log-probs are computed by the tr
 taken. A checkpoint saves :attr:`Prefetch.position`, the prompt order before the prefetched prompts: on
 resume that batch is simply sampled again, with the checkpoint's weights. The in-process engine samples from
 torch's global generator (swapped in around each generate): a trainer that draws from it too (LoRA dropout)
-makes runs not bit-reproducible.
+makes runs not bit-reproducible. Even without that, two runs of one seed part after a few steps on a CPU (measured
+with the tiny model on 2 cores; the cause, in the two threads' concurrent numerics, is not pinned down).
 """
 from __future__ import annotations
 
