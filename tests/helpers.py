@@ -101,6 +101,22 @@ needs_ray = pytest.mark.needs("ray")
 LOGPROB_TOL = 1e-4  # float32: measured gaps are 1e-5 (tiny) and 3e-5..6e-5 (SmolLM2)
 
 
+def padded_rows(vocab: int, lengths, generator, pad: int = 1):
+    """Rows of ``lengths`` ((prompt, completion) tokens each), random ids drawn from ``generator`` row by row,
+    right-padded to the longest plus ``pad`` columns: ``(tokens, attention, completion)``."""
+    import torch
+
+    width = max(p + c for p, c in lengths) + pad
+    tokens = torch.zeros(len(lengths), width, dtype=torch.long)
+    attention = torch.zeros_like(tokens, dtype=torch.bool)
+    completion = torch.zeros_like(attention)
+    for i, (p, c) in enumerate(lengths):
+        tokens[i, : p + c] = torch.randint(1, vocab, (p + c,), generator=generator)
+        attention[i, : p + c] = True
+        completion[i, p: p + c] = True
+    return tokens, attention, completion
+
+
 def trainer_logprobs(model, prompt, completion, temperature, top_p=1.0):
     """Log-probs of `completion` after `prompt` as the trainer computes them (optionally nucleus-renormalised)."""
     import torch

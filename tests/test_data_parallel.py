@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 from tensordict import TensorDict
 
 from helpers import (FLOAT32, LOGPROB_TOL, LORA, SCRIPT_ENV, SMALL, failure_excerpt, finite, free_port, max_logprob_gap,
-                     metric_rows, needs_ray_and_vllm, needs_vllm, preempted, ray_processes, run_async, start,
-                     wait_until)
+                     metric_rows, needs_ray_and_vllm, needs_vllm, padded_rows, preempted, ray_processes, run_async,
+                     start, wait_until)
 from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.weight_check import probe_log_probs
@@ -71,16 +71,10 @@ def make_batch(vocab: int) -> TensorDict:
     """Two groups of four completions shaped like trajectories.build_batch's: prompts and completions of
     different lengths, right-padded, the engine's log-probs on completion tokens, two truncated."""
     g = torch.Generator().manual_seed(7)
-    prompt_lens, completion_lens = [3, 5, 4, 6, 3, 5, 4, 6], [7, 2, 5, 4, 6, 3, 1, 5]
-    n, length = len(prompt_lens), max(p + c for p, c in zip(prompt_lens, completion_lens)) + 1
-    tokens = torch.zeros(n, length, dtype=torch.long)
-    attention = torch.zeros(n, length, dtype=torch.bool)
-    completion = torch.zeros(n, length, dtype=torch.bool)
-    for i, (p, c) in enumerate(zip(prompt_lens, completion_lens)):
-        tokens[i, : p + c] = torch.randint(1, vocab, (p + c,), generator=g)
-        attention[i, : p + c] = True
-        completion[i, p: p + c] = True
-    sample = torch.where(completion, -3 * torch.rand(n, length, generator=g), 0.0)
+    lengths = list(zip([3, 5, 4, 6, 3, 5, 4, 6], [7, 2, 5, 4, 6, 3, 1, 5]))  # (prompt, completion)
+    tokens, attention, completion = padded_rows(vocab, lengths, g)
+    n = len(tokens)
+    sample = torch.where(completion, -3 * torch.rand(tokens.shape, generator=g), 0.0)
     return TensorDict({
         "tokens": tokens, "attention_mask": attention, "completion_mask": completion, "sample_log_probs": sample,
         "reward": torch.rand(n, generator=g), "truncated": torch.tensor([1, 0, 0, 0, 0, 0, 1, 0]).bool(),

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import LORA
+from helpers import LORA, padded_rows
 from torchrl_grpo.models.loading import load_policy
 from torchrl_grpo.objective import log_probs
 from torchrl_grpo.objective.log_probs import token_log_probs
@@ -14,17 +14,7 @@ from torchrl_grpo.objective.log_probs import token_log_probs
 
 def mixed_batch(vocab: int):
     """3 rows: prompts of 5, 2 and 4 tokens, completions of 3, 4 and 1, right-padded to 9 columns."""
-    g = torch.Generator().manual_seed(0)
-    lengths = [(5, 3), (2, 4), (4, 1)]
-    width = max(p + c for p, c in lengths) + 1
-    tokens = torch.zeros(len(lengths), width, dtype=torch.long)
-    attention = torch.zeros_like(tokens, dtype=torch.bool)
-    completion = torch.zeros_like(attention)
-    for i, (p, c) in enumerate(lengths):
-        tokens[i, : p + c] = torch.randint(1, vocab, (p + c,), generator=g)
-        attention[i, : p + c] = True
-        completion[i, p: p + c] = True
-    return tokens, attention, completion
+    return padded_rows(vocab, [(5, 3), (2, 4), (4, 1)], torch.Generator().manual_seed(0))
 
 
 def plain_log_probs(model, tokens, attention, temperature):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from helpers import LORA, cfg_with
+from helpers import LORA, cfg_with, padded_rows
 from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.config.validate import validate
 from torchrl_grpo.core.errors import ConfigError, RunError
@@ -66,14 +66,8 @@ def multi_turn_batch(vocab: int, seed: int = 0, rows: int = 6) -> TensorDict:
     """Right-padded rows of mixed lengths; each completion has a hole (a tool's inserted tokens, not trained)."""
     g = torch.Generator().manual_seed(seed)
     lengths = [(4, 9), (2, 5), (6, 12), (3, 3), (5, 7), (2, 10)][:rows]
-    width = max(p + c for p, c in lengths) + 2
-    tokens = torch.zeros(len(lengths), width, dtype=torch.long)
-    attention = torch.zeros_like(tokens, dtype=torch.bool)
-    completion = torch.zeros_like(attention)
+    tokens, attention, completion = padded_rows(vocab, lengths, g, pad=2)
     for i, (p, c) in enumerate(lengths):
-        tokens[i, : p + c] = torch.randint(1, vocab, (p + c,), generator=g)
-        attention[i, : p + c] = True
-        completion[i, p: p + c] = True
         if c > 4:
             completion[i, p + 2: p + 4] = False  # inserted tokens between two turns
     sample = torch.where(completion, -3 * torch.rand(tokens.shape, generator=g), 0.0)

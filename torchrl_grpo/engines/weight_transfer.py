@@ -9,8 +9,8 @@ trainer (rank 0) and the engine's workers form a gloo group of their own (a TCP 
 port; nothing touches the default process group, which data-parallel ranks use), and the trainer broadcasts the
 weights a bucket at a time, cast to the engine's dtype on the way
 (:func:`~torchrl_grpo.engines.weight_stream.plan_buckets`); each worker copies a bucket's tensors out and loads them
-through vLLM's layer-wise reload, as ``reload_weights`` does. Unlike the /dev/shm stream (:mod:`~torchrl_grpo.engines.weight_stream`) it needs no shared
-file system between the two sides.
+through vLLM's layer-wise reload, as ``reload_weights`` does. Unlike the /dev/shm stream
+(:mod:`~torchrl_grpo.engines.weight_stream`) it needs no shared file system between the two sides.
 
 The worker side is attached after the engine starts (:func:`attach_in_worker`, through ``collective_rpc``), so no
 vLLM plugin has to be installed in the engine's process. This module imports vLLM: import it only where vLLM

@@ -69,9 +69,9 @@ def token_log_probs(model, tokens, attention_mask, temperature: float = 1.0, wit
 
 
 class ChunkedScores:
-    """The log-prob of ``targets`` ([n] token ids) and the entropy at each of n positions, [n, 2] in float32 (or
-    float64 for a float64 model), from
-    their logits or from their hidden states and the head, :data:`CHUNK_BYTES` of logits at a time."""
+    """The log-prob of ``targets`` ([n] token ids) and the entropy at each of n positions, [n, 2] in float32 (float64
+    for a float64 model), from their logits or from their hidden states and the head, :data:`CHUNK_BYTES` of logits
+    at a time."""
 
     def __init__(self, targets: torch.Tensor, temperature: float, entropy_grad: bool):
         self.targets, self.temperature, self.entropy_grad = targets, temperature, entropy_grad
