@@ -14,6 +14,7 @@ set of the process over those steps (what a CPU run holds).
     python bench/train_throughput.py --shape tiny-151k --tokens 2048 --step-tokens 16384 --micro-tokens 4096 --steps 2
     python bench/train_throughput.py --shape smollm2-135m --tokens 256 --step-tokens 4096 --micro-tokens 1024 \
         --ragged [train.micro_batch_tokens=1024]                                # padded against packed, a CPU
+    python bench/train_throughput.py --chunk-mib 1048576 ...   # whole logits at once, as before chunked log-probs
     python bench/train_throughput.py --json results.json ...                    # also write the rows
 """
 import argparse
@@ -28,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchrl_grpo.config.spec import resolve_run  # noqa: E402
+from torchrl_grpo.objective import log_probs  # noqa: E402
 from torchrl_grpo.run.build import build_trainer, seed_everything  # noqa: E402
 
 # transformers configs of the models' published shapes (their config.json), so that nothing is downloaded
@@ -127,7 +129,8 @@ def measure(shape: str, tokens: int, steps: int, overrides: list[str],
             "weights": str(next(trainer.policy.parameters()).dtype).removeprefix("torch."),
             "steps_timed": len(timed), "train_tokens_per_s": median("train_tokens_per_s"),
             "train_flops_per_s": median("train_flops_per_s"), "mfu": median("mfu"), "peak_memory_gib": peak,
-            "peak_rss_gib": peak_rss_gib(),
+            "peak_rss_gib": peak_rss_gib(), "chunk_mib": log_probs.CHUNK_BYTES >> 20, "ragged": ragged,
+            "overrides": overrides,
             "loss_finite": all(m["loss"] == m["loss"] for m in per_step)}
 
 
@@ -153,9 +156,13 @@ def main() -> None:
     parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS, help="tokens per optimizer step")
     parser.add_argument("--micro-tokens", type=int, default=MICRO_TOKENS, help="tokens per micro-batch")
     parser.add_argument("--ragged", action="store_true", help="completions of random lengths, right-padded")
+    parser.add_argument("--chunk-mib", type=int, help="float32 logits per log-prob chunk (default: the package's "
+                        f"{log_probs.CHUNK_BYTES >> 20}); 1048576: the whole micro-batch's logits at once")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the recipe, e.g. train_model.gradient_checkpointing=false")
     args = parser.parse_args()
+    if args.chunk_mib:
+        log_probs.CHUNK_BYTES = args.chunk_mib << 20
     rows = []
     for shape in args.shape:
         for tokens in args.tokens:
