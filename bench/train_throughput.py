@@ -129,7 +129,7 @@ def measure(shape: str, tokens: int, steps: int, overrides: list[str],
             "weights": str(next(trainer.policy.parameters()).dtype).removeprefix("torch."),
             "steps_timed": len(timed), "train_tokens_per_s": median("train_tokens_per_s"),
             "train_flops_per_s": median("train_flops_per_s"), "mfu": median("mfu"), "peak_memory_gib": peak,
-            "peak_rss_gib": peak_rss_gib(), "chunk_mib": log_probs.CHUNK_BYTES >> 20, "ragged": ragged,
+            "peak_rss_gib": peak_rss_gib(), "chunk_mib": log_probs.chunk_bytes(trainer.device) >> 20, "ragged": ragged,
             "overrides": overrides,
             "loss_finite": all(m["loss"] == m["loss"] for m in per_step)}
 
@@ -156,8 +156,8 @@ def main() -> None:
     parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS, help="tokens per optimizer step")
     parser.add_argument("--micro-tokens", type=int, default=MICRO_TOKENS, help="tokens per micro-batch")
     parser.add_argument("--ragged", action="store_true", help="completions of random lengths, right-padded")
-    parser.add_argument("--chunk-mib", type=int, help="float32 logits per log-prob chunk (default: the package's "
-                        f"{log_probs.CHUNK_BYTES >> 20}); 1048576: the whole micro-batch's logits at once")
+    parser.add_argument("--chunk-mib", type=int, help="float32 logits per log-prob chunk, at least (default: the package's "
+                        "chunk_bytes); 1048576: the whole micro-batch's logits at once")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the recipe, e.g. train_model.gradient_checkpointing=false")
     args = parser.parse_args()

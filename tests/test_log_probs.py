@@ -2,6 +2,8 @@
 the plain computation: every position's logits from the model, a full log-softmax, the token's entry taken; on the
 real tiny model in float64, a batch of mixed prompt and completion lengths with padding, plain and LoRA-wrapped,
 tied and untied head, one chunk or chunks of three tokens; and no [tokens, vocab] tensor above a chunk's size."""
+import types
+
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -133,3 +135,14 @@ def test_log_probs_of_every_position_by_default(tiny_model_path):
         got, _ = token_log_probs(model, tokens, attention)
     assert got[:, 0].abs().sum() == 0
     assert torch.allclose(got[:, 1:].double(), expected, atol=1e-5)
+
+
+def test_a_chunk_is_64_mib_on_a_cpu_and_a_share_of_a_gpus_memory(monkeypatch):
+    """On a GPU a chunk is 1/128 of its memory (fewer, larger kernels), never under the CPU's 64 MiB."""
+    memory = {}
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: types.SimpleNamespace(total_memory=memory[torch.device(device).index]))
+    memory.update({0: 80 << 30, 1: 4 << 30})
+    assert log_probs.chunk_bytes(torch.device("cpu")) == 64 << 20
+    assert log_probs.chunk_bytes(torch.device("cuda:0")) == 640 << 20
+    assert log_probs.chunk_bytes(torch.device("cuda:1")) == 64 << 20

@@ -25,8 +25,11 @@ def sdpa_by_row(module, query, key, value, attention_mask, **kwargs):
     if len(starts) < 2 or starts[0] != 0:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     bounds = [*starts, query.shape[2]]
-    rows = [sdpa_attention_forward(module, query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], None, **kwargs)[0]
-            for a, b in zip(bounds, bounds[1:])]
+    sizes = [b - a for a, b in zip(bounds, bounds[1:])]
+    # split, not a slice per row: a slice's backward writes a zero tensor the size of the whole micro-batch for each
+    # row (rows x tokens of memory traffic, which made packed steps 3x slower than padded ones on a GPU)
+    rows = [sdpa_attention_forward(module, q, k, v, None, **kwargs)[0]
+            for q, k, v in zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2))]
     return torch.cat(rows, dim=1), None
 
 
