@@ -4,6 +4,7 @@
     torchrl-grpo train-async env=gsm_symbolic          # = python grpo-async.py ...
     torchrl-grpo eval env=gsm_symbolic                 # = python evaluate.py ...
     torchrl-grpo plot outputs/<run>                    # = python plot.py ...
+    torchrl-grpo export outputs/<run> my-model         # the trained policy as a Hugging Face folder, model card
     torchrl-grpo config grpo_gsm8k my_config           # copy the shipped config tree to edit, then
     torchrl-grpo train --config-path my_config --config-name grpo_gsm8k
     torchrl-grpo env                                   # versions, devices, precision support (for bug reports)
@@ -53,6 +54,25 @@ def _plot(args: list[str]) -> None:
     plot_runs(parsed.paths, parsed.out)
 
 
+def _export(args: list[str]) -> None:
+    import argparse
+
+    from torchrl_grpo.run.export import export
+
+    parser = argparse.ArgumentParser(prog="torchrl-grpo export", description="A run's policy as a Hugging Face folder "
+                                     "(weights, tokenizer, model card) that transformers and vLLM load.")
+    parser.add_argument("run_dir", help="the run directory (with checkpoints/)")
+    parser.add_argument("dest", help="a new folder to write")
+    parser.add_argument("--step", type=int, help="the checkpoint's step (default: the last)")
+    parser.add_argument("--adapter", action="store_true", help="a LoRA run: the PEFT adapter alone, not merged")
+    parser.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this hub repo")
+    parsed = parser.parse_args(args)
+    dest = export(parsed.run_dir, parsed.dest, step=parsed.step, adapter=parsed.adapter,
+                  push_to_hub=parsed.push_to_hub)
+    print(f"exported to {dest}/ (model card: {dest / 'README.md'})"
+          + (f"; uploaded to {parsed.push_to_hub}" if parsed.push_to_hub else ""))
+
+
 def _config(args: list[str]) -> None:
     from torchrl_grpo.config.shipped import copy_recipe, shipped_recipes
 
@@ -74,8 +94,8 @@ def _env(args: list[str]) -> None:
     print(report())
 
 
-COMMANDS = {"train": _train, "train-async": _train_async, "eval": _eval, "plot": _plot, "config": _config,
-            "env": _env}
+COMMANDS = {"train": _train, "train-async": _train_async, "eval": _eval, "plot": _plot, "export": _export,
+            "config": _config, "env": _env}
 MEMORY_HUNGRY = {"train", "train-async", "eval"}  # run with tcmalloc and bounded kernel caches
 
 
