@@ -194,15 +194,16 @@ def reward_len(completions, **kwargs):  # TRL's quick start, unchanged
 
 dataset = datasets.load_dataset("json", data_files="tldr.jsonl", split="train")
 small = ["model=tiny", "inference_model.max_tokens=8", "logging.progress_bar=false"]
-run_dir = train([*small, "env.num_envs=4", "env.repeats=8", "train.optim_batch_size=16",
-                 "train.gradient_accumulation_steps=1", "train.total_dialog_turns=640", "optimizer.lr=3e-3",
-                 "loss.aggregation=token_mean", "logging.checkpoint_frequency=0"],
-                dataset=dataset, reward_funcs=[reward_len])
+run_dir = train(small, env={"num_envs": 4, "repeats": 8}, optimizer={"lr": 3e-3}, loss={"aggregation": "token_mean"},
+                train={"optim_batch_size": 16, "gradient_accumulation_steps": 1, "total_dialog_turns": 640},
+                logging={"checkpoint_frequency": 0}, dataset=dataset, reward_funcs=[reward_len])
+print("RUN", len(run_dir.metrics), run_dir.checkpoint.name, repr(run_dir.generate("TL;DR: hello", max_new_tokens=4)))
 eval_dir = evaluate([*small, "eval.num_prompts=8"], dataset=dataset.to_list()[:8], reward_funcs=[reward_len])
-try:
-    train(["model=tiny", "optimizer.lr=fast"])
-except Exception as err:
-    print("BAD", type(err).__name__, err)
+for bad in (lambda: train(["model=tiny", "optimizer.lr=fast"]), lambda: train(model="tiny", optimizer={"lrr": 1e-3})):
+    try:
+        bad()
+    except Exception as err:
+        print("BAD", type(err).__name__, err)
 print("DIRS", json.dumps([str(run_dir), str(eval_dir)]))
 '''
 
@@ -210,7 +211,8 @@ print("DIRS", json.dumps([str(run_dir), str(eval_dir)]))
 @needs_vllm
 def test_trl_quick_start_trains_from_a_plain_script_and_its_reward_rises(tmp_path):
     """TRL's first GRPO example (reward_len on a prompt-only dataset shaped like trl-lib/tldr), through
-    ``from torchrl_grpo import train, evaluate`` with Python objects: a Dataset and the function itself."""
+    ``from torchrl_grpo import train, evaluate`` with Python objects: a Dataset, the function itself, settings as
+    keyword arguments beside override strings; the returned run's metrics, checkpoint and trained policy."""
     (tmp_path / "quick_start.py").write_text(SCRIPT)
     out = subprocess.run([sys.executable, "quick_start.py"], cwd=tmp_path, capture_output=True, text=True,
                          timeout=300, env={**os.environ, **SCRIPT_ENV})
@@ -234,3 +236,5 @@ def test_trl_quick_start_trains_from_a_plain_script_and_its_reward_rises(tmp_pat
     metrics = json.loads((eval_dir / "eval_metrics.json").read_text())
     assert metrics["prompts"] == 8.0 and -20 <= metrics["reward/reward_len"] <= 0
     assert "BAD ConfigError optimizer.lr=" in out.stdout  # raised, not exit(2), with the command's one line
+    assert "BAD ConfigError optimizer.lrr: no such key in the config" in out.stdout  # a keyword setting's key
+    assert "RUN 20 step_000020 '" in out.stdout  # the returned run: its 20 steps' metrics, its checkpoint, a reply

@@ -1,13 +1,17 @@
 """Overrides Hydra cannot apply (a misspelt key, a config group option that does not exist, broken override
 syntax) as one line and exit code 2, like every other bad input. Hydra itself prints such an error in six
 lines and exits with 1, before any of our code runs; so an entry point composes its command line once
-first (a sweep with the first value of each swept key), which costs a fraction of a second.
+first (a sweep with the first value of each swept key), which costs a fraction of a second. The Python API's
+keyword settings are checked against the composed config the same way (:func:`apply_settings`).
 """
 from __future__ import annotations
 
 import functools
 import os
 import sys
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
 
 from torchrl_grpo.core.errors import ConfigError, exit_with_one_line
 
@@ -54,6 +58,47 @@ def compose_config(config_dir: str, config_name: str, overrides: list[str]):
             return compose(config_name=config_name, overrides=overrides)
     finally:
         GlobalHydra.instance().clear()
+
+
+def group_choices(config_dir: str, settings: Mapping[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    """The Python API's keyword ``settings`` split into the choices of config groups (a string at a group's name,
+    ``model="tiny"``: overrides ``model=tiny``) and the values to set (:func:`apply_settings`)."""
+    choices, values = [], {}
+    for key, value in settings.items():
+        if isinstance(value, str) and (Path(config_dir) / key).is_dir():
+            choices.append(f"{key}={value}")
+        else:
+            values[key] = value
+    return choices, values
+
+
+def apply_settings(cfg, values: Mapping[str, Any]) -> None:
+    """Set ``values`` (keyword settings: a section's keys as a dict, nested as the config nests them) in the
+    composed ``cfg``; a key the config does not have is a ConfigError naming it, as on the command line."""
+    from omegaconf import OmegaConf
+
+    for key, value in _leaves(cfg, values, ""):
+        OmegaConf.update(cfg, key, value, merge=False, force_add=False)
+
+
+_ABSENT = object()
+
+
+def _leaves(cfg, values: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
+    """(dotted key, value) for each value to set: a dict is followed into the section of that name, where the
+    config has a section there (elsewhere it is the value, e.g. a judge's settings where the default is null)."""
+    from omegaconf import DictConfig, OmegaConf
+
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        node = OmegaConf.select(cfg, key, default=_ABSENT)
+        if node is _ABSENT:
+            raise ConfigError(f"{key}: no such key in the config; check its spelling (config/grpo_gsm8k.yaml names "
+                              "every key)")
+        if isinstance(value, Mapping) and isinstance(node, DictConfig):
+            yield from _leaves(cfg, value, f"{key}.")
+        else:
+            yield key, value
 
 
 def _lines(err: Exception) -> str:
