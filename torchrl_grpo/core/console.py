@@ -56,6 +56,8 @@ def quiet_libraries(verbose: bool, log_file: str | None = None) -> None:
     # (the Python API, called from a script that uses them): told directly
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # the hub's and transformers' bars
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    if "huggingface_hub" in sys.modules:  # its constants were read at import: transformers asks it when imported
+        sys.modules["huggingface_hub"].utils.disable_progress_bars()
     if "transformers" in sys.modules:
         sys.modules["transformers"].utils.logging.disable_progress_bar()
     if "datasets" in sys.modules:
