@@ -148,3 +148,18 @@ def test_a_lora_run_exports_merged_or_as_its_adapter(tmp_path, tiny_model_path):
     reloaded = AutoPeftModelForCausalLM.from_pretrained(only, dtype=torch.float32).merge_and_unload().state_dict()
     assert all(torch.allclose(reloaded[k], merged[k], atol=1e-6) for k in merged)
     assert json.loads((only / "adapter_config.json").read_text())["base_model_name_or_path"]
+
+
+def test_push_to_hub_uploads_the_exported_folder(tmp_path, tiny_model_path, monkeypatch):
+    """The upload itself needs the network: huggingface_hub's two calls are recorded, with the written folder."""
+    from huggingface_hub import HfApi
+
+    calls = []
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)))
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw["repo_id"],
+                                                                                 sorted(os.listdir(kw["folder_path"])))))
+    run, _ = lora_run(tmp_path, tiny_model_path)
+    dest = export(run, tmp_path / "pushed", push_to_hub="me/my-model")
+    assert calls[0] == ("create", "me/my-model", {"exist_ok": True})
+    assert calls[1][:2] == ("upload", "me/my-model") and "README.md" in calls[1][2] and "model.safetensors" in calls[1][2]
+    assert 'model="me/my-model"' in (dest / "README.md").read_text()  # the card's snippet loads it from the hub
