@@ -156,10 +156,13 @@ def test_push_to_hub_uploads_the_exported_folder(tmp_path, tiny_model_path, monk
 
     calls = []
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: calls.append(("create", repo_id, kw)))
-    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **kw: calls.append(("upload", kw["repo_id"],
-                                                                                 sorted(os.listdir(kw["folder_path"])))))
+    def upload_folder(self, repo_id, folder_path, **kwargs):
+        calls.append(("upload", repo_id, sorted(os.listdir(folder_path))))
+
+    monkeypatch.setattr(HfApi, "upload_folder", upload_folder)
     run, _ = lora_run(tmp_path, tiny_model_path)
     dest = export(run, tmp_path / "pushed", push_to_hub="me/my-model")
     assert calls[0] == ("create", "me/my-model", {"exist_ok": True})
-    assert calls[1][:2] == ("upload", "me/my-model") and "README.md" in calls[1][2] and "model.safetensors" in calls[1][2]
+    assert calls[1][:2] == ("upload", "me/my-model")
+    assert "README.md" in calls[1][2] and "model.safetensors" in calls[1][2]
     assert 'model="me/my-model"' in (dest / "README.md").read_text()  # the card's snippet loads it from the hub
