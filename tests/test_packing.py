@@ -17,9 +17,11 @@ from torchrl_grpo.config.validate import validate
 from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.models.loading import load_policy
 from torchrl_grpo.models.packed_attention import attend_by_row, sdpa_by_row
+from torchrl_grpo.objective.critic import token_values
 from torchrl_grpo.objective.log_probs import packing_gap, token_log_probs
 from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.training.packing import packed_micro_batches
+from torchrl_grpo.training.critic import Critic, CriticSettings
 from torchrl_grpo.training.trainer import Trainer
 
 
@@ -104,23 +106,53 @@ def test_packed_log_probs_and_gradients_are_the_padded_ones(tiny_model_path, lor
         assert torch.allclose(packed_grads[name], grad, atol=1e-12, rtol=1e-9), name
 
 
-def one_step(model_path: str, loss_options: dict, tokens: int | None, parallel=None) -> tuple[dict, dict]:
-    """A step of two optimizer steps over a float64 tiny policy: padded micro-batches of 2 rows, or packed ones of
-    ``tokens``; the metrics and the updated weights."""
+def test_packed_critic_values_and_gradients_are_the_padded_ones(tiny_model_path):
+    """The critic (a value head on the tiny model, sdpa row by row as a run sets it) reads packed rows as padded."""
+    critic = load_policy(tiny_model_path, dtype=torch.float64, device="cpu", value_head=True)
+    attend_by_row(critic)
+    batch = multi_turn_batch(critic.config.vocab_size)
+    results = []
+    for packed in (False, True):
+        values = token_values(critic, batch["tokens"], batch["attention_mask"], batch["completion_mask"], packed)
+        (values * torch.linspace(-1, 1, values.numel(), dtype=torch.float64).view_as(values)).sum().backward()
+        results.append((values, {n: p.grad.clone() for n, p in critic.named_parameters() if p.grad is not None}))
+        critic.zero_grad()
+    (padded, padded_grads), (packed, packed_grads) = results
+    assert padded.abs().max() > 0 and torch.allclose(packed, padded, atol=1e-12, rtol=0)
+    assert padded_grads.keys() == packed_grads.keys() and padded_grads
+    for name, grad in padded_grads.items():  # the value head is float32: its gradients sum in another order
+        assert torch.allclose(packed_grads[name], grad, atol=1e-6, rtol=1e-5), name
+
+
+def one_step(model_path: str, loss_options: dict, tokens: int | None, parallel=None,
+             critic: bool = False) -> tuple[dict, dict]:
+    """A step of two optimizer steps over a float64 tiny policy (and with ``critic`` a value model, PPO's GAE
+    advantages): padded micro-batches of 2 rows, or packed ones of ``tokens``; the metrics and the updated weights
+    (the critic's prefixed ``critic.``)."""
     policy = load_policy(model_path, dtype=torch.float64, device="cpu")
+    torch.manual_seed(0)  # the critic's fresh value head
+    value_model = load_policy(model_path, dtype=torch.float64, device="cpu", value_head=True) if critic else None
     if tokens is not None:
-        attend_by_row(policy)  # as a run does
+        for model in (policy, value_model):
+            if model is not None:
+                attend_by_row(model)  # as a run does
     loss = GRPOLoss(policy, temperature=0.9, packed=tokens is not None, **loss_options)
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
     settings = TrainSettings(group_size=3, micro_batch=2, accumulation=2, epochs=1, temperature=0.9,
                              recompute_old_log_probs=True, kl_in_reward_coeff=0.0, reward_scale="group",
                              clip_grad_norm=None, mixed_precision=False, max_nonfinite_updates=3, seed=0,
                              micro_batch_tokens=tokens)
-    trainer = Trainer(policy, None, loss, optimizer, settings, torch.device("cpu"), None, parallel)
+    value = None if value_model is None else Critic(
+        value_model, torch.optim.SGD(value_model.parameters(), lr=0.5),
+        CriticSettings(gamma=1.0, lmbda=0.95, value_clip=0.2, whiten_advantages=False))
+    trainer = Trainer(policy, None, loss, optimizer, settings, torch.device("cpu"), None, parallel, critic=value)
     batch = multi_turn_batch(policy.config.vocab_size, seed=1)
     metrics = trainer.prepare(batch)
     metrics.update(trainer.optimize(batch))
-    return metrics, {n: p.detach().clone() for n, p in policy.named_parameters()}
+    weights = {n: p.detach().clone() for n, p in policy.named_parameters()}
+    if value_model is not None:
+        weights.update({f"critic.{n}": p.detach().clone() for n, p in value_model.named_parameters()})
+    return metrics, weights
 
 
 @pytest.mark.parametrize("loss_options", [
@@ -142,23 +174,44 @@ def test_a_packed_step_takes_the_padded_steps_update(tiny_model_path, loss_optio
     assert packed["grad_norm"] == pytest.approx(padded["grad_norm"], rel=1e-6)
 
 
+def test_a_packed_ppo_step_takes_the_padded_steps_update_policy_and_critic(tiny_model_path):
+    """With a critic (GAE advantages from its values, its clipped value loss), packed = padded for both models."""
+    padded, padded_weights = one_step(tiny_model_path, {"aggregation": "token_mean"}, None, critic=True)
+    packed, packed_weights = one_step(tiny_model_path, {"aggregation": "token_mean"}, 20, critic=True)
+    torch.manual_seed(0)
+    start = {f"critic.{k}": w for k, w in load_policy(tiny_model_path, dtype=torch.float64, device="cpu",
+                                                       value_head=True).named_parameters()}
+    moved = max((padded_weights[k] - w).abs().max().item() for k, w in start.items())
+    gap = max((packed_weights[k] - w).abs().max().item() for k, w in padded_weights.items())
+    assert moved > 1e-2 and gap < 1e-6 * moved, (moved, gap)
+    assert packed["explained_variance"] == pytest.approx(padded["explained_variance"], rel=1e-6)
+
+
 def test_a_model_whose_rows_see_each_other_when_packed_is_refused(tiny_model_path, monkeypatch):
-    """The check runs the policy as it is: on the tiny Qwen2 a row packed after another does not move (gap 0);
-    with transformers' packed-sequence detection switched off it sees the row before it, and the run is refused."""
+    """The check runs the policy (and a critic) as it is: on the tiny Qwen2 a row packed after another does not move
+    (gap 0); with transformers' packed-sequence detection switched off it sees the row before it, and the run is
+    refused."""
     import transformers.masking_utils
 
     from torchrl_grpo.run.build import check_packing_keeps_rows_apart
 
     policy = load_policy(tiny_model_path, dtype=torch.bfloat16, device="cpu", trainable=False)
-    assert packing_gap(policy) == 0
+    critic = load_policy(tiny_model_path, dtype=torch.bfloat16, device="cpu", trainable=False, value_head=True)
+
+    def values(model, rows, attention):
+        return token_values(model, rows, attention, attention, packed=True)
+
+    assert packing_gap(policy) == 0 and packing_gap(critic, values) == 0
     check_packing_keeps_rows_apart(policy)
+    check_packing_keeps_rows_apart(critic, values)
     monkeypatch.setattr(transformers.masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
     assert packing_gap(policy) > 0.1
-    with pytest.raises(ConfigError) as error:
-        check_packing_keeps_rows_apart(policy)
-    message = str(error.value)
-    assert "\n" not in message and message.startswith("train.micro_batch_tokens: Qwen2ForCausalLM lets packed rows")
-    assert message.endswith("set train.micro_batch_tokens=null")
+    for model, read, name in ((policy, None, "Qwen2ForCausalLM"), (critic, values, "Qwen2ForTokenClassification")):
+        with pytest.raises(ConfigError) as error:
+            check_packing_keeps_rows_apart(model, read)
+        message = str(error.value)
+        assert "\n" not in message and message.startswith(f"train.micro_batch_tokens: {name} lets packed rows")
+        assert message.endswith("set train.micro_batch_tokens=null")
 
 
 def test_settings_carry_the_budget():

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torchrl.objectives.value.functional import generalized_advantage_estimate
 
+from torchrl_grpo.objective.log_probs import packed_inputs
+
 
 def last_token(mask: torch.Tensor) -> torch.Tensor:
     """[N, L] bool: each row's last token where ``mask`` is set (none in a row without one)."""
@@ -92,10 +94,17 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
 
 
 def token_values(critic: torch.nn.Module, tokens: torch.Tensor, attention_mask: torch.Tensor,
-                 wanted: torch.Tensor) -> torch.Tensor:
+                 wanted: torch.Tensor, packed: bool = False) -> torch.Tensor:
     """The critic's value of the state before each ``wanted`` token [N, L] (0 elsewhere): the value head of
     ``critic`` (a transformers ``...ForTokenClassification`` with one label) at position ``t - 1``, where the policy
-    reads the log-prob of token ``t``."""
+    reads the log-prob of token ``t``. ``packed``: the rows read end to end without their padding
+    (:func:`~torchrl_grpo.objective.log_probs.packed_inputs`), the same values."""
+    wanted = torch.cat([torch.zeros_like(wanted[:, :1]), wanted[:, 1:]], 1).to(tokens.device, torch.bool)
+    if packed:
+        inputs, before = packed_inputs(tokens, attention_mask.bool(), wanted)
+        scores = critic(**inputs).logits[0, :, 0].float()
+        picked = scores[before.to(scores.device)].to(tokens.device)
+        return torch.zeros(tokens.shape, dtype=picked.dtype, device=tokens.device).masked_scatter(wanted, picked)
     scores = critic(input_ids=tokens, attention_mask=attention_mask.long()).logits[..., 0].float()
     shifted = torch.cat([scores.new_zeros(scores.shape[0], 1), scores[:, :-1]], 1)
     return torch.where(wanted.to(shifted.device), shifted, 0.0).to(tokens.device)

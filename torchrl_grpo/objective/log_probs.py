@@ -158,18 +158,21 @@ def packed_inputs(tokens: torch.Tensor, attention: torch.Tensor, wanted: torch.T
     return inputs, previous[wanted]
 
 
-def packing_gap(model) -> float:
+def packing_gap(model, read=None) -> float:
     """How much a row's log-probs, read packed after another row, change when that other row changes: 0 where
     attention stays within a row (masked keys add exact zeros, whatever the precision), far from it where a model
-    ignores the restarting position ids and lets a row see the one before it. A collective under FSDP2."""
+    ignores the restarting position ids and lets a row see the one before it. ``read(model, rows, attention)``: what
+    is read per token, packed ([N, L]; default the log-probs; a critic's values). A collective under FSDP2."""
+    if read is None:
+        def read(model, rows, attention):
+            return token_log_probs(model, rows, attention, wanted=attention, packed=True)[0]
     embeddings = model.get_input_embeddings().weight
     tokens = torch.randint(1, int(embeddings.shape[0]), (3, 8), generator=torch.Generator().manual_seed(0))
     attention = torch.ones(2, 8, dtype=torch.bool, device=embeddings.device)
     seen = []
     with torch.no_grad():
         for before in tokens[:2]:
-            rows = torch.stack([before, tokens[2]]).to(embeddings.device)
-            seen.append(token_log_probs(model, rows, attention, wanted=attention, packed=True)[0][1])
+            seen.append(read(model, torch.stack([before, tokens[2]]).to(embeddings.device), attention)[1])
     return float((seen[0] - seen[1]).abs().max())
 
 

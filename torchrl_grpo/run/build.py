@@ -212,28 +212,33 @@ def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: 
     if mixed and not native_bf16(train_on[0]):
         print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
               "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)
-    if spec.train.micro_batch_tokens is not None:
-        from torchrl_grpo.models.packed_attention import attend_by_row
-
-        for model in (policy, ref_policy):
-            if model is not None:
-                attend_by_row(model)
-        check_packing_keeps_rows_apart(policy)
     optimizer = build_optimizer(cfg, policy)
     critic = None
     if cfg.loss.advantage == "gae":
         critic = build_critic(cfg, spec, model_path, resume_from, train_on, parallel)
+    if spec.train.micro_batch_tokens is not None:
+        from torchrl_grpo.models.packed_attention import attend_by_row
+        from torchrl_grpo.objective.critic import token_values
+
+        for model in (policy, ref_policy, None if critic is None else critic.model):
+            if model is not None:
+                attend_by_row(model)
+        check_packing_keeps_rows_apart(policy)
+        if critic is not None:
+            check_packing_keeps_rows_apart(critic.model, lambda m, rows, attention: token_values(
+                m, rows, attention, attention, packed=True))
     return Trainer(policy, ref_policy, build_loss(cfg, policy), optimizer, spec.train, torch.device(train_on[0]),
                    torch.device(ref_on[0]) if ref_policy is not None else None, parallel,
                    build_scheduler(cfg, optimizer, spec.plan), critic)
 
 
-def check_packing_keeps_rows_apart(policy) -> None:
-    """``train.micro_batch_tokens`` reads rows packed end to end: refused in one line for a model whose attention lets
-    a row see the one before it (:func:`~torchrl_grpo.objective.log_probs.packing_gap`)."""
+def check_packing_keeps_rows_apart(policy, read=None) -> None:
+    """``train.micro_batch_tokens`` reads rows packed end to end: refused in one line for a model (the policy, or with
+    ``read`` the critic) whose attention lets a row see the one before it
+    (:func:`~torchrl_grpo.objective.log_probs.packing_gap`)."""
     from torchrl_grpo.objective.log_probs import packing_gap
 
-    gap = packing_gap(policy)
+    gap = packing_gap(policy, read)
     if gap > 1e-3:  # 0 on the CPU in float32 and bf16; a row that sees another moves by 0.4 (tiny) to 2.8 (SmolLM2)
         name = type(hf_model(policy)).__name__
         raise ConfigError(f"train.micro_batch_tokens: {name} lets packed rows attend to each other (a row's log-probs "

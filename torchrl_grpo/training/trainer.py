@@ -117,8 +117,9 @@ class Trainer:
         batch's loss tokens (``loss_mask``) when ``critic.whiten_advantages``; adds the critic's metrics (``explained_variance``
         of the returns by the values before the update, their means)."""
         c, mask = self.critic.settings, batch["completion_mask"]
+        packed = self.settings.micro_batch_tokens is not None
         values = self._per_row(lambda mb: token_values(self.critic.model, mb["tokens"], mb["attention_mask"],
-                                                       mb["completion_mask"]), self.device, batch)
+                                                       mb["completion_mask"], packed), self.device, batch)
         rewards = token_rewards(task_reward, mask, kl_tokens, self.settings.kl_in_reward_coeff)
         advantage, returns = gae(rewards, values, mask, c.gamma, c.lmbda)
         batch["value_old"], batch["return"] = values, returns.float()
@@ -274,7 +275,8 @@ class Trainer:
         """The critic's clipped value loss on a micro-batch (:func:`clipped_value_loss`), aggregated over its loss
         tokens like the policy's loss, and the share of them whose clipped branch was taken."""
         mask = self.loss.token_mask(mb)
-        values = token_values(self.critic.model, mb["tokens"], mb["attention_mask"], mb["completion_mask"])
+        values = token_values(self.critic.model, mb["tokens"], mb["attention_mask"], mb["completion_mask"],
+                              self.settings.micro_batch_tokens is not None)
         loss, clipped = clipped_value_loss(values, mb["value_old"], mb["return"], self.critic.settings.value_clip)
         return {"value_loss": aggregate(loss, mask, self.loss.aggregation, self.loss.aggregation_constant),
                 "value_clip_fraction": (clipped & mask).sum() / mask.sum().clamp(min=1)}
