@@ -150,6 +150,20 @@ def test_a_lora_run_exports_merged_or_as_its_adapter(tmp_path, tiny_model_path):
     assert json.loads((only / "adapter_config.json").read_text())["base_model_name_or_path"]
 
 
+def test_an_export_casts_its_weights_to_the_dtype_asked(tmp_path, tiny_model_path):
+    from transformers import AutoModelForCausalLM
+
+    run, merged = lora_run(tmp_path, tiny_model_path)
+    with pytest.raises(ConfigError, match=r"--dtype int8: choose one of bfloat16, float16, float32"):
+        export(run, tmp_path / "bad", dtype="int8")
+    half = export(run, tmp_path / "bf16", dtype="bfloat16")
+    weights = load_file(half / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.bfloat16}
+    assert all(torch.equal(weights[k], merged[k].to(torch.bfloat16)) for k in weights)
+    assert json.loads((half / "config.json").read_text())["dtype"] == "bfloat16"
+    assert AutoModelForCausalLM.from_pretrained(half).dtype == torch.bfloat16
+
+
 def test_push_to_hub_uploads_the_exported_folder(tmp_path, tiny_model_path, monkeypatch):
     """The upload itself needs the network: huggingface_hub's two calls are recorded, with the written folder."""
     from huggingface_hub import HfApi

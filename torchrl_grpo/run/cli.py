@@ -57,7 +57,7 @@ def _plot(args: list[str]) -> None:
 def _export(args: list[str]) -> None:
     import argparse
 
-    from torchrl_grpo.run.export import export
+    from torchrl_grpo.run.export import DTYPES, export
 
     parser = argparse.ArgumentParser(prog="torchrl-grpo export", description="A run's policy as a Hugging Face folder "
                                      "(weights, tokenizer, model card) that transformers and vLLM load.")
@@ -65,9 +65,11 @@ def _export(args: list[str]) -> None:
     parser.add_argument("dest", help="a new folder to write")
     parser.add_argument("--step", type=int, help="the checkpoint's step (default: the last)")
     parser.add_argument("--adapter", action="store_true", help="a LoRA run: the PEFT adapter alone, not merged")
+    parser.add_argument("--dtype", choices=DTYPES,
+                        help="cast the weights (default: as trained; float32 master weights on a CPU)")
     parser.add_argument("--push-to-hub", metavar="REPO", help="then upload the folder to this hub repo")
     parsed = parser.parse_args(args)
-    dest = export(parsed.run_dir, parsed.dest, step=parsed.step, adapter=parsed.adapter,
+    dest = export(parsed.run_dir, parsed.dest, step=parsed.step, adapter=parsed.adapter, dtype=parsed.dtype,
                   push_to_hub=parsed.push_to_hub)
     print(f"exported to {dest}/ (model card: {dest / 'README.md'})"
           + (f"; uploaded to {parsed.push_to_hub}" if parsed.push_to_hub else ""))

