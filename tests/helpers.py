@@ -4,7 +4,6 @@ marks, and the entry scripts run as users run them (a real subprocess, its metri
 Fixtures live in conftest.py; this module holds plain names, imported as ``from helpers import ...``.
 """
 import contextlib
-import csv
 import functools
 import importlib.util
 import math
@@ -23,6 +22,7 @@ from hydra import compose, initialize_config_dir
 
 from faults.sitecustomize import job_processes, processes_with_env  # noqa: F401 (tests import it from here)
 from torchrl_grpo.config import CONFIG_DIR
+from torchrl_grpo.telemetry.recorder import metrics_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 # the README's first command (tests/test_docs.py holds the README to it; tests/test_arithmetic.py runs it)
@@ -283,13 +283,7 @@ def wait_until(done, proc: subprocess.Popen, seconds: float, poll: float = 0.2) 
         time.sleep(poll)
 
 
-def metric_rows(run_dir: Path) -> list[dict]:
-    """The run's metrics.csv rows; none before its first step."""
-    path = run_dir / "metrics.csv"
-    if not path.exists():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
+metric_rows = metrics_rows  # the run's metrics.csv rows; none before its first step
 
 
 def measured(column: str) -> bool:

@@ -45,7 +45,7 @@ _OFFLINE_FIX = (
     "or set model.name to a local HF-format model directory"
 )
 # Written last into a finished build; a directory without it is never taken as a cache hit.
-_MARKER = ".torchrl_grpo_build"
+BUILD_MARKER = ".torchrl_grpo_build"
 # Temporary build directories older than this are leftovers of killed builds and get swept.
 _STALE_TMP_S = 3600.0
 
@@ -157,7 +157,7 @@ def _build_merged_lora(out: pathlib.Path, base: str, adapter_dir: pathlib.Path, 
 
 def _cached_build(final: pathlib.Path, build: Callable[[pathlib.Path], None]) -> pathlib.Path:
     """`final` if a finished build is there; else build into a temporary sibling and rename it in."""
-    if (final / _MARKER).is_file():
+    if (final / BUILD_MARKER).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
     _sweep_stale(final)
@@ -171,13 +171,13 @@ def _cached_build(final: pathlib.Path, build: Callable[[pathlib.Path], None]) ->
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the cache is not
-        (tmp / _MARKER).write_text(json.dumps({"built_s": round(time.perf_counter() - t0, 2), "time": time.time()}))
-        if final.exists() and not (final / _MARKER).is_file():
+        (tmp / BUILD_MARKER).write_text(json.dumps({"built_s": round(time.perf_counter() - t0, 2), "time": time.time()}))
+        if final.exists() and not (final / BUILD_MARKER).is_file():
             _remove_dir(final)  # not ours or not finished: never trusted
         try:
             os.rename(tmp, final)
         except OSError:
-            if not (final / _MARKER).is_file():
+            if not (final / BUILD_MARKER).is_file():
                 raise
             log.info("%s was built concurrently by another process; using that one", final)
         else:

@@ -59,12 +59,10 @@ class Run(os.PathLike):
     @property
     def checkpoint(self) -> Path | None:
         """The last checkpoint's folder (the policy in Hugging Face's format, or its LoRA adapter), if any."""
-        from omegaconf import OmegaConf
-
         from torchrl_grpo.core.checkpoint import list_checkpoints
+        from torchrl_grpo.run.export import checkpoint_dir, run_config
 
-        config = OmegaConf.load(self.run_dir / ".hydra" / "config.yaml")
-        found = list_checkpoints(self.run_dir / str(config.logging.checkpoint_dir))
+        found = list_checkpoints(checkpoint_dir(self.run_dir, run_config(self.run_dir)))
         return found[-1] if found else None
 
     def load_policy(self):
@@ -75,9 +73,10 @@ class Run(os.PathLike):
         from torchrl_grpo.models.loading import load_tokenizer
         from torchrl_grpo.models.sources import resolve_model
 
-        if self.checkpoint is None:
+        checkpoint = self.checkpoint
+        if checkpoint is None:
             raise ConfigError(f"{self.run_dir}: the run saved no checkpoint to load")
-        path = resolve_model(str(self.checkpoint))
+        path = resolve_model(str(checkpoint))
         return AutoModelForCausalLM.from_pretrained(path, dtype="float32").eval(), load_tokenizer(path)
 
     def generate(self, prompt: str, max_new_tokens: int = 64) -> str:

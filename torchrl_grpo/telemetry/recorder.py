@@ -268,6 +268,15 @@ def summarize(rows: list[dict], keys: list[str], window: int) -> dict[str, Trend
     return out
 
 
+def metrics_rows(run_dir: Path) -> list[dict]:
+    """A run's metrics.csv rows as written (text cells); none before its first step."""
+    path = Path(run_dir) / "metrics.csv"
+    if not path.exists():
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
 def logged(rows: list[dict], key: str) -> list[float]:
     """The values of column ``key`` in metrics.csv rows, empty cells and NaN (a step that did not log it, a reward
     that did not apply) left out."""
