@@ -27,6 +27,7 @@ from memory import ROOT, GiB, reset_peak, status  # noqa: E402
 from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
 
 from torchrl_grpo.engines.weight_stream import wire_dtype  # noqa: E402
+from torchrl_grpo.training.weight_sync import snapshot  # noqa: E402
 
 
 def main() -> None:
@@ -53,7 +54,7 @@ def main() -> None:
     workers = [p.pid for p in psutil.Process().children(recursive=True) if "Worker" in p.name()]
     watched = {"trainer process": "self", **{f"engine worker {pid}": pid for pid in workers}}
     weights = sum(p.numel() * p.element_size() for p in trainer.policy.parameters()) / GiB
-    sent = sum(t.numel() * wire_dtype(t, engine.dtype).itemsize for t in trainer.cpu_weights().values()) / GiB
+    sent = sum(t.numel() * wire_dtype(t, engine.dtype).itemsize for t in snapshot(trainer).values()) / GiB
     try:
         trainer.push_weights(engine)  # the first push makes the push folder or file
         before = {name: status(pid)["VmRSS"] for name, pid in watched.items()}
@@ -67,7 +68,7 @@ def main() -> None:
         rises = {name: status(pid)["VmHWM"] - before[name] for name, pid in watched.items()}
     finally:
         engine.close()
-    transport = engine.weight_transfer if opts.engine_process == "own" else "in place"
+    transport = engine.transport.name
     median = statistics.median(times)
     print(f"engine process {opts.engine_process} ({transport}): weights {weights:.2f} GiB, {sent:.2f} GiB sent, "
           f"push median {median:.3f} s, {median / sent:.2f} s/GiB (of {opts.pushes}: {', '.join(f'{t:.3f}' for t in times)})")
@@ -82,17 +83,18 @@ def actor_pushes(common, pushes: int) -> None:
 
     dtype = common.spec.precision.engine
     with ActorPool(common.spec, [None], 0, 0) as pool:
+        pool.start_collecting()
         pool.ray.wait(list(pool.pending), timeout=600)
         times, sent = [], None
         for version in range(1, pushes + 2):
             started = time.perf_counter()
-            weights = common.trainer.cpu_weights(dtype)
+            weights = snapshot(common.trainer, dtype)
             pool.push(weights, version)
             for landed in list(pool.pushes):  # a link's future, or the object store push's Ray reference
                 landed.result() if hasattr(landed, "result") else pool.ray.get(landed)
             times.append(time.perf_counter() - started)
             sent = sum(t.numel() * t.element_size() for t in weights.values()) / GiB
-        transport = pool.transport
+        transport = pool.transport.name
     median = statistics.median(times[1:])
     print(f"rollout actor ({transport}): {sent:.2f} GiB sent, push median {median:.3f} s, {median / sent:.2f} s/GiB "
           f"(of {pushes}: {', '.join(f'{t:.3f}' for t in times[1:])}; the first, not counted: {times[0]:.3f} s)")

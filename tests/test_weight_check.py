@@ -203,21 +203,26 @@ def test_a_step_that_took_no_update_pushes_nothing():
     pushes = []
 
     class Counting:
-        def push_weights(self, engine):
-            pushes.append(engine)
+        policy = object()  # not the engine's model: the engine takes pushes
+
+        def weights(self):
+            return {"w": self.updates}
 
     class Engine:
         needs_weights = False
 
+        def push_weights(self, weights):
+            pushes.append(weights["w"])
+
     trainer, engine = Counting(), Engine()
     trainer.updates = 0
     sync = EngineSync(trainer, engine)
-    assert sync.push() == {} and pushes == []
+    assert sync.push(0) == {} and pushes == []
     trainer.updates = 1
-    assert "weight_push_time" in sync.push() and pushes == [engine]
-    assert sync.push() == {} and pushes == [engine]
+    assert "weight_push_time" in sync.push(1) and pushes == [1]
+    assert sync.push(2) == {} and pushes == [1]
     engine.needs_weights = True  # it slept at level 2: the same weights are pushed again
-    assert "weight_push_time" in sync.push() and pushes == [engine, engine]
+    assert "weight_push_time" in sync.push(3) and pushes == [1, 1]
 
 
 def test_actors_get_no_push_and_no_new_version_after_a_step_without_update():
@@ -228,19 +233,25 @@ def test_actors_get_no_push_and_no_new_version_after_a_step_without_update():
     class Trainer:
         updates = 0
 
-        def cpu_weights(self, dtype):
-            return {"w": self.updates}
+        def weights(self):
+            return {"w": torch.tensor(float(self.updates))}
 
     class Pool:
+        version = 0
+
         def push(self, weights, version, probe):
-            sent.append((weights["w"], version))
+            sent.append((weights["w"].item(), version))
+
+        def settle_pushes(self):
+            sent.append("settled")
 
     trainer = Trainer()
     sync = ActorSync(trainer)
+    sync.attach(Pool())
     assert not sync.changed
     trainer.updates = 2
     assert sync.changed
-    assert "weight_push_time" in sync.push(Pool(), 1) and sent == [(2, 1)] and not sync.changed
+    assert "weight_push_time" in sync.push(1) and sent == [(2, 1)] and not sync.changed
     trainer.updates = 3
     sync.resume()
-    assert not sync.changed
+    assert not sync.changed and sent == [(2, 1), (3, 0), "settled"]

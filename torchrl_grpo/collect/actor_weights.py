@@ -1,21 +1,30 @@
-"""The trainer's weights to a rollout actor over a collective (``inference_model.weight_transfer``: auto or
-collective), with no copy in Ray's object store: vLLM's weight-transfer API between the trainer (rank 0, a
-trainer-side engine of :mod:`torchrl_grpo.engines.weight_transfer`) and the workers of the actor's engine, over
-vLLM's NCCL engine where both are on GPUs, else over our gloo engine.
+"""The trainer's weights to Ray rollout actors: one transport class per way, chosen in one place
+(:func:`actor_transport`), each with the same calls (:class:`ActorTransport`) so that the pool
+(:class:`~torchrl_grpo.collect.rollout_actors.ActorPool`) holds no if/else over them.
 
+:class:`StorePushes` (``inference_model.weight_transfer=shm``, or the transformers backend): one ``ray.put`` of the
+weights as numpy arrays (:func:`as_arrays`), which each actor reads from Ray's object store.
+
+:class:`LinkPushes` (``auto`` or ``collective``): over a collective, with no copy in Ray's object store: vLLM's
+weight-transfer API between the trainer (rank 0, a trainer-side engine of :mod:`torchrl_grpo.engines.weight_transfer`)
+and the workers of the actor's engine, over vLLM's NCCL engine where both are on GPUs, else over our gloo engine.
 A push is one actor call, :meth:`RolloutActor.receive_push` (vLLM's start, update and finish, then the weight
 sync check), made from the trainer's main thread when the push is made, in the order of its other calls to the
 actor: it lands after the collect the actor is running and before the next one, as a ``ray.put`` push does. The
-broadcast that feeds it runs in a thread of the trainer, one per actor, from the snapshot of the weights it was
-handed: the trainer never waits for an actor to finish its collect. The group forms when the actor starts (its
-join is its first call but a collect).
+broadcast that feeds it runs in a thread of the trainer, one per actor (:class:`ActorLink`), from the snapshot of
+the weights it was handed: the trainer never waits for an actor to finish its collect. The group forms when the
+actor starts (its join is its first call but a collect).
 """
 from __future__ import annotations
 
 import queue
 import threading
+import warnings
+from concurrent import futures
 from concurrent.futures import Future
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from torchrl_grpo.engines.weight_check import Probe
@@ -128,3 +137,131 @@ class ActorLink:
         self.jobs.put(None)
         if self.transfer is not None:
             self.transfer.shutdown()
+
+
+def as_arrays(weights: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
+    """CPU tensors as (numpy array, torch dtype) for ``ray.put``: Ray hands numpy arrays to actors straight from its
+    object store, while pickled tensors are copied and unpickled in every actor, which took seconds for SmolLM2
+    while the trainer computed (bench/scheduler.py). bfloat16, which numpy lacks, travels as int16."""
+    def array(t: torch.Tensor) -> np.ndarray:
+        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+    return {name: (array(t.detach()), str(t.dtype).removeprefix("torch.")) for name, t in weights.items()}
+
+
+def from_arrays(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Tensor]:
+    """:func:`as_arrays` undone, without a copy (the tensors are read-only views of Ray's object store)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {name: torch.from_numpy(a).view(getattr(torch, dtype)) for name, (a, dtype) in arrays.items()}
+
+
+class ActorTransport(Protocol):
+    """How the pool's pushes reach its actors. A push's handle (a Ray reference or a future) resolves to the actor's
+    weight sync gap (None without the check), or raises the push's error."""
+
+    name: str  # for the console: how pushes travel
+
+    def add(self, i: int, actor) -> None:
+        """Actor ``i`` started: whatever its pushes need is made (a new one replaces a dead one's)."""
+
+    def send(self, actors: list, weights: dict[str, torch.Tensor], version: int, probe: Probe | None) -> dict:
+        """``weights`` (a snapshot nobody changes) to every actor as policy ``version``: {handle: actor index}."""
+
+    def resend(self, i: int, actor, version: int, probe: Probe | None) -> dict:
+        """The last weights sent to restarted actor ``i`` (none sent yet: nothing): {handle: i}."""
+
+    def settle(self, pushes: dict) -> None:
+        """Wait for ``pushes`` where a push's errors would otherwise come only after the first collect."""
+
+    def finished(self, pushes: dict) -> list:
+        """The handles of ``pushes`` that are done."""
+
+    def gap(self, handle) -> float | None:
+        """A finished push's weight sync gap, or its error."""
+
+    def close(self) -> None: ...
+
+
+class StorePushes:
+    """Pushes through Ray's object store: the actor's calls run in order, so a push lands before its next collect."""
+
+    name = "through Ray's object store"
+
+    def __init__(self, ray):
+        self.ray, self.ref = ray, None
+
+    def add(self, i: int, actor) -> None:
+        pass
+
+    def send(self, actors: list, weights: dict[str, torch.Tensor], version: int, probe: Probe | None) -> dict:
+        self.ref = self.ray.put(as_arrays(weights))
+        return {a.push_weights.remote(self.ref, version, probe): i for i, a in enumerate(actors)}
+
+    def resend(self, i: int, actor, version: int, probe: Probe | None) -> dict:
+        return {} if self.ref is None else {actor.push_weights.remote(self.ref, version, probe): i}
+
+    def settle(self, pushes: dict) -> None:
+        pass
+
+    def finished(self, pushes: dict) -> list:
+        if not pushes:
+            return []
+        return self.ray.wait(list(pushes), num_returns=len(pushes), timeout=0)[0]
+
+    def gap(self, handle) -> float | None:
+        return self.ray.get(handle)
+
+    def close(self) -> None:
+        pass
+
+
+class LinkPushes:
+    """Pushes over each actor's :class:`ActorLink`: vLLM's NCCL engine where the actors' engines are on GPUs
+    (``actor_num_gpus``) and this process sees one, else our gloo engine; ``host``: the trainer's address as the
+    actors see it; ``timeout_s``: ``ray.collect_timeout_s``."""
+
+    def __init__(self, ray, dtype: torch.dtype, actor_num_gpus: float, host: str, timeout_s: float):
+        self.ray, self.dtype, self.host, self.timeout_s = ray, dtype, host, timeout_s
+        self.backend = "nccl" if actor_num_gpus > 0 and torch.cuda.is_available() else "gloo"
+        self.workers = max(1, int(actor_num_gpus))
+        self.name = f"over {self.backend}"
+        self.links: dict[int, ActorLink] = {}
+        self.snapshot = None
+
+    def add(self, i: int, actor) -> None:
+        old = self.links.pop(i, None)
+        if old is not None:
+            old.close()
+        # a restarted actor runs the same model: its tie is known, no wait for its answer
+        self.links[i] = ActorLink(self.ray, actor, self.backend, self.dtype, self.host, self.workers, self.timeout_s,
+                                  None if old is None else old.tied)
+
+    def send(self, actors: list, weights: dict[str, torch.Tensor], version: int, probe: Probe | None) -> dict:
+        self.snapshot = weights
+        return {self.links[i].submit(weights, version, probe): i for i in range(len(actors))}
+
+    def resend(self, i: int, actor, version: int, probe: Probe | None) -> dict:
+        return {} if self.snapshot is None else {self.links[i].submit(self.snapshot, version, probe): i}
+
+    def settle(self, pushes: dict) -> None:
+        futures.wait(list(pushes))
+
+    def finished(self, pushes: dict) -> list:
+        return [push for push in pushes if push.done()]
+
+    def gap(self, handle) -> float | None:
+        return handle.result()
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+
+
+def actor_transport(ray, backend: str, weight_transfer: str, dtype: torch.dtype, actor_num_gpus: float,
+                    timeout_s: float) -> ActorTransport:
+    """The one place the actors' transport is chosen: a collective for vLLM engines unless
+    ``inference_model.weight_transfer=shm``; the object store otherwise (and for the transformers backend)."""
+    if backend == "vllm" and weight_transfer != "shm":
+        return LinkPushes(ray, dtype, actor_num_gpus, ray.util.get_node_ip_address(), timeout_s)
+    return StorePushes(ray)

@@ -27,13 +27,11 @@ import os
 import signal
 import sys
 import time
-import warnings
-from concurrent import futures
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from torchrl_grpo.collect.actor_weights import actor_transport, from_arrays
 from torchrl_grpo.config.settings import ActorSettings
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.console import quiet_libraries
@@ -42,23 +40,6 @@ from torchrl_grpo.core.secrets import mask_output, secret_names
 from torchrl_grpo.engines.weight_check import Probe
 
 EXIT_GRACE_S = 5  # an actor asked to exit (after its collect in flight) is killed after this long
-
-
-def as_arrays(weights: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, str]]:
-    """CPU tensors as (numpy array, torch dtype) for ``ray.put``: Ray hands numpy arrays to actors straight from its
-    object store, while pickled tensors are copied and unpickled in every actor, which took seconds for SmolLM2
-    while the trainer computed (bench/scheduler.py). bfloat16, which numpy lacks, travels as int16."""
-    def array(t: torch.Tensor) -> np.ndarray:
-        return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
-
-    return {name: (array(t.detach()), str(t.dtype).removeprefix("torch.")) for name, t in weights.items()}
-
-
-def from_arrays(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Tensor]:
-    """:func:`as_arrays` undone, without a copy (the tensors are read-only views of Ray's object store)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-        return {name: torch.from_numpy(a).view(getattr(torch, dtype)) for name, (a, dtype) in arrays.items()}
 
 
 class ActorFault(Exception):
@@ -201,13 +182,13 @@ def sigterm_blocked():
 
 class ActorPool:
     """Starts Ray and ``ray.num_actors`` actors (each continuing from its saved prompt position and seeded
-    ``train.seed + 1000 x actor + start step``), keeps one collect in flight per actor, restarts actors that
-    die, and shuts all down on exit. ``weights``: the checkpoint's weights to push before the first collect
-    (resume), else None; ``probe``: their weight sync probe, if the check is on; ``log_dir``: where each
-    actor writes its log (``rollout_actor_<i>.log``; None: its console only)."""
+    ``train.seed + 1000 x actor + start step``), then (:meth:`start_collecting`) keeps one collect in flight per
+    actor, restarts actors that die, and shuts all down on exit. Pushes travel by :attr:`transport`
+    (:mod:`~torchrl_grpo.collect.actor_weights`). ``log_dir``: where each actor writes its log
+    (``rollout_actor_<i>.log``; None: its console only)."""
 
     def __init__(self, spec: RunSpec, actor_samplers: list[dict | None], start_step: int, version: int,
-                 weights: dict | None = None, probe: Probe | None = None, log_dir: Path | None = None):
+                 log_dir: Path | None = None):
         import ray
 
         settings = spec.actors
@@ -221,16 +202,16 @@ class ActorPool:
             ray.shutdown()
             raise ConfigError(f"ray.address={settings.address}: could not start or join Ray ({one_line(err)})") from None
         try:
-            self._start(actor_samplers, start_step, version, weights, probe)
+            self._start(actor_samplers, start_step, version)
         except BaseException:
             self.__exit__()
             raise
         self.startup_time = time.perf_counter() - started
 
-    def _start(self, actor_samplers, start_step: int, version: int, weights: dict | None, probe: Probe | None) -> None:
+    def _start(self, actor_samplers, start_step: int, version: int) -> None:
         self.samplers, self.restarts = list(actor_samplers), [0] * len(actor_samplers)
-        self.delivered = [False] * len(actor_samplers)
-        self.version, self.weights_ref, self.probe, self.weight_sync_gap = version, None, None, None
+        self.delivered, self.pending = [False] * len(actor_samplers), {}
+        self.version, self.probe, self.weight_sync_gap = version, None, None
         self.seed, self.start_step, self.remote_cls = self.spec.train.seed, start_step, self.ray.remote(RolloutActor)
         settings = self.spec.actors
         self.actor_options = {"num_cpus": settings.actor_num_cpus, "num_gpus": settings.actor_num_gpus,
@@ -239,14 +220,13 @@ class ActorPool:
                               # a long run's thousands of collects and pushes need none
                               "enable_task_events": False}
         self.actors = [self._new_actor(i) for i in range(len(actor_samplers))]
-        self.links, self.snapshot = None, None
-        if self.spec.engine.backend == "vllm" and self.spec.engine.weight_transfer != "shm":
-            self.links = [self._new_link(i) for i in range(len(actor_samplers))]
-        if weights is not None:  # the actors start from the base weights: give them the checkpoint's
-            self.push(weights, version, probe)
-            if self.links is not None:  # its errors before the first collect, as the object store path's
-                futures.wait(list(self.pushes))
-                self._check_pushes()
+        self.transport = actor_transport(self.ray, self.spec.engine.backend, self.spec.engine.weight_transfer,
+                                         self.spec.precision.engine, settings.actor_num_gpus, self.timeout)
+        for i, actor in enumerate(self.actors):
+            self.transport.add(i, actor)
+
+    def start_collecting(self) -> None:
+        """Each actor's first collect (after any push made before, which lands first)."""
         self.pending = {actor.collect.remote(): i for i, actor in enumerate(self.actors)}
 
     def _new_actor(self, i: int):
@@ -255,22 +235,6 @@ class ActorPool:
         log_file = str(self.log_dir / f"rollout_actor_{i}.log") if self.log_dir is not None else None
         return self.remote_cls.options(**self.actor_options).remote(
             self.spec, i, seed, self.samplers[i], log_file)
-
-    def _new_link(self, i: int, tied: bool | None = None):
-        """Actor ``i``'s weight link (:mod:`~torchrl_grpo.collect.actor_weights`), the actor asked to join it: over
-        vLLM's NCCL engine where the trainer and the actor's engine are on GPUs, else our gloo one. ``tied``: whether
-        the model ties its embeddings, when known (else the actor's join says)."""
-        from torchrl_grpo.collect.actor_weights import ActorLink
-
-        gpus = self.spec.actors.actor_num_gpus
-        backend = "nccl" if gpus > 0 and torch.cuda.is_available() else "gloo"
-        return ActorLink(self.ray, self.actors[i], backend, self.spec.precision.engine,
-                         self.ray.util.get_node_ip_address(), max(1, int(gpus)), self.timeout, tied)
-
-    @property
-    def transport(self) -> str:
-        """How pushes travel, for the console."""
-        return f"over {self.links[0].backend}" if self.links is not None else "through Ray's object store"
 
     @property
     def total_restarts(self) -> int:
@@ -320,13 +284,8 @@ class ActorPool:
         except Exception:  # already gone
             pass
         self.actors[i] = self._new_actor(i)
-        if self.links is not None:
-            self.links[i].close()
-            self.links[i] = self._new_link(i, tied=self.links[i].tied)  # the same model: no wait for its answer
-            if self.snapshot is not None:
-                self.pushes[self.links[i].submit(self.snapshot, self.version, self.probe)] = i
-        elif self.weights_ref is not None:
-            self.pushes[self.actors[i].push_weights.remote(self.weights_ref, self.version, self.probe)] = i
+        self.transport.add(i, self.actors[i])
+        self.pushes.update(self.transport.resend(i, self.actors[i], self.version, self.probe))
         print(f"warning: rollout actor {i} died ({why[:200]}); restarted with policy version {self.version} "
               f"(restart {self.restarts[i]} of ray.max_actor_restarts={self.max_restarts})", file=sys.stderr, flush=True)
         self.pending[self.actors[i].collect.remote()] = i
@@ -335,13 +294,13 @@ class ActorPool:
         """``weights`` (CPU tensors of their own, which nobody changes) to every actor, as policy ``version``, each
         checking itself against ``probe`` afterwards; kept for actors started later."""
         self.version, self.probe = version, probe
-        if self.links is not None:
-            self.snapshot = weights
-            self.pushes.update({link.submit(weights, version, probe): i for i, link in enumerate(self.links)})
-            return
-        self.weights_ref = self.ray.put(as_arrays(weights))
-        self.pushes.update({a.push_weights.remote(self.weights_ref, version, probe): i
-                            for i, a in enumerate(self.actors)})
+        self.pushes.update(self.transport.send(self.actors, weights, version, probe))
+
+    def settle_pushes(self) -> None:
+        """The pushes made so far landed (where the transport would report their errors only later), their errors
+        raised: before the first collect, a resume's push fails as a push, not as that collect."""
+        self.transport.settle(self.pushes)
+        self._check_pushes()
 
     def pop_weight_sync_gap(self) -> float | None:
         """The largest weight sync gap of the pushes that finished since the last call (None: none did)."""
@@ -363,16 +322,10 @@ class ActorPool:
         largest weight sync gap of the pushes that finished."""
         from ray.exceptions import RayActorError, RayError
 
-        if not self.pushes:
-            return
-        if self.links is not None:  # futures of the actors' weight links
-            done = [push for push in self.pushes if push.done()]
-        else:
-            done, _ = self.ray.wait(list(self.pushes), num_returns=len(self.pushes), timeout=0)
-        for ref in done:
+        for ref in self.transport.finished(self.pushes):
             actor = self.pushes.pop(ref)
             try:
-                gap = ref.result() if self.links is not None else self.ray.get(ref)
+                gap = self.transport.gap(ref)
             except RayActorError:
                 continue
             except (RayError, RuntimeError, OSError) as err:  # the actor's error, or the collective's
@@ -387,8 +340,8 @@ class ActorPool:
         """Each actor is asked to exit, so that its process runs its exit handlers (multiprocessing unlinks the
         named semaphores it made in /dev/shm, which a killed process leaves behind); one still there after
         ``EXIT_GRACE_S`` is killed."""
-        for link in getattr(self, "links", None) or ():
-            link.close()
+        if getattr(self, "transport", None) is not None:
+            self.transport.close()
         exits = []
         for actor in self.actors:
             try:

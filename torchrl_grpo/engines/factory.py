@@ -43,7 +43,8 @@ def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
     """
     # vLLM and transformers import in seconds: only the backend asked for
     if backend == "vllm":
-        from torchrl_grpo.engines.vllm import VLLMEngine, import_vllm
+        from torchrl_grpo.engines.vllm import VLLMEngine
+        from torchrl_grpo.engines.vllm_process import import_vllm
 
         import_vllm()
         return VLLMEngine(model_path, **kwargs)

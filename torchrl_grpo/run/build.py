@@ -38,7 +38,7 @@ from torchrl_grpo.run.state import RunState
 from torchrl_grpo.tasks import Task, eval_env_config
 from torchrl_grpo.training.critic import Critic, CriticSettings
 from torchrl_grpo.training.trainer import Trainer
-from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
+from torchrl_grpo.training.weight_sync import ActorSync, EngineSync, samples_with_policy
 
 
 def seed_everything(seed: int) -> None:
@@ -389,7 +389,7 @@ def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = 
     engine = build_engine(cfg, c.spec, c.model_path, c.trainer.policy, c.tokenizer,
                           seed=c.spec.train.seed + c.state.step,
                           engine_process="own" if parallel is not None else None, parallel=parallel)
-    weights = EngineSync(c.trainer, engine, None if c.trainer.samples_with_policy(engine) else (
+    weights = EngineSync(c.trainer, engine, None if samples_with_policy(c.trainer, engine) else (
         build_weight_check(cfg, c.trainer, c.tokenizer, c.spec.precision.engine)))
     if c.state.resume_from is not None:
         weights.resume()

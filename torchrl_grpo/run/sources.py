@@ -87,7 +87,7 @@ class LocalSource:
         metrics = {}
         if self.prefetch:
             metrics["batch_wait_time"] = self.prefetch.finish()
-        metrics.update(self.weights.push())  # checked before the next generation (a prefetch's, in the next step)
+        metrics.update(self.weights.push(step))  # checked before the next generation (a prefetch's, in the next step)
         if self.prefetch:
             self.prefetch.version = step
         metrics.update({"policy_version": delivery.version, "staleness": step - 1 - delivery.version,
@@ -127,12 +127,15 @@ class ActorSource:
     @contextlib.contextmanager
     def running(self, state: RunState, trainer, total_steps: int):
         self.total_steps = total_steps
-        weights, probe = self.weights.resume() if state.resume_from is not None else (None, None)
-        with ActorPool(self.spec, self.progress.actor_samplers, state.step,
-                       self.progress.policy_version, weights, probe, log_dir=state.run_dir) as pool:
+        with ActorPool(self.spec, self.progress.actor_samplers, state.step, self.progress.policy_version,
+                       log_dir=state.run_dir) as pool:
             self.pool = pool
+            self.weights.attach(pool)
+            if state.resume_from is not None:  # the actors start from the base weights: give them the checkpoint's
+                self.weights.resume()
+            pool.start_collecting()
             print(f"async: {self.num_actors} rollout actor(s) started in Ray ({pool.startup_time:.1f} s); weights "
-                  f"pushed every {self.weight_update_frequency} step(s) {pool.transport}, batches older than "
+                  f"pushed every {self.weight_update_frequency} step(s) {pool.transport.name}, batches older than "
                   f"{self.max_staleness} version(s) dropped", flush=True)
             yield self
 
@@ -144,7 +147,7 @@ class ActorSource:
         return policy_engine(trainer.policy, self.tokenizer, seed=int(trainer.settings.seed), parallel=trainer.parallel)
 
     def ready(self) -> None:
-        line = self.weights.startup(self.pool)  # waits for actor 0's engine (its first collect comes first)
+        line = self.weights.startup()  # waits for actor 0's engine (its first collect comes first)
         if line is not None:
             print(line, flush=True)
 
@@ -169,8 +172,8 @@ class ActorSource:
         due = step % self.weight_update_frequency == 0 and step < self.total_steps and not stopping
         if due and self.weights.changed:
             progress.policy_version += 1
-            metrics.update(self.weights.push(self.pool, progress.policy_version))
-        metrics.update(self.weights.landed(self.pool))
+            metrics.update(self.weights.push(progress.policy_version))
+        metrics.update(self.weights.landed())
         progress.staleness_max = max(progress.staleness_max, extra["staleness"])
         metrics.update({"policy_version": delivery.version, "staleness": extra["staleness"],
                         "staleness_max": progress.staleness_max, "stale_dropped": progress.stale_dropped,

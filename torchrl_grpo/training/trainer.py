@@ -24,7 +24,7 @@ import torch
 from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.core.checkpoint import CRITIC_DIR, OPTIMIZER_SHARDS
 from torchrl_grpo.engines.weight_check import probe_log_probs
-from torchrl_grpo.engines.weight_stream import StreamedWeights, wire_dtype
+from torchrl_grpo.engines.weight_stream import StreamedWeights
 from torchrl_grpo.models.flops import bf16_peak_flops, model_shape, update_flops
 from torchrl_grpo.models.loading import merged_state_dict, merged_weights
 from torchrl_grpo.objective.critic import clipped_value_loss, explained_variance, gae, token_rewards, token_values, whiten
@@ -339,24 +339,6 @@ class Trainer:
         if self.parallel.rank == 0:
             model.save_pretrained(path, state_dict=state, safe_serialization=safe_serialization)
         save_optimizer(model, optimizer, path / OPTIMIZER_SHARDS)
-
-    def cpu_weights(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """A snapshot of :meth:`weights` as CPU tensors of their own, for engines in other processes (rollout
-        actors get it while the trainer goes on); floating-point matrices in ``dtype`` (the engines') when given
-        (:func:`wire_dtype`): an engine casts what it loads to its dtype anyway, so float32 master weights sent
-        cast to bf16 give it the same weights in half the bytes."""
-        return {name: t.detach().to("cpu", wire_dtype(t, dtype), copy=True) for name, t in self.weights().items()}
-
-    def samples_with_policy(self, engine) -> bool:
-        """Whether ``engine`` samples with this very policy object (the transformers engine built on the
-        trained model): it never needs a push, nor a check that one landed."""
-        return getattr(engine, "model", None) is self.policy
-
-    def push_weights(self, engine) -> None:
-        """The policy's weights into an in-process ``engine`` (nothing to do for one that
-        :meth:`samples_with_policy`)."""
-        if not self.samples_with_policy(engine):
-            engine.push_weights(self.weights())
 
     def state_dict(self) -> dict:
         """The optimizers and the micro-batch shuffle: what a checkpoint needs besides the weights. Data-parallel:

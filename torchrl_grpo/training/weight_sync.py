@@ -1,12 +1,15 @@
-"""The trainer's weights into the engines that sample, verified and timed: the one place a push happens.
+"""The trainer's weights into the engines that sample, verified and timed: one protocol, :class:`WeightSync`, whose
+:meth:`~WeightSync.push` decides whether there is anything to push (the trainer updated since the last one), sends,
+verifies and times it (``weight_push_time``, ``weight_check_time``; the gap is ``weight_sync_gap``), with one
+implementation per destination:
 
-:class:`EngineSync`: an engine in this process (it takes the tensors) or in its own process (over a collective,
-:mod:`torchrl_grpo.engines.weight_transfer`, or the /dev/shm stream of :mod:`torchrl_grpo.engines.weight_stream`;
-data-parallel ranks feed either from their shards, tensor by tensor),
-checked here after each push. :class:`ActorSync`: Ray rollout actors, through the object store as numbered
-policy versions, each actor checking itself. Both check with ``train.weight_sync_check``'s probe
-(:class:`~torchrl_grpo.engines.weight_check.WeightCheck`), and time what they do (``weight_push_time``,
-``weight_check_time``; the gap is ``weight_sync_gap``).
+- :class:`EngineSync`: an engine of this process (in place, or in its own process over a collective or the
+  /dev/shm stream: the engine's transport, :mod:`torchrl_grpo.engines.transports`; data-parallel ranks feed
+  either from their shards, tensor by tensor), checked here after each push.
+- :class:`ActorSync`: Ray rollout actors, as numbered policy versions (their transports:
+  :mod:`torchrl_grpo.collect.actor_weights`), each actor checking itself.
+
+Both check with ``train.weight_sync_check``'s probe (:class:`~torchrl_grpo.engines.weight_check.WeightCheck`).
 """
 from __future__ import annotations
 
@@ -15,93 +18,126 @@ import time
 import torch
 
 from torchrl_grpo.engines.weight_check import Probe, WeightCheck
+from torchrl_grpo.engines.weight_stream import wire_dtype
 from torchrl_grpo.training.trainer import Trainer
 
 
-class _Pushes:
-    """The trainer's update count that the engines' weights are from (``pushed``): a step that took no update
-    (every optimizer step without signal, or skipped) leaves nothing to push."""
+def samples_with_policy(trainer: Trainer, engine) -> bool:
+    """Whether ``engine`` samples with the trainer's very policy object (the transformers engine built on the
+    trained model): it never needs a push, nor a check that one landed."""
+    return getattr(engine, "model", None) is trainer.policy
 
-    def __init__(self, trainer: Trainer):
-        self.trainer, self.pushed = trainer, trainer.updates
+
+def snapshot(trainer: Trainer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The trainer's weights (:meth:`Trainer.weights`) as CPU tensors of their own, for engines in other processes
+    (rollout actors get them while the trainer goes on); floating-point matrices in ``dtype`` (the engines') when
+    given (:func:`~torchrl_grpo.engines.weight_stream.wire_dtype`): an engine casts what it loads to its dtype anyway,
+    so float32 master weights sent cast to bf16 give it the same weights in half the bytes."""
+    return {name: t.detach().to("cpu", wire_dtype(t, dtype), copy=True) for name, t in trainer.weights().items()}
+
+
+class WeightSync:
+    """What the loop's batch sources call: :meth:`resume` (the engines start from the base weights: give them the
+    checkpoint's), :meth:`startup` (the start-up check's line), :meth:`push` (after a step) and :attr:`fault`. A
+    subclass says how to send (:meth:`_send`) and what a push's check measured (:meth:`_verify`)."""
+
+    fault: str | None = None  # why the last check found an engine without the trainer's weights (None: fine)
+
+    def __init__(self, trainer: Trainer, check: WeightCheck | None = None):
+        self.trainer, self.check = trainer, check
+        self.pushed = trainer.updates  # the trainer's update count the engines' weights are from
 
     @property
     def changed(self) -> bool:
-        """Whether the trainer updated the weights since the engines got them."""
+        """Whether the trainer updated the weights since the engines got them: a step that took no update (every
+        optimizer step without signal, or skipped) leaves nothing to push."""
         return self.trainer.updates != self.pushed
 
-    def _sent(self) -> None:
+    def _due(self) -> bool:
+        return self.changed
+
+    def push(self, version: int) -> dict:
+        """The trainer's weights as policy ``version``, then checked: the step's metrics ({} when nothing was due)."""
+        if not self._due():
+            return {}
+        started = time.perf_counter()
+        self._send(version)
         self.pushed = self.trainer.updates
+        return {"weight_push_time": time.perf_counter() - started, **self._verify()}
+
+    def _send(self, version: int) -> None:
+        raise NotImplementedError
+
+    def _verify(self) -> dict:
+        return {}
 
 
-class EngineSync(_Pushes):
-    """The trainer's weights into ``engine`` after each update (nothing to push into an engine that samples
-    with the policy itself: build no ``check`` for it)."""
+class EngineSync(WeightSync):
+    """The trainer's weights into ``engine`` after each update (nothing to push into an engine that
+    :func:`samples_with_policy`: build no ``check`` for it)."""
 
     def __init__(self, trainer: Trainer, engine, check: WeightCheck | None = None):
-        super().__init__(trainer)
-        self.engine, self.check = engine, check
+        super().__init__(trainer, check)
+        self.engine = engine
 
     def resume(self) -> None:
-        """The engine started from the base weights: give it the checkpoint's."""
-        self.trainer.push_weights(self.engine)
-        self._sent()
+        self._send(0)
+        self.pushed = self.trainer.updates
 
     def startup(self) -> str | None:
         """The engine as started against the trainer: the line to print (None without a check)."""
         return None if self.check is None else self.check.startup(self.engine)
 
-    def push(self) -> dict:
-        """Push, then check (before the next generation); the step's metrics. A step that took no update (every
-        optimizer step without signal, or skipped) left the weights as the engine has them: nothing to push, unless
-        the engine dropped them while it slept."""
-        if not self.changed and not self.engine.needs_weights:
+    def _due(self) -> bool:
+        """Also when the engine dropped its weights while it slept."""
+        return self.changed or self.engine.needs_weights
+
+    def _send(self, version: int) -> None:
+        if not samples_with_policy(self.trainer, self.engine):
+            self.engine.push_weights(self.trainer.weights())
+
+    def _verify(self) -> dict:
+        """Checked here, before the next generation."""
+        if self.check is None:
             return {}
         started = time.perf_counter()
-        self.trainer.push_weights(self.engine)
-        self._sent()
-        metrics = {"weight_push_time": time.perf_counter() - started}
-        if self.check is not None:
-            started = time.perf_counter()
-            metrics["weight_sync_gap"] = self.check.after_push(self.engine)
-            metrics["weight_check_time"] = time.perf_counter() - started
-        return metrics
+        gap = self.check.after_push(self.engine)
+        return {"weight_sync_gap": gap, "weight_check_time": time.perf_counter() - started}
 
     @property
     def fault(self) -> str | None:
-        """Why the last check found the engine without the trainer's weights (None: fine)."""
         return None if self.check is None else self.check.fault
 
 
-class ActorSync(_Pushes):
-    """The trainer's weights to the actors of an :class:`~torchrl_grpo.collect.rollout_actors.ActorPool`, cast to
-    their engines' ``engine_dtype`` (an engine casts what it loads anyway: half the bytes for bf16 engines)."""
-
-    fault = None  # each actor checks itself after a push: a failed check is a RunError there
+class ActorSync(WeightSync):
+    """The trainer's weights to the actors of an :class:`~torchrl_grpo.collect.rollout_actors.ActorPool`
+    (:meth:`attach`), cast to their engines' ``engine_dtype`` (an engine casts what it loads anyway: half the bytes
+    for bf16 engines). Each actor checks itself after a push (a failed check is a RunError there): the gaps land
+    later (:meth:`landed`)."""
 
     def __init__(self, trainer: Trainer, check: WeightCheck | None = None, engine_dtype: torch.dtype | None = None):
-        super().__init__(trainer)
-        self.check, self.engine_dtype = check, engine_dtype
+        super().__init__(trainer, check)
+        self.engine_dtype, self.pool = engine_dtype, None
 
-    def resume(self) -> tuple[dict, Probe | None]:
-        """The checkpoint's weights (and their probe) for actors that start from the base weights."""
-        self._sent()
-        return self.trainer.cpu_weights(self.engine_dtype), self._probe()
+    def attach(self, pool) -> None:
+        self.pool = pool
 
-    def startup(self, pool) -> str | None:
+    def resume(self) -> None:
+        """The checkpoint's weights to the actors, landed before their first collect."""
+        self._send(self.pool.version)
+        self.pushed = self.trainer.updates
+        self.pool.settle_pushes()
+
+    def startup(self) -> str | None:
         """Actor 0's engine as started against the trainer (after its first collect): the line to print."""
-        return None if self.check is None else self.check.startup(pool)
+        return None if self.check is None else self.check.startup(self.pool)
 
-    def push(self, pool, version: int) -> dict:
-        """The weights to every actor as policy ``version``; the seconds it took to send them."""
-        started = time.perf_counter()
-        pool.push(self.trainer.cpu_weights(self.engine_dtype), version, self._probe())
-        self._sent()
-        return {"weight_push_time": time.perf_counter() - started}
+    def _send(self, version: int) -> None:
+        self.pool.push(snapshot(self.trainer, self.engine_dtype), version, self._probe())
 
-    def landed(self, pool) -> dict:
+    def landed(self) -> dict:
         """The largest gap of the pushes that landed since the last call, when any did."""
-        gap = pool.pop_weight_sync_gap()
+        gap = self.pool.pop_weight_sync_gap()
         return {} if gap is None else {"weight_sync_gap": gap}
 
     def _probe(self) -> Probe | None:
