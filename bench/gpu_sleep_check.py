@@ -32,9 +32,9 @@ def in_use_gib() -> float:
 
 
 def check(model: Path, level: int, engine_process: str, gpu_memory_utilization: float, device: str) -> dict:
-    from gpu_vllm_speed import prompts_of
     from transformers import AutoModelForCausalLM
 
+    from gpu_vllm_speed import prompts_of
     from torchrl_grpo.engines.vllm import VLLMEngine
 
     row = {"level": level, "engine_process": engine_process, "before_engine_gib": round(in_use_gib(), 2)}

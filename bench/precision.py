@@ -19,7 +19,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_mixed_precision import SETTINGS, make_batch  # noqa: E402  (the test's batch, at the workload's size)
-
 from torchrl_grpo.models.loading import load_policy  # noqa: E402
 from torchrl_grpo.models.sources import resolve_model  # noqa: E402
 from torchrl_grpo.objective.loss import GRPOLoss  # noqa: E402

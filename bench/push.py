@@ -23,9 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from memory import ROOT, GiB, reset_peak, status  # noqa: E402
-
 from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
-
 from torchrl_grpo.engines.weight_stream import wire_dtype  # noqa: E402
 
 

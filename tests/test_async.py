@@ -10,8 +10,22 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from helpers import (CONFIG_DIR, FLOAT32, ROOT, SMALL, failure_excerpt, finite, metric_rows, needs_ray,
-                     needs_ray_and_vllm, preempted, ray_processes, run_async, start, wait_until)
+from helpers import (
+    CONFIG_DIR,
+    FLOAT32,
+    ROOT,
+    SMALL,
+    failure_excerpt,
+    finite,
+    metric_rows,
+    needs_ray,
+    needs_ray_and_vllm,
+    preempted,
+    ray_processes,
+    run_async,
+    start,
+    wait_until,
+)
 
 
 @needs_ray_and_vllm

@@ -4,8 +4,15 @@ import math
 import pytest
 import torch
 
-from torchrl_grpo.objective.critic import (clipped_value_loss, explained_variance, gae, last_token, token_rewards,
-                                           token_values, whiten)
+from torchrl_grpo.objective.critic import (
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    last_token,
+    token_rewards,
+    token_values,
+    whiten,
+)
 
 # three rows over 9 positions: a prompt then a completion then padding; two turns with the environment's tokens
 # between them; a row without any completion token

@@ -23,9 +23,26 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from helpers import (FLOAT32, LOGPROB_TOL, LORA, SCRIPT_ENV, SMALL, failure_excerpt, finite, free_port, max_logprob_gap,
-                     metric_rows, needs_ray_and_vllm, needs_vllm, padded_rows, preempted, ray_processes, run_async,
-                     start, wait_until)
+from helpers import (
+    FLOAT32,
+    LOGPROB_TOL,
+    LORA,
+    SCRIPT_ENV,
+    SMALL,
+    failure_excerpt,
+    finite,
+    free_port,
+    max_logprob_gap,
+    metric_rows,
+    needs_ray_and_vllm,
+    needs_vllm,
+    padded_rows,
+    preempted,
+    ray_processes,
+    run_async,
+    start,
+    wait_until,
+)
 from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.weight_check import probe_log_probs

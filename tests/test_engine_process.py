@@ -16,8 +16,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (VLLM_DEVICE, LOGPROB_TOL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb,
-                     processes_with_env, run)
+from helpers import (
+    LOGPROB_TOL,
+    VLLM_DEVICE,
+    check_completions,
+    finite,
+    max_logprob_gap,
+    metric_rows,
+    needs_vllm,
+    perturb,
+    processes_with_env,
+    run,
+)
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines import vllm as vllm_engine
 from torchrl_grpo.engines import weight_stream

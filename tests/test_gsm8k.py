@@ -9,9 +9,18 @@ from omegaconf import OmegaConf
 from helpers import GSM8K, needs_files
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks import TASK_BUILDERS, Task, build_task, register_task
-from torchrl_grpo.tasks.gsm8k import (REASONING_SYSTEM_PROMPT, SYSTEM_PROMPT, accuracy, answer_format,
-                                      extract_last_number, gold_answer, load_gsm8k, load_gsm_symbolic, normalize_number,
-                                      think_format)
+from torchrl_grpo.tasks.gsm8k import (
+    REASONING_SYSTEM_PROMPT,
+    SYSTEM_PROMPT,
+    accuracy,
+    answer_format,
+    extract_last_number,
+    gold_answer,
+    load_gsm8k,
+    load_gsm_symbolic,
+    normalize_number,
+    think_format,
+)
 
 needs_data = needs_files(GSM8K / "train.jsonl", GSM8K / "test.jsonl")
 

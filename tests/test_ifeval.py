@@ -14,8 +14,16 @@ from helpers import IFEVAL, ROOT, cfg_with, metric_rows, needs_files, needs_vllm
 from torchrl_grpo.config.validate import validate
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks import TASK_BUILDERS, build_task
-from torchrl_grpo.tasks.ifeval import (REWARD_NAMES, _evaluate, _prepare, clean_kwargs, ensure_punkt_tab, evaluate,
-                                       instruction_ids, load_ifeval)
+from torchrl_grpo.tasks.ifeval import (
+    REWARD_NAMES,
+    _evaluate,
+    _prepare,
+    clean_kwargs,
+    ensure_punkt_tab,
+    evaluate,
+    instruction_ids,
+    load_ifeval,
+)
 
 INPUT = IFEVAL / "input_data.jsonl"
 GPT4 = IFEVAL / "gpt4_responses.jsonl"

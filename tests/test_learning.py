@@ -14,11 +14,11 @@ from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.episodes.turn_envs import Reply, TurnEnv, Turns
 from torchrl_grpo.models.loading import load_tokenizer, merged_state_dict
 from torchrl_grpo.run.build import build_trainer
-from torchrl_grpo.run.state import RunState
 from torchrl_grpo.run.loop import Run, run_loop
 from torchrl_grpo.run.sources import LocalSource
-from torchrl_grpo.training.weight_sync import EngineSync
+from torchrl_grpo.run.state import RunState
 from torchrl_grpo.tasks import Reward, Task
+from torchrl_grpo.training.weight_sync import EngineSync
 
 
 def digit_share(completion: str, row) -> float:

@@ -72,7 +72,6 @@ def test_bf16_autocast_on_cpu_stays_close_to_float32(tiny_model_path):
 
 def test_a_cpu_without_native_bf16_is_warned_once(tiny_model_path, monkeypatch, capsys):
     from helpers import cfg_with
-
     from torchrl_grpo.config.spec import resolve_run
     from torchrl_grpo.run.build import build_trainer
 

@@ -7,12 +7,22 @@ import datasets
 import pytest
 import torch
 
-from helpers import (LOGPROB_TOL, SMALL, cfg_with, finite, metric_rows, needs_ray_and_vllm, needs_vllm, ray_processes,
-                     run, run_async)
+from helpers import (
+    LOGPROB_TOL,
+    SMALL,
+    cfg_with,
+    finite,
+    metric_rows,
+    needs_ray_and_vllm,
+    needs_vllm,
+    ray_processes,
+    run,
+    run_async,
+)
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.spec import resolve_run
-from torchrl_grpo.core.secrets import masker
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.core.secrets import masker
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.factory import make_engine
 from torchrl_grpo.episodes.setup import build_episode_task

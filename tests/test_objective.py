@@ -11,10 +11,23 @@ from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.objective.log_probs import token_log_probs
 from torchrl_grpo.objective.loss import GRPOLoss, total_loss
-from torchrl_grpo.objective.terms import (accumulation_weight, aggregate, clipped_surrogate, completion_mean,
-                                          group_advantages, kl_estimate, loss_token_mask, off_policy_keep,
-                                          geometric_mean_surrogate, mis_weights, overlong_buffer_tokens,
-                                          overlong_penalty, sapo_surrogate, sequence_clipped_surrogate, tis_weights)
+from torchrl_grpo.objective.terms import (
+    accumulation_weight,
+    aggregate,
+    clipped_surrogate,
+    completion_mean,
+    geometric_mean_surrogate,
+    group_advantages,
+    kl_estimate,
+    loss_token_mask,
+    mis_weights,
+    off_policy_keep,
+    overlong_buffer_tokens,
+    overlong_penalty,
+    sapo_surrogate,
+    sequence_clipped_surrogate,
+    tis_weights,
+)
 from torchrl_grpo.run.build import build_loss
 
 

@@ -11,8 +11,16 @@ import sys
 import pytest
 import torch
 
-from helpers import (VLLM_DEVICE, LOGPROB_TOL, check_completions, cpu_vllm_only, max_logprob_gap, needs_vllm, perturb,
-                     trainer_logprobs)
+from helpers import (
+    LOGPROB_TOL,
+    VLLM_DEVICE,
+    check_completions,
+    cpu_vllm_only,
+    max_logprob_gap,
+    needs_vllm,
+    perturb,
+    trainer_logprobs,
+)
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.factory import make_engine
 from torchrl_grpo.engines.hf import TransformersEngine

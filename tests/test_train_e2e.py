@@ -8,8 +8,20 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import (CONFIG_DIR, SMALL, failure_excerpt, finite, measured, metric_rows, needs_vllm, preempted, run,
-                     start, training_values, wait_until)
+from helpers import (
+    CONFIG_DIR,
+    SMALL,
+    failure_excerpt,
+    finite,
+    measured,
+    metric_rows,
+    needs_vllm,
+    preempted,
+    run,
+    start,
+    training_values,
+    wait_until,
+)
 from torchrl_grpo.config.precision import native_bf16
 from torchrl_grpo.core.allocator import find_tcmalloc
 

@@ -314,7 +314,6 @@ def test_adam_runs_torchs_fused_kernel_on_cpu_with_the_per_tensor_loops_update(n
     """build_optimizer picks the fused kernel (on CPU torch would loop tensor by tensor): same update to float
     rounding."""
     from helpers import cfg_with
-
     from torchrl_grpo.run.build import build_optimizer
 
     cfg = cfg_with(f"optimizer.name={name}", "optimizer.lr=0.1", "optimizer.weight_decay=0.1")
@@ -346,7 +345,6 @@ def test_the_learning_rate_follows_its_schedule_skips_with_an_update_and_resumes
     from types import SimpleNamespace
 
     from helpers import cfg_with
-
     from torchrl_grpo.run.build import build_scheduler
 
     def after_warmup(k):  # k: optimizer steps done, >= 2

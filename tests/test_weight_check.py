@@ -12,17 +12,24 @@ from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import RunError
 from torchrl_grpo.engines.hf import TransformersEngine
-from torchrl_grpo.engines.weight_check import (MOVED, Probe, WeightCheck, probe_ids, probe_log_probs, sync_problem,
-                                               tolerance)
+from torchrl_grpo.engines.weight_check import (
+    MOVED,
+    Probe,
+    WeightCheck,
+    probe_ids,
+    probe_log_probs,
+    sync_problem,
+    tolerance,
+)
 from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.models.loading import load_policy, merged_state_dict
 from torchrl_grpo.run.build import build_loss, build_optimizer, build_policy
-from torchrl_grpo.run.state import RunState
 from torchrl_grpo.run.loop import Run, run_loop
 from torchrl_grpo.run.sources import LocalSource
-from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
+from torchrl_grpo.run.state import RunState
 from torchrl_grpo.tasks import Reward, Task
 from torchrl_grpo.training.trainer import Trainer
+from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
 
 
 class FixedScores:

@@ -16,8 +16,15 @@ from typing import Any
 from omegaconf import DictConfig
 
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.objective.terms import (AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, MODIFIER_FLOORS,
-                                          MODIFIER_HINTS, OVERLONG, REWARD_SCALES)
+from torchrl_grpo.objective.terms import (
+    AGGREGATIONS,
+    IMPORTANCE_LEVELS,
+    KL_ESTIMATORS,
+    MODIFIER_FLOORS,
+    MODIFIER_HINTS,
+    OVERLONG,
+    REWARD_SCALES,
+)
 
 ENGINE_PROCESSES = ("auto", "same", "own")  # inference_model.engine_process
 WEIGHT_TRANSFERS = ("auto", "collective", "shm")  # inference_model.weight_transfer

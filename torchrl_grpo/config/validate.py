@@ -22,8 +22,12 @@ from omegaconf import DictConfig
 from torchrl_grpo.config.placement import train_strategy
 from torchrl_grpo.config.schema import check_schema, require
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.objective.terms import (COMPLETION_LEVELS, GROUP_FREE_SCALES, MISMATCH_CORRECTIONS,
-                                          TOKEN_ADVANTAGE_LEVELS)
+from torchrl_grpo.objective.terms import (
+    COMPLETION_LEVELS,
+    GROUP_FREE_SCALES,
+    MISMATCH_CORRECTIONS,
+    TOKEN_ADVANTAGE_LEVELS,
+)
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,9 @@ vLLM) happen here, after the config was validated, so that a bad key fails in a 
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 

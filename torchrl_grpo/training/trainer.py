@@ -27,15 +27,22 @@ from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.engines.weight_stream import StreamedWeights, wire_dtype
 from torchrl_grpo.models.flops import bf16_peak_flops, model_shape, update_flops
 from torchrl_grpo.models.loading import merged_state_dict, merged_weights
-from torchrl_grpo.objective.critic import clipped_value_loss, explained_variance, gae, token_rewards, token_values, whiten
+from torchrl_grpo.objective.critic import (
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    token_rewards,
+    token_values,
+    whiten,
+)
 from torchrl_grpo.objective.log_probs import token_log_probs
 from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, total_loss
 from torchrl_grpo.objective.terms import aggregate, group_advantages
+from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, gathered, load_optimizer, save_optimizer
 from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.no_signal import NoSignalWatch
 from torchrl_grpo.training.packing import packed_micro_batches
 from torchrl_grpo.training.recast import weights_recast_in_backward
-from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, gathered, load_optimizer, save_optimizer
 
 
 class Trainer:
