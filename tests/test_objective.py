@@ -98,7 +98,10 @@ def test_sapo_gate_gradient_is_the_unclipped_one_on_policy_and_fades_smoothly():
     adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
     loss, ratio, low, high = sapo_surrogate(logp, old, adv, 1.0, 3.0, 0.2, 0.2)
     loss.sum().backward()
-    sig = lambda x: 1 / (1 + math.exp(-x))
+
+    def sig(x):
+        return 1 / (1 + math.exp(-x))
+
     for i, (a, tau) in enumerate(((2.0, 1.0), (-1.0, 3.0))):
         for t, x in enumerate(d):
             w = math.exp(x)
@@ -375,7 +378,10 @@ def test_padding_and_longer_prompt_change_no_term():
     # one more prompt token in front and two padding tokens at the end of each row
     tokens2 = torch.cat([torch.tensor([[1], [3]]), tokens, torch.zeros(2, 2, dtype=torch.long)], 1)
     mask2 = torch.cat([torch.zeros(2, 1, dtype=torch.bool), mask, torch.zeros(2, 2, dtype=torch.bool)], 1)
-    pad = lambda x: torch.cat([torch.full((2, 1), 7.0, dtype=x.dtype), x, torch.full((2, 2), -5.0, dtype=x.dtype)], 1)
+
+    def pad(x):
+        return torch.cat([torch.full((2, 1), 7.0, dtype=x.dtype), x, torch.full((2, 2), -5.0, dtype=x.dtype)], 1)
+
     batch2 = _batch(tokens2, mask2, adv, pad(old), pad(ref))
     batch2["attention_mask"][:, -2:] = False
     other = GRPOLoss(model, **kwargs)(batch2)
@@ -444,7 +450,10 @@ def _per_token(rows, mask, outside):
 def _variant_batch(model):
     """old/sample/ref built from the model's own log-probs; junk (+-30) outside the completions."""
     current = _hand_logp(model, V_TOKENS, 1.0)
-    inside = lambda x, fill: torch.where(V_MASK, x, torch.full_like(x, fill))
+
+    def inside(x, fill):
+        return torch.where(V_MASK, x, torch.full_like(x, fill))
+
     old = inside(current - _per_token(DELTA, V_MASK, 0.0), 30.0)
     sample = inside(old - _per_token(GAMMA, V_MASK, 0.0), -30.0)
     ref = inside(current + 0.1 * torch.randn(current.shape, generator=torch.Generator().manual_seed(1),
@@ -833,7 +842,10 @@ def test_padding_and_longer_prompt_change_no_term_in_any_variant(name):
     base = _loss_for(model, v, **kwargs)(batch)
     n = len(batch)
     tokens2 = torch.cat([torch.full((n, 1), 2), V_TOKENS, torch.zeros(n, 2, dtype=torch.long)], 1)
-    pad = lambda x, a, b: torch.cat([torch.full((n, 1), a, dtype=x.dtype), x, torch.full((n, 2), b, dtype=x.dtype)], 1)
+
+    def pad(x, a, b):
+        return torch.cat([torch.full((n, 1), a, dtype=x.dtype), x, torch.full((n, 2), b, dtype=x.dtype)], 1)
+
     batch2 = _batch(tokens2, pad(V_MASK, False, False), V_ADV, pad(batch["old_log_probs"], 7.0, float("inf")),
                     pad(batch["ref_log_probs"], -5.0, float("-inf")),
                     sample=pad(batch["sample_log_probs"], float("nan"), -80.0), truncated=V_TRUNCATED)
@@ -852,8 +864,13 @@ def test_bf16_inputs_agree_with_float64():
     old = logp - 0.3 * torch.randn(4, 40, dtype=torch.float64)
     sample = old - 0.3 * torch.randn(4, 40, dtype=torch.float64)
     adv = torch.tensor([1.0, -0.7, 0.4, 2.0], dtype=torch.float64)
-    b = lambda x: x.to(torch.bfloat16)
-    close = lambda got, want: torch.allclose(got.double(), want, rtol=3e-2, atol=3e-2)
+
+    def b(x):
+        return x.to(torch.bfloat16)
+
+    def close(got, want):
+        return torch.allclose(got.double(), want, rtol=3e-2, atol=3e-2)
+
     for got, want in (
         (clipped_surrogate(b(logp), b(old), b(adv), 0.2, 0.28)[0], clipped_surrogate(logp, old, adv, 0.2, 0.28)[0]),
         (sequence_clipped_surrogate(b(logp), b(old), b(adv), mask, 0.1, 0.15)[0],

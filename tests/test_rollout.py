@@ -276,7 +276,11 @@ def test_expected_reload_warnings_filter(vllm_engine):
 
     logger = layerwise.logger
     assert any(isinstance(f, ExpectedReloadWarnings) for f in logger.filters)
-    record = lambda layer: logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "%s: Failed to load weights", (layer,), None)
+
+    def record(layer):
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "%s: Failed to load weights",
+                                 (layer,), None)
+
     assert not logger.filter(record("RotaryEmbedding")) and not logger.filter(record("ParallelLMHead"))
     assert logger.filter(record("QKVParallelLinear"))
 
@@ -318,7 +322,11 @@ def test_transformers_stops_at_eos(tiny_model_path, tokenizer, prompts):
 
 def test_transformers_deterministic_with_seed(tiny_model_path, tokenizer, prompts):
     model = _policy(tiny_model_path)
-    run = lambda seed: [c.token_ids for c in TransformersEngine(model, tokenizer, seed=seed).generate(prompts, n=2, max_tokens=8)]
+
+    def run(seed):
+        return [c.token_ids
+                for c in TransformersEngine(model, tokenizer, seed=seed).generate(prompts, n=2, max_tokens=8)]
+
     assert run(7) == run(7)
     assert run(7) != run(8)
 
