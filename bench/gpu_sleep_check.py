@@ -91,7 +91,8 @@ def main() -> None:
         try:
             rows.append(check(args.dir, int(level), process, args.gpu_memory_utilization, args.device))
         except Exception as error:  # one case's failure is a result; the next case still runs
-            rows.append({"level": int(level), "engine_process": process, "error": f"{type(error).__name__}: {error}"[:300]})
+            rows.append({"level": int(level), "engine_process": process,
+                         "error": f"{type(error).__name__}: {error}"[:300]})
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

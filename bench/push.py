@@ -68,7 +68,8 @@ def main() -> None:
     transport = engine.weight_transfer if opts.engine_process == "own" else "in place"
     median = statistics.median(times)
     print(f"engine process {opts.engine_process} ({transport}): weights {weights:.2f} GiB, {sent:.2f} GiB sent, "
-          f"push median {median:.3f} s, {median / sent:.2f} s/GiB (of {opts.pushes}: {', '.join(f'{t:.3f}' for t in times)})")
+          f"push median {median:.3f} s, {median / sent:.2f} s/GiB "
+          f"(of {opts.pushes}: {', '.join(f'{t:.3f}' for t in times)})")
     for name, rise in rises.items():
         print(f"  {name}: resident set rose by up to {rise:.2f} GiB during the pushes")
 

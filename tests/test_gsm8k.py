@@ -108,7 +108,8 @@ def test_accuracy():
     assert accuracy("#### 1080", {"answer": "so <<1+1=2>>2\n#### 1,080"}) == 1.0
 
 
-@pytest.mark.parametrize("text", ["#### 42", "####42", "#### -3", "#### $1,080", "reasoning...\n#### 3.5 dollars", "x ####   7."])
+@pytest.mark.parametrize("text", ["#### 42", "####42", "#### -3", "#### $1,080", "reasoning...\n#### 3.5 dollars",
+                                  "x ####   7."])
 def test_answer_format_positive(text):
     assert answer_format(text) == 1.0
 
@@ -294,7 +295,8 @@ def test_build_task_gsm8k_alias_with_data_path():
     "cfg, key",
     [
         ({"dataset": "nope"}, "env.dataset"),
-        ({"dataset": "gsm_symbolic", "size": 5, "reward_weights": {"think_format": 1.0}}, "env.reward_weights.think_format"),
+        ({"dataset": "gsm_symbolic", "size": 5, "reward_weights": {"think_format": 1.0}},
+         "env.reward_weights.think_format"),
         ({"dataset": "gsm_symbolic", "size": 5, "reward_weights": {"bogus": 1.0}}, "env.reward_weights.bogus"),
         ({"dataset": "gsm_symbolic", "size": 5, "reward_weights": {"accuracy": "high"}}, "env.reward_weights.accuracy"),
         ({"dataset": "gsm_symbolic", "size": 0}, "env.size"),

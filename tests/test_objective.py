@@ -656,7 +656,8 @@ def test_gmpo_clip_fractions_are_per_token_and_its_ratio_per_completion():
     assert out["clip_fraction_high"].item() == pytest.approx(high / len(tokens))
     assert out["clip_fraction_low"].item() == pytest.approx(low / len(tokens))
     means = [math.exp(_mean(d)) for d in DELTA if d]
-    assert out["ratio_mean"].item() == pytest.approx(_mean(means)) and out["ratio_max"].item() == pytest.approx(max(means))
+    assert (out["ratio_mean"].item() == pytest.approx(_mean(means))
+            and out["ratio_max"].item() == pytest.approx(max(means)))
 
 
 def test_off_policy_keep_drops_exactly_negative_advantage_drifted_completions():

@@ -206,7 +206,8 @@ def test_vllm_push_weights_tied_embeddings_smollm2():
     trainer = _policy(path)
     assert trainer.config.tie_word_embeddings
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                return_dict=False)
         for q in ("What is 7 times 6?", "Name a colour.")
     ]
     engine = VLLMEngine(path, dtype="float32", device=VLLM_DEVICE, max_model_len=512, seed=0)

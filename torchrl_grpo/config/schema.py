@@ -325,7 +325,8 @@ def check_schema(cfg: DictConfig) -> None:
         for field_name, rule in section_keys(section, schema):
             name = f"{section}.{field_name}"
             if node is None or field_name not in node:
-                raise ConfigError(f"{name} is missing from the config: add it (config/grpo_gsm8k.yaml documents every key)")
+                raise ConfigError(f"{name} is missing from the config: "
+                                  "add it (config/grpo_gsm8k.yaml documents every key)")
             check_value(name, node[field_name], rule)
 
 

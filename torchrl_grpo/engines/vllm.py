@@ -216,8 +216,8 @@ class VLLMEngine(Engine):
     vLLM's NCCL engine on GPUs, untested here; our gloo engine on CPUs, tests/test_engine_process.py), ``shm``
     streamed through a bounded buffer in /dev/shm (:mod:`torchrl_grpo.engines.weight_stream`; each tensor-parallel
     worker reads it). An engine in this process takes the tensors in place.
-    Do not use ``engine_process=same`` on a GPU unless the engine should use the process's first visible GPU: an in-process engine cannot be moved
-    by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
+    Do not use ``engine_process=same`` on a GPU unless the engine should use the process's first visible GPU: an
+    in-process engine cannot be moved by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
 
     ``sleep_level`` (``inference_model.sleep`` resolved, GPUs only): vLLM's sleep mode at that level, for an engine
     sharing its GPU with the trainer (:meth:`sleep`, :mod:`torchrl_grpo.engines.sleep`); 0: it never sleeps.
@@ -398,7 +398,8 @@ class VLLMEngine(Engine):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 if c.logprobs is None or len(c.logprobs) != len(ids):
-                    raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} tokens")
+                    raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs "
+                                       f"for {len(ids)} tokens")
                 lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, ids)]
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 completions.append(Completion(index, ids, lps, str(c.finish_reason), text))

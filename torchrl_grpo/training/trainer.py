@@ -121,8 +121,8 @@ class Trainer:
         """GAE over the completion tokens from the critic's values (:func:`gae`): the task reward on each
         episode's last token, the KL penalty of the reward on every token; the values are kept as ``value_old``
         and the returns as ``return``, the value loss's targets. Returns the advantages [N, L], whitened over the
-        batch's loss tokens (``loss_mask``) when ``critic.whiten_advantages``; adds the critic's metrics (``explained_variance``
-        of the returns by the values before the update, their means)."""
+        batch's loss tokens (``loss_mask``) when ``critic.whiten_advantages``; adds the critic's metrics
+        (``explained_variance`` of the returns by the values before the update, their means)."""
         c, mask = self.critic.settings, batch["completion_mask"]
         packed = self.settings.micro_batch_tokens is not None
         values = self._per_row(lambda mb: token_values(self.critic.model, mb["tokens"], mb["attention_mask"],
@@ -271,7 +271,8 @@ class Trainer:
         metrics.update({"skipped_updates": skipped, "still_updates": still,
                         "trained_row_fraction": trained_rows / (len(batch) * s.epochs),
                         "lr": self.optimizer.param_groups[0]["lr"] if lr is None else lr,
-                        "train_time": elapsed, "optimizer_time": optimizer_time, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
+                        "train_time": elapsed, "optimizer_time": optimizer_time,
+                        "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
         if self.model_shapes is not None:
             metrics["train_flops_per_s"] = flops / max(elapsed, 1e-9)
         if self.peak_flops is not None:
