@@ -3,9 +3,22 @@ live in :mod:`torchrl_grpo.run.build`, the data-parallel launcher in :mod:`torch
 from torchrl_grpo.config.placement import adopt_torchrun_ranks
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.parallel.launcher import data_parallel_ranks, follow_rank, torchrun_follower
-from torchrl_grpo.run.build import (build_async, build_common, build_engine, build_eval_engine, build_eval_task,
-                                    build_follower, build_loss, build_optimizer, build_policy, build_sync,
-                                    build_trainer, build_weight_check, read_inputs, seed_everything)
+from torchrl_grpo.run.build import (
+    build_async,
+    build_common,
+    build_engine,
+    build_eval_engine,
+    build_eval_task,
+    build_follower,
+    build_loss,
+    build_optimizer,
+    build_policy,
+    build_sync,
+    build_trainer,
+    build_weight_check,
+    read_inputs,
+    seed_everything,
+)
 
 __all__ = ["adopt_torchrun_ranks", "build_async", "build_common", "build_engine", "build_eval_engine",
            "build_eval_task", "build_follower", "build_loss", "build_optimizer", "build_policy", "build_sync",

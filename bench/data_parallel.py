@@ -27,7 +27,8 @@ def main():
         figures[name] = {**throughput(result, opts.warmup),
                          **{key: round(statistics.median(float(r[key]) for r in rows), 3) for key in SPLIT}}
         print(f"{name:>8}: " + ", ".join(f"{k} {v}" for k, v in figures[name].items()), flush=True)
-    print("| trainer | completions/s | train s | log-probs s | push s (gather + push) | step s |\n|---|---|---|---|---|---|")
+    print("| trainer | completions/s | train s | log-probs s | push s (gather + push) | step s |\n"
+          "|---|---|---|---|---|---|")
     for name, fig in figures.items():
         print(f"| {name} | {fig['completions_per_s']} | {fig['train_time']} | {fig['prepare_time']} | "
               f"{fig['weight_push_time']} | {fig['step_time']} |")

@@ -32,9 +32,9 @@ def in_use_gib() -> float:
 
 
 def check(model: Path, level: int, engine_process: str, gpu_memory_utilization: float, device: str) -> dict:
-    from gpu_vllm_speed import prompts_of
     from transformers import AutoModelForCausalLM
 
+    from gpu_vllm_speed import prompts_of
     from torchrl_grpo.engines.vllm import VLLMEngine
 
     row = {"level": level, "engine_process": engine_process, "before_engine_gib": round(in_use_gib(), 2)}
@@ -91,7 +91,8 @@ def main() -> None:
         try:
             rows.append(check(args.dir, int(level), process, args.gpu_memory_utilization, args.device))
         except Exception as error:  # one case's failure is a result; the next case still runs
-            rows.append({"level": int(level), "engine_process": process, "error": f"{type(error).__name__}: {error}"[:300]})
+            rows.append({"level": int(level), "engine_process": process,
+                         "error": f"{type(error).__name__}: {error}"[:300]})
         print(json.dumps(rows[-1]), flush=True)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

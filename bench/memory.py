@@ -120,7 +120,8 @@ def main() -> None:
             trainer.prepare(batch)
             ledger.mark(f"step {step}: log-probs, advantages")
             if opts.every_row_trains:  # random advantages: no row is skipped, no step is still
-                batch["advantage"] = torch.randn(batch["advantage"].shape, generator=torch.Generator().manual_seed(step))
+                batch["advantage"] = torch.randn(batch["advantage"].shape,
+                                                 generator=torch.Generator().manual_seed(step))
             trainer.optimize(batch)
             ledger.mark(f"step {step}: forward/backward, optimizer")
             trainer.push_weights(engine)

@@ -1,7 +1,7 @@
 """Training-step time of SmolLM2-135M-Instruct in float32, with ``train.mixed_precision`` (bf16 autocast over
 float32 master weights) and with pure bf16 weights (``train_model.torch_dtype=bfloat16``), on the shape of
-the workloads of docs/benchmarks.md: 16 completions of 24 tokens after a 56-token prompt, one micro-batch, AdamW. Times the
-trainer's own ``prepare`` + ``optimize`` (log-probs recomputed, forward, backward, optimizer step); prints the
+the workloads of docs/benchmarks.md: 16 completions of 24 tokens after a 56-token prompt, one micro-batch, AdamW.
+Times the trainer's own ``prepare`` + ``optimize`` (log-probs recomputed, forward, backward, optimizer step); prints the
 median over the steps after a warm-up, and each mode's first-step loss and gradient norm against float32.
 
     .venv/bin/python bench/precision.py              # 6 steps per mode
@@ -19,13 +19,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from test_mixed_precision import SETTINGS, make_batch  # noqa: E402  (the test's batch, at the workload's size)
-
 from torchrl_grpo.models.loading import load_policy  # noqa: E402
 from torchrl_grpo.models.sources import resolve_model  # noqa: E402
 from torchrl_grpo.objective.loss import GRPOLoss  # noqa: E402
 from torchrl_grpo.training.trainer import Trainer  # noqa: E402
 
-MODES = {"float32": (torch.float32, False), "mixed_precision": (torch.float32, True), "bf16 weights": (torch.bfloat16, False)}
+MODES = {"float32": (torch.float32, False), "mixed_precision": (torch.float32, True),
+         "bf16 weights": (torch.bfloat16, False)}
 
 
 def time_mode(path: str, dtype: torch.dtype, mixed: bool, steps: int) -> tuple[float, dict]:

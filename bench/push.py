@@ -23,9 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from memory import ROOT, GiB, reset_peak, status  # noqa: E402
-
 from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
-
 from torchrl_grpo.engines.weight_stream import wire_dtype  # noqa: E402
 from torchrl_grpo.training.weight_sync import snapshot  # noqa: E402
 
@@ -71,7 +69,8 @@ def main() -> None:
     transport = engine.transport.name
     median = statistics.median(times)
     print(f"engine process {opts.engine_process} ({transport}): weights {weights:.2f} GiB, {sent:.2f} GiB sent, "
-          f"push median {median:.3f} s, {median / sent:.2f} s/GiB (of {opts.pushes}: {', '.join(f'{t:.3f}' for t in times)})")
+          f"push median {median:.3f} s, {median / sent:.2f} s/GiB "
+          f"(of {opts.pushes}: {', '.join(f'{t:.3f}' for t in times)})")
     for name, rise in rises.items():
         print(f"  {name}: resident set rose by up to {rise:.2f} GiB during the pushes")
 

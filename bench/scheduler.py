@@ -133,12 +133,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--data", default=GSM8K_DATA, help="env.data_path")
-    parser.add_argument("--wait", type=float, default=None, help="seconds a generate takes (default: a step's training)")
+    parser.add_argument("--wait", type=float, default=None,
+                        help="seconds a generate takes (default: a step's training)")
     opts = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     def cfg(*extra):
-        return workload_config(opts.data, "train.weight_sync_check=false", f"train.total_dialog_turns={16 * opts.steps}",
-                               *extra)
+        return workload_config(opts.data, "train.weight_sync_check=false",
+                               f"train.total_dialog_turns={16 * opts.steps}", *extra)
 
     out = ROOT / "outputs" / "bench-scheduler"
     wait = opts.wait
@@ -148,7 +149,8 @@ def main() -> None:
     overlapped, _, overlap_eff = completions_per_s(cfg("train.sync_iter=false"), out / "overlap", wait, overlap=True)
     in_ray, async_eff = async_completions_per_s(opts.data, opts.steps, wait, out / "async")
     print(f"generation: a fixed wait of {wait:.2f} s" + ("" if opts.wait else " (a step's training time)"))
-    print(f"sync: {sync:.2f} completions/s; sync_iter=false: {overlapped:.2f} completions/s -> {overlapped / sync:.2f}x; "
+    print(f"sync: {sync:.2f} completions/s; "
+          f"sync_iter=false: {overlapped:.2f} completions/s -> {overlapped / sync:.2f}x; "
           f"grpo-async.py: {in_ray:.2f} completions/s -> {in_ray / sync:.2f}x")
     print(f"scheduler efficiency (ideal / measured step time, from each step's own training time): sync "
           f"{sync_eff:.1%}, sync_iter=false {overlap_eff:.1%}, grpo-async.py {async_eff:.1%}")

@@ -58,7 +58,8 @@ def run(overrides: list[str], steps: int, out: Path) -> list[dict]:
     args = [sys.executable, str(ROOT / "grpo.py"), *WORKLOAD, f"train.total_dialog_turns={16 * steps}",
             *overrides, f"hydra.run.dir={out}"]
     with open(f"{out}.log", "w") as log:
-        done = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        done = subprocess.run(args, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
     if done.returncode != 0:
         sys.exit(f"error: grpo.py failed (exit {done.returncode}); see {out}.log")
     with open(out / "metrics.csv", newline="") as f:
@@ -156,7 +157,8 @@ def main() -> None:
     finally:
         engine.close()
     ours = statistics.median(r["generation_tokens_per_s"] for r in rows)
-    print(f"rollout efficiency: {ours:.0f} tokens/s in the run, bare vllm generate {bare:.0f} -> {100 * ours / bare:.0f}%")
+    print(f"rollout efficiency: {ours:.0f} tokens/s in the run, "
+          f"bare vllm generate {bare:.0f} -> {100 * ours / bare:.0f}%")
     bare_step = bare_train_step_s(model_path, prompts, opts.steps - 1, precision.autocast_bf16, max_tokens)
     trained = statistics.median(r["prepare_time"] + r["train_time"] for r in rows)
     outside = step - parts["generate"] - parts["log-probs (prepare)"] - parts["forward+backward"] - parts["optimizer"]

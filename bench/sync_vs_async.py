@@ -86,7 +86,8 @@ def main():
         fig["ratio_to_sync"] = round(fig["completions_per_s"] / base, 2)
     print("| mode | completions/s | tokens/s | vs sync | wall s |\n|---|---|---|---|---|")
     for name, fig in figures.items():
-        print(f"| {name} | {fig['completions_per_s']} | {fig['tokens_per_s']} | {fig['ratio_to_sync']}x | {fig['wall_s']} |")
+        print(f"| {name} | {fig['completions_per_s']} | {fig['tokens_per_s']} | {fig['ratio_to_sync']}x | "
+              f"{fig['wall_s']} |")
     print(json.dumps(figures))
 
 

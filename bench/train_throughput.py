@@ -101,7 +101,8 @@ def measure(shape: str, tokens: int, steps: int, overrides: list[str],
     rows, micro, accumulation = plan(tokens, step_tokens, micro_tokens)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
         cfg = compose("grpo_gsm8k", [f"env.repeats={GROUP}", f"env.num_envs={rows // GROUP}",
-                                     f"train.optim_batch_size={micro}", f"train.gradient_accumulation_steps={accumulation}",
+                                     f"train.optim_batch_size={micro}",
+                                     f"train.gradient_accumulation_steps={accumulation}",
                                      f"inference_model.max_tokens={tokens}", "train.kl_to_ref_coeff=0",
                                      f"train.total_dialog_turns={rows * (steps + 1)}", *overrides])
     seed_everything(0)
@@ -156,10 +157,12 @@ def main() -> None:
     parser.add_argument("--step-tokens", type=int, default=STEP_TOKENS, help="tokens per optimizer step")
     parser.add_argument("--micro-tokens", type=int, default=MICRO_TOKENS, help="tokens per micro-batch")
     parser.add_argument("--ragged", action="store_true", help="completions of random lengths, right-padded")
-    parser.add_argument("--chunk-mib", type=int, help="float32 logits per log-prob chunk, at least (default: the package's "
+    parser.add_argument("--chunk-mib", type=int,
+                        help="float32 logits per log-prob chunk, at least (default: the package's "
                         "chunk_bytes); 1048576: the whole micro-batch's logits at once")
     parser.add_argument("--json", type=Path, help="also write the rows here")
-    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the recipe, e.g. train_model.gradient_checkpointing=false")
+    parser.add_argument("overrides", nargs="*",
+                        help="Hydra overrides of the recipe, e.g. train_model.gradient_checkpointing=false")
     args = parser.parse_args()
     if args.chunk_mib:
         log_probs.CHUNK_BYTES = args.chunk_mib << 20

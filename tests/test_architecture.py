@@ -37,7 +37,8 @@ def imports(path: Path) -> set[str]:
             found |= {a.name for a in node.names if a.name.startswith("torchrl_grpo.")}
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torchrl_grpo"):
             # `from torchrl_grpo.core import errors` imports the module torchrl_grpo.core.errors
-            found |= {f"{node.module}.{a.name}" if (PACKAGE.parent / node.module.replace(".", "/") / f"{a.name}.py").exists()
+            found |= {f"{node.module}.{a.name}"
+                      if (PACKAGE.parent / node.module.replace(".", "/") / f"{a.name}.py").exists()
                       else node.module for a in node.names}
     return found
 

@@ -21,7 +21,8 @@ def env(**overrides):
 def test_rows_are_the_generated_problems_of_one_split_each_once():
     import reasoning_gym
 
-    gen = reasoning_gym.create_dataset("products", size=40, seed=5, min_terms=2, max_terms=2, min_digits=1, max_digits=1)
+    gen = reasoning_gym.create_dataset("products", size=40, seed=5, min_terms=2, max_terms=2, min_digits=1,
+                                       max_digits=1)
     expected = {}
     for i in range(40):
         expected.setdefault(gen[i]["question"], str(gen[i]["answer"]))

@@ -10,8 +10,22 @@ import numpy as np
 import torch
 from omegaconf import OmegaConf
 
-from helpers import (CONFIG_DIR, FLOAT32, ROOT, SMALL, failure_excerpt, finite, metric_rows, needs_ray,
-                     needs_ray_and_vllm, preempted, ray_processes, run_async, start, wait_until)
+from helpers import (
+    CONFIG_DIR,
+    FLOAT32,
+    ROOT,
+    SMALL,
+    failure_excerpt,
+    finite,
+    metric_rows,
+    needs_ray,
+    needs_ray_and_vllm,
+    preempted,
+    ray_processes,
+    run_async,
+    start,
+    wait_until,
+)
 
 
 @needs_ray_and_vllm
@@ -124,7 +138,8 @@ def test_a_dying_actor_is_replaced_with_the_current_weights_until_restarts_run_o
                         cwd=tmp_path, timeout=300, env_extra={"PYTHONPATH": str(Path(__file__).parent)})
     assert crashed.returncode == 1, crashed.stderr[-3000:]
     warnings = [line for line in crashed.stderr.splitlines() if line.startswith("warning: rollout actor 0 died")]
-    assert len(warnings) == 1 and "restarted with policy version 2 (restart 1 of ray.max_actor_restarts=1)" in warnings[0]
+    assert (len(warnings) == 1
+            and "restarted with policy version 2 (restart 1 of ray.max_actor_restarts=1)" in warnings[0])
     last = [line for line in crashed.stderr.splitlines() if line.strip()][-1]
     assert last.startswith("error: rollout actor 0 died during collect (") and "\n" not in last
     assert "ray.max_actor_restarts=1 restart(s) used up" in last and "checkpoint of step 4 saved" in last

@@ -75,9 +75,11 @@ ROWS = [
     (["train.entropy_coeff=true"], r"train.entropy_coeff=True: must be a number >= 0"),
     (["optimizer.lr=0"], r"optimizer.lr=0: must be a number > 0"),
     (["optimizer.lr=abc"], r"optimizer.lr='abc': must be a number > 0"),
-    (["inference_model.gpu_memory_utilization=1.5"], r"inference_model.gpu_memory_utilization=1.5: must be in \(0, 1\]"),
+    (["inference_model.gpu_memory_utilization=1.5"],
+     r"inference_model.gpu_memory_utilization=1.5: must be in \(0, 1\]"),
     (["train.sync_iter=maybe"], r"train.sync_iter='maybe': must be true or false"),
-    (["train.mixed_precision=maybe"], r"train.mixed_precision='maybe': choose auto \(bf16 autocast where bf16 is native\), true or false"),
+    (["train.mixed_precision=maybe"],
+     r"train.mixed_precision='maybe': choose auto \(bf16 autocast where bf16 is native\), true or false"),
     (["model.trust_remote_code=yes please"], r"model.trust_remote_code='yes please': must be true or false"),
     (["optimizer.name=Lion"], r"optimizer.name='Lion': choose one of AdamW, Adam, SGD"),
     (["loss.tis_cap=0"], r"loss.tis_cap=0: must be a number > 0 \(e.g. 2\), or null to turn TIS off"),
@@ -92,10 +94,13 @@ ROWS = [
     (["train.optim_batch_size=5"], r"train.optim_batch_size=5 does not divide"),
     (["train.optim_batch_size=4", "train.gradient_accumulation_steps=3"], r"train.gradient_accumulation_steps=3"),
     (["train.dialog_turns_per_batch=10"], r"train.dialog_turns_per_batch=10"),
-    (["inference_model.top_p=0.9", "loss.old_log_probs=engine"], r"inference_model.top_p=0.9 with loss.old_log_probs=engine: "),
-    (["inference_model.top_k=20", "loss.old_log_probs=engine"], r"inference_model.top_k=20 with loss.old_log_probs=engine: "
-                                                                 r".*set loss.old_log_probs=trainer \(or top_k=0\)"),
-    (["inference_model.min_p=0.1", "loss.old_log_probs=engine"], r"inference_model.min_p=0.1 with loss.old_log_probs=engine"),
+    (["inference_model.top_p=0.9", "loss.old_log_probs=engine"],
+     r"inference_model.top_p=0.9 with loss.old_log_probs=engine: "),
+    (["inference_model.top_k=20", "loss.old_log_probs=engine"],
+     r"inference_model.top_k=20 with loss.old_log_probs=engine: "
+     r".*set loss.old_log_probs=trainer \(or top_k=0\)"),
+    (["inference_model.min_p=0.1", "loss.old_log_probs=engine"],
+     r"inference_model.min_p=0.1 with loss.old_log_probs=engine"),
     (["inference_model.top_k=-1"], r"inference_model.top_k=-1: must be an integer >= 0"),
     (["env.max_steps=2"], r"env.max_steps=2 without env.turn_env: nothing answers between turns"),
     (["env=gsm_symbolic_python", "env.turn_env.memory_mb=-1"], r"env.turn_env.memory_mb=-1: must be a number > 0"),
@@ -109,28 +114,35 @@ ROWS = [
     (["model.name={F}/empty_model"], r"model.name='{F}/empty_model': the directory has no config.json"),
     (["model.name={F}/broken_config"], r"model.name={F}/broken_config: {F}/broken_config/config.json is not JSON"),
     (["model.name={F}/not_a_model_config"], r"model.name=.*/config.json is not a model config"),
-    (["model.name={F}/custom_code"], r"model.name=.*asks to run the model folder's own Python code.*model.trust_remote_code"),
-    (["model.name={F}/truncated_weights"], r"model.name={F}/truncated_weights: .*its weights do not load \(model.safetensors"),
+    (["model.name={F}/custom_code"],
+     r"model.name=.*asks to run the model folder's own Python code.*model.trust_remote_code"),
+    (["model.name={F}/truncated_weights"],
+     r"model.name={F}/truncated_weights: .*its weights do not load \(model.safetensors"),
     # the task's data and reward functions
     (["env=gsm8k", "env.data_path={F}/missing.jsonl"], r"env.data_path={F}/missing.jsonl: no such file or folder"),
     (["env=gsm8k", "env.data_path={F}/empty.jsonl"], r"env.data_path={F}/empty.jsonl: {F}/empty.jsonl is empty"),
     (["env=gsm8k", "env.data_path={F}/not_json.jsonl"], r"env.data_path={F}/not_json.jsonl: .* is not JSON lines"),
     (["env=gsm8k", "env.data_path={F}/binary.jsonl"], r"env.data_path={F}/binary.jsonl: .* is not JSON lines"),
     (["env=gsm8k", "env.data_path={F}/a_list.jsonl"], r"env.data_path={F}/a_list.jsonl: .* holds no JSON object"),
-    (["env=gsm8k", "env.data_path={F}/wrong_schema.jsonl"], r"env.data_path=.*rows lack the column\(s\) \['question', 'answer'\]"),
+    (["env=gsm8k", "env.data_path={F}/wrong_schema.jsonl"],
+     r"env.data_path=.*rows lack the column\(s\) \['question', 'answer'\]"),
     (["env=gsm8k", "env.data_path={F}/data.txt"], r"env.data_path={F}/data.txt: unsupported file type '.txt'"),
     (["env=gsm8k", "env.data_path={F}/no_data_here"], r"env.data_path={F}/no_data_here: none of train.jsonl"),
     (["env=ifeval", "env.data_path={F}/wrong_schema.jsonl"], r"env.data_path=.*rows lack the column\(s\) \['prompt'"),
     (["env=ifeval", "env.data_path={F}/empty.jsonl"], r"env.data_path={F}/empty.jsonl: {F}/empty.jsonl is empty"),
     (["env.dataset=nope"], r"env.dataset='nope': choose one of"),
-    (["+env.rewards=[{_target_: no_such_module.length}]"], r"env.rewards\[0\]._target_=no_such_module.length: cannot import it"),
-    (["+env.rewards=[{_target_: os.path.no_such_function}]"], r"env.rewards\[0\]._target_=os.path.no_such_function: cannot import"),
+    (["+env.rewards=[{_target_: no_such_module.length}]"],
+     r"env.rewards\[0\]._target_=no_such_module.length: cannot import it"),
+    (["+env.rewards=[{_target_: os.path.no_such_function}]"],
+     r"env.rewards\[0\]._target_=os.path.no_such_function: cannot import"),
     (["+env.rewards=[{weight: 1}]"], r"env.rewards\[0\]: give the reward function's import path as _target_"),
     # checkpoints to resume from
     (["train.resume={F}/no_such_run"], r"train.resume={F}/no_such_run: no checkpoint there"),
-    (["train.resume={F}/run/checkpoints/step_000001"], r"train.resume=.*step_000001: that checkpoint does not load \(trainer_state.pt"),
+    (["train.resume={F}/run/checkpoints/step_000001"],
+     r"train.resume=.*step_000001: that checkpoint does not load \(trainer_state.pt"),
     (["train.resume={F}/run"], r"train.resume={F}/run: none of its checkpoints loads"),
-    (["train.resume={F}/pickled/step_000001"], r"train.resume=.*: that checkpoint does not load \(trainer_state.pt: Unpickling"),
+    (["train.resume={F}/pickled/step_000001"],
+     r"train.resume=.*: that checkpoint does not load \(trainer_state.pt: Unpickling"),
     # lengths: the engine's context against the prompts and the model
     (["inference_model.max_model_len=8"], r"no env row fits inference_model.max_model_len=8: the shortest prompt has "
                                           r"\d+ tokens and a completion may take inference_model.max_tokens=24 more"),
@@ -165,7 +177,8 @@ def _refused(done) -> str:
 
 @pytest.mark.parametrize("overrides, expected", [
     (["train.seed=abc"], "error: train.seed='abc': must be an integer"),
-    (["model.name={F}/broken_config"], "error: model.name={F}/broken_config: {F}/broken_config/config.json is not JSON"),
+    (["model.name={F}/broken_config"],
+     "error: model.name={F}/broken_config: {F}/broken_config/config.json is not JSON"),
     (["env=gsm8k", "env.data_path={F}/empty.jsonl"], "error: env.data_path={F}/empty.jsonl: {F}/empty.jsonl is empty"),
     (["train.resume={F}/run/checkpoints/step_000001"], "error: train.resume={F}/run/checkpoints/step_000001: that "
                                                       "checkpoint does not load"),
@@ -179,7 +192,8 @@ def test_grpo_py_refuses_it_in_one_line_before_the_batch_plan(overrides, expecte
 @pytest.mark.parametrize("argv, expected", [
     (["train.no_such=1"], "Could not override 'train.no_such'. To append to your config use +train.no_such=1; check "
                           "the key's spelling"),
-    (["model=nope"], "In 'grpo_gsm8k': Could not find 'model/nope' Available options in 'model': qwen2.5-0.5b-instruct, "),
+    (["model=nope"], "In 'grpo_gsm8k': Could not find 'model/nope' Available options in 'model': "
+                     "qwen2.5-0.5b-instruct, "),
     (["--config-name", "nope"], "Cannot find primary config 'nope'"),
     (["optimizer.lr=[1"], "no viable alternative at input '[1'"),
     (["--multirun", "optimizer.lr=1e-4,1e-5", "model=nope"], "In 'grpo_gsm8k': Could not find 'model/nope'"),
@@ -192,7 +206,8 @@ def test_overrides_hydra_cannot_apply_are_one_line(argv, expected):
 
 def test_valid_command_lines_pass_the_override_check():
     for argv in (["model=tiny", "--multirun", "optimizer.lr=1e-4,1e-5"], ["--config-name", "grpo_ifeval"],
-                 ["+env.rewards=[{_target_: a.b}]", "hydra.run.dir=/tmp/x"], ["--help"], ["mode=async", "ray.num_actors=2"]):
+                 ["+env.rewards=[{_target_: a.b}]", "hydra.run.dir=/tmp/x"], ["--help"],
+                 ["mode=async", "ray.num_actors=2"]):
         check_overrides(str(CONFIG_DIR), "grpo_gsm8k", argv)
 
 

@@ -28,7 +28,8 @@ def checkpoints(tmp_path):
 
 
 @pytest.mark.parametrize("breaks, reason", [
-    (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:2000]), "model.safetensors:"),
+    (lambda p: (p / "model.safetensors").write_bytes((p / "model.safetensors").read_bytes()[:2000]),
+     "model.safetensors:"),
     (lambda p: (p / "model.safetensors").unlink(), "no *.safetensors weights"),
     (lambda p: (p / STATE_FILE).write_bytes(b"not a pickle"), f"{STATE_FILE}:"),
     # any pickled object beyond tensors and plain containers (here numpy's RNG state, as the state files

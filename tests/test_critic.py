@@ -4,8 +4,15 @@ import math
 import pytest
 import torch
 
-from torchrl_grpo.objective.critic import (clipped_value_loss, explained_variance, gae, last_token, token_rewards,
-                                           token_values, whiten)
+from torchrl_grpo.objective.critic import (
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    last_token,
+    token_rewards,
+    token_values,
+    whiten,
+)
 
 # three rows over 9 positions: a prompt then a completion then padding; two turns with the environment's tokens
 # between them; a row without any completion token
@@ -64,7 +71,8 @@ def test_token_rewards_put_the_reward_on_the_last_token_and_the_kl_on_every_toke
     for i, row in enumerate(MASK.tolist()):
         steps = [t for t, m in enumerate(row) if m]
         for t in range(9):
-            expected = (reward[i].item() if steps and t == steps[-1] else 0.0) - (0.5 * kl[i, t].item() if row[t] else 0)
+            expected = ((reward[i].item() if steps and t == steps[-1] else 0.0)
+                        - (0.5 * kl[i, t].item() if row[t] else 0))
             assert with_kl[i, t].item() == pytest.approx(expected, abs=1e-6)
 
 

@@ -23,9 +23,26 @@ import torch
 from safetensors.torch import load_file
 from tensordict import TensorDict
 
-from helpers import (FLOAT32, LOGPROB_TOL, LORA, SCRIPT_ENV, SMALL, failure_excerpt, finite, free_port, max_logprob_gap,
-                     metric_rows, needs_ray_and_vllm, needs_vllm, padded_rows, preempted, ray_processes, run_async,
-                     start, wait_until)
+from helpers import (
+    FLOAT32,
+    LOGPROB_TOL,
+    LORA,
+    SCRIPT_ENV,
+    SMALL,
+    failure_excerpt,
+    finite,
+    free_port,
+    max_logprob_gap,
+    metric_rows,
+    needs_ray_and_vllm,
+    needs_vllm,
+    padded_rows,
+    preempted,
+    ray_processes,
+    run_async,
+    start,
+    wait_until,
+)
 from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.weight_check import probe_log_probs
@@ -246,7 +263,8 @@ def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path, m
               f"{abs(metrics['grad_norm'] - dp_metrics['grad_norm']):.1e} (grad_norm {metrics['grad_norm']:.4f})")
         assert gap <= 1e-5, (name, gap)
         assert moved > 1e-4, (name, moved)  # the update did something
-        saved = sorted(str(p.relative_to(tmp_path / "one" / name)) for p in (tmp_path / "one" / name).rglob("*.safetensors"))
+        saved = sorted(str(p.relative_to(tmp_path / "one" / name))
+                       for p in (tmp_path / "one" / name).rglob("*.safetensors"))
         assert saved and saved == sorted(str(p.relative_to(tmp_path / "ranks" / name))
                                          for p in (tmp_path / "ranks" / name).rglob("*.safetensors"))
         assert ("critic/model.safetensors" in saved) == bool(CASES[name][1].get("critic"))
@@ -460,8 +478,8 @@ def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(own_en
     run is conftest.py's own_engine_run, with the same keys (tests/test_engine_process.py checks it). The model
     cache starts empty: rank 0 builds the model while the other rank waits to join."""
     run_dir = tmp_path / "run"
-    args = [*SMALL, *FLOAT32, "loss.old_log_probs=trainer", "train.entropy_coeff=0.01", "logging.checkpoint_frequency=1",
-            f"hydra.run.dir={run_dir}"]
+    args = [*SMALL, *FLOAT32, "loss.old_log_probs=trainer", "train.entropy_coeff=0.01",
+            "logging.checkpoint_frequency=1", f"hydra.run.dir={run_dir}"]
     port = free_port()
     nodes = [torchrun(["--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "1", "--master-addr",
                        "127.0.0.1", "--master-port", str(port)], [*args, "train.total_dialog_turns=16"], tmp_path,

@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from helpers import VLLM_DEVICE, vllm_installed
-from torchrl_grpo.engines import vllm_process
-from torchrl_grpo.engines import vllm_cpu_fixes
+from torchrl_grpo.engines import vllm_cpu_fixes, vllm_process
 from torchrl_grpo.engines.vllm import VLLMEngine
 from torchrl_grpo.engines.vllm_process import MULTIPROCESSING_ENV
 

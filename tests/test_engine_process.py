@@ -16,11 +16,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import (VLLM_DEVICE, LOGPROB_TOL, check_completions, finite, max_logprob_gap, metric_rows, needs_vllm, perturb,
-                     processes_with_env, run)
+from helpers import (
+    LOGPROB_TOL,
+    VLLM_DEVICE,
+    check_completions,
+    finite,
+    max_logprob_gap,
+    metric_rows,
+    needs_vllm,
+    perturb,
+    processes_with_env,
+    run,
+)
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.engines import transports, vllm_process
-from torchrl_grpo.engines import weight_stream
+from torchrl_grpo.engines import transports, vllm_process, weight_stream
 from torchrl_grpo.engines.vllm import VLLMEngine
 from torchrl_grpo.engines.vllm_process import MULTIPROCESSING_ENV, wants_own_process
 from torchrl_grpo.models.loading import load_policy, merged_state_dict
@@ -101,7 +110,8 @@ def own(tied_model_path):
     engine = VLLMEngine(tied_model_path, dtype="float32", device=VLLM_DEVICE, max_model_len=512, seed=0,
                         engine_process="own")
     state = SimpleNamespace(
-        engine=engine, default_transport=engine.transport.name, env_before=env_before, set_num_threads=set_num_threads, expected_rand=expected_rand,
+        engine=engine, default_transport=engine.transport.name, env_before=env_before,
+        set_num_threads=set_num_threads, expected_rand=expected_rand,
         caller_rand=torch.rand(4), held_here=_shm_held_by([os.getpid()]) - held_before,
         children=[p for p in _engine_children() if p.pid not in children_before],
     )

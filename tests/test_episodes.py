@@ -22,7 +22,8 @@ def ids(tokenizer, text):
 
 
 def render(tokenizer, messages, generation_prompt):
-    return ids(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt))
+    return ids(tokenizer, tokenizer.apply_chat_template(messages, tokenize=False,
+                                                        add_generation_prompt=generation_prompt))
 
 
 def play(tokenizer, answers, stop_sampled):
@@ -58,7 +59,8 @@ def test_a_scripted_three_turn_episode_is_the_rendered_conversation(chatml, stop
     inserted = [t for t, s in zip(episode.tokens, episode.sampled) if not s]
     im_end = chatml.convert_tokens_to_ids("<|im_end|>")
     assert chatml.decode(inserted).count("Wrong, try again.") == 2
-    assert inserted.count(im_end) == render(chatml, conversation[:1], True).count(im_end) + 2 + (0 if stop_sampled else 2)
+    assert inserted.count(im_end) == (render(chatml, conversation[:1], True).count(im_end) + 2
+                                      + (0 if stop_sampled else 2))
 
 
 def test_sampled_ids_are_kept_as_sampled_not_as_text_would_give_them(chatml):

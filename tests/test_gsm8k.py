@@ -9,9 +9,18 @@ from omegaconf import OmegaConf
 from helpers import GSM8K, needs_files
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks import TASK_BUILDERS, Task, build_task, register_task
-from torchrl_grpo.tasks.gsm8k import (REASONING_SYSTEM_PROMPT, SYSTEM_PROMPT, accuracy, answer_format,
-                                      extract_last_number, gold_answer, load_gsm8k, load_gsm_symbolic, normalize_number,
-                                      think_format)
+from torchrl_grpo.tasks.gsm8k import (
+    REASONING_SYSTEM_PROMPT,
+    SYSTEM_PROMPT,
+    accuracy,
+    answer_format,
+    extract_last_number,
+    gold_answer,
+    load_gsm8k,
+    load_gsm_symbolic,
+    normalize_number,
+    think_format,
+)
 
 needs_data = needs_files(GSM8K / "train.jsonl", GSM8K / "test.jsonl")
 
@@ -99,7 +108,8 @@ def test_accuracy():
     assert accuracy("#### 1080", {"answer": "so <<1+1=2>>2\n#### 1,080"}) == 1.0
 
 
-@pytest.mark.parametrize("text", ["#### 42", "####42", "#### -3", "#### $1,080", "reasoning...\n#### 3.5 dollars", "x ####   7."])
+@pytest.mark.parametrize("text", ["#### 42", "####42", "#### -3", "#### $1,080", "reasoning...\n#### 3.5 dollars",
+                                  "x ####   7."])
 def test_answer_format_positive(text):
     assert answer_format(text) == 1.0
 
@@ -285,7 +295,8 @@ def test_build_task_gsm8k_alias_with_data_path():
     "cfg, key",
     [
         ({"dataset": "nope"}, "env.dataset"),
-        ({"dataset": "gsm_symbolic", "size": 5, "reward_weights": {"think_format": 1.0}}, "env.reward_weights.think_format"),
+        ({"dataset": "gsm_symbolic", "size": 5, "reward_weights": {"think_format": 1.0}},
+         "env.reward_weights.think_format"),
         ({"dataset": "gsm_symbolic", "size": 5, "reward_weights": {"bogus": 1.0}}, "env.reward_weights.bogus"),
         ({"dataset": "gsm_symbolic", "size": 5, "reward_weights": {"accuracy": "high"}}, "env.reward_weights.accuracy"),
         ({"dataset": "gsm_symbolic", "size": 0}, "env.size"),

@@ -14,8 +14,16 @@ from helpers import IFEVAL, ROOT, cfg_with, metric_rows, needs_files, needs_vllm
 from torchrl_grpo.config.validate import validate
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks import TASK_BUILDERS, build_task
-from torchrl_grpo.tasks.ifeval import (REWARD_NAMES, _evaluate, _prepare, clean_kwargs, ensure_punkt_tab, evaluate,
-                                       instruction_ids, load_ifeval)
+from torchrl_grpo.tasks.ifeval import (
+    REWARD_NAMES,
+    _evaluate,
+    _prepare,
+    clean_kwargs,
+    ensure_punkt_tab,
+    evaluate,
+    instruction_ids,
+    load_ifeval,
+)
 
 INPUT = IFEVAL / "input_data.jsonl"
 GPT4 = IFEVAL / "gpt4_responses.jsonl"
@@ -55,7 +63,8 @@ def test_clean_kwargs_drops_none():
 HUB_ROWS = [  # the hub's google/IFEval schema: every kwargs key of every instruction, unused ones null
     {"key": 7, "prompt": "Describe a cat in lowercase, no commas.",
      "instruction_id_list": ["punctuation:no_comma", "change_case:english_lowercase"],
-     "kwargs": [{"num_words": None, "relation": None, "letter": None}, {"num_words": None, "relation": None, "letter": None}]},
+     "kwargs": [{"num_words": None, "relation": None, "letter": None},
+                {"num_words": None, "relation": None, "letter": None}]},
     {"key": 8, "prompt": "Answer in fewer than 5 words.",
      "instruction_id_list": ["length_constraints:number_words"],
      "kwargs": [{"num_words": 5, "relation": "less than", "letter": None}]},
@@ -80,7 +89,8 @@ def test_hub_schema_adapter(tmp_path):
 
 def test_bad_rows_and_paths_name_the_key(tmp_path):
     bad = tmp_path / "bad.jsonl"
-    bad.write_text(json.dumps({"key": 1, "prompt": "p", "instruction_id_list": ["no:such_check"], "kwargs": [{}]}) + "\n")
+    bad.write_text(json.dumps({"key": 1, "prompt": "p", "instruction_id_list": ["no:such_check"],
+                               "kwargs": [{}]}) + "\n")
     with pytest.raises(ConfigError, match=r"^env.data_path=.*unknown instruction id"):
         load_ifeval(data_path=str(bad))
     bad.write_text(json.dumps({"key": 1, "prompt": "p", "instruction_id_list": ["punctuation:no_comma"],

@@ -14,11 +14,11 @@ from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.episodes.turn_envs import Reply, TurnEnv, Turns
 from torchrl_grpo.models.loading import load_tokenizer, merged_state_dict
 from torchrl_grpo.run.build import build_trainer
-from torchrl_grpo.run.state import RunState
 from torchrl_grpo.run.loop import Run, run_loop
 from torchrl_grpo.run.sources import LocalSource
-from torchrl_grpo.training.weight_sync import EngineSync
+from torchrl_grpo.run.state import RunState
 from torchrl_grpo.tasks import Reward, Task
+from torchrl_grpo.training.weight_sync import EngineSync
 
 
 def digit_share(completion: str, row) -> float:
@@ -59,7 +59,8 @@ def test_reward_rises_on_a_learnable_task(tiny_model_path, vllm_engine, tmp_path
                                        "answer": ["0"] * 32})
     task = Task("digits", rows, system_prompt=None, rewards=[Reward("digits", digit_share)])
     summary = _train(cfg_with(*LEARN), task, tiny_model_path, vllm_engine, tmp_path, check=True)
-    assert all(float(r["weight_sync_gap"]) < 1e-4 for r in metric_rows(tmp_path) if r["weight_sync_gap"])  # steps pushed
+    # steps pushed
+    assert all(float(r["weight_sync_gap"]) < 1e-4 for r in metric_rows(tmp_path) if r["weight_sync_gap"])
     trend = summary["reward/digits"]
     assert trend.last_mean > trend.first_mean + 0.2, summary
 

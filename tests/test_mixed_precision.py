@@ -65,14 +65,14 @@ def test_bf16_autocast_on_cpu_stays_close_to_float32(tiny_model_path):
     assert 0 < gap.mean() < 0.05, gap.mean()
     assert mixed["clip_fraction"] == 0.0 and mixed["ratio_mean"] == 1.0 and mixed["ratio_max"] == 1.0
     assert abs(mixed["loss"] - full["loss"]) < 0.02 * max(1.0, abs(full["loss"])), (mixed["loss"], full["loss"])
-    assert abs(mixed["grad_norm"] - full["grad_norm"]) < 0.05 * full["grad_norm"], (mixed["grad_norm"], full["grad_norm"])
+    assert abs(mixed["grad_norm"] - full["grad_norm"]) < 0.05 * full["grad_norm"], (
+        mixed["grad_norm"], full["grad_norm"])
     assert mixed["grad_norm"] != full["grad_norm"]  # the bf16 path really ran
     assert all(p.dtype == torch.float32 for p in policy.parameters())
 
 
 def test_a_cpu_without_native_bf16_is_warned_once(tiny_model_path, monkeypatch, capsys):
     from helpers import cfg_with
-
     from torchrl_grpo.config.spec import resolve_run
     from torchrl_grpo.run.build import build_trainer
 
@@ -113,7 +113,8 @@ def test_weight_casts_are_made_again_in_the_backward_not_kept_by_the_graph(tiny_
         policy.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False), \
                 torch.autograd.graph.saved_tensors_hooks(counted, unpack_saved):
-            taken, _ = token_log_probs(policy, batch["tokens"], batch["attention_mask"], wanted=batch["completion_mask"])
+            taken, _ = token_log_probs(policy, batch["tokens"], batch["attention_mask"],
+                                       wanted=batch["completion_mask"])
             loss = (taken * torch.linspace(-1, 1, taken.numel()).view_as(taken)).sum()
         loss.backward()
         params = {p.untyped_storage().data_ptr() for p in policy.parameters()}

@@ -1,5 +1,5 @@
-"""Multi-turn episodes through the collector (torchrl_grpo/episodes/play.py's play, torchrl_grpo/episodes/turn_envs.py): a
-scripted policy (fixed ids per turn) with the Python tool and with retry feedback. The batch must hold exactly the
+"""Multi-turn episodes through the collector (torchrl_grpo/episodes/play.py's play, torchrl_grpo/episodes/turn_envs.py):
+a scripted policy (fixed ids per turn) with the Python tool and with retry feedback. The batch must hold exactly the
 sampled ids and the inserted ones, in order, the loss mask exactly the sampled ids, the engine's log-probs at their
 places; rewards, ending reasons and per-turn metrics as the script implies. Then a real engine: the trainer's
 log-probs of a played batch are the engine's at every sampled id, later turns included."""
@@ -7,12 +7,22 @@ import datasets
 import pytest
 import torch
 
-from helpers import (LOGPROB_TOL, SMALL, cfg_with, finite, metric_rows, needs_ray_and_vllm, needs_vllm, ray_processes,
-                     run, run_async)
+from helpers import (
+    LOGPROB_TOL,
+    SMALL,
+    cfg_with,
+    finite,
+    metric_rows,
+    needs_ray_and_vllm,
+    needs_vllm,
+    ray_processes,
+    run,
+    run_async,
+)
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.spec import resolve_run
-from torchrl_grpo.core.secrets import masker
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.core.secrets import masker
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.factory import make_engine
 from torchrl_grpo.episodes.setup import build_episode_task
@@ -154,7 +164,8 @@ def test_retry_feedback_rewards_by_the_turn_that_got_it_right(tokenizer):
     assert batch["reward"].tolist() == [0.0] * 4 and metrics["turns/ended_max_steps"] == 1
     cut = collector(tokenizer, ScriptedPolicy(tokenizer, ["#### 4", "#### 42"], cut=[0]), RetryFeedback())
     batch, metrics, samples = cut.collect(version=0)  # a cut answer is a wrong one: the end of its turn is inserted
-    assert batch["reward"].tolist() == [0.5] * 4 and samples[0]["completion"].startswith("#### 4<|im_end|>\n<|im_start|>user\nWrong")
+    assert (batch["reward"].tolist() == [0.5] * 4
+            and samples[0]["completion"].startswith("#### 4<|im_end|>\n<|im_start|>user\nWrong"))
 
 
 def test_the_python_tool_reports_errors_and_timeouts_to_the_model():
@@ -169,7 +180,8 @@ def test_the_python_tool_reports_errors_and_timeouts_to_the_model():
     endless = step("```python\nwhile True: pass\n```")
     assert "timed out" in endless.messages[0]["content"] and endless.counts["tool_timeouts"] == 1
     assert step("```python\nx = 1\n```").messages[0]["content"] == "(no output)"
-    flood = PythonTool(max_output_chars=50).step(task, {}, [{"role": "assistant", "content": "```python\nprint('a' * 999)\n```"}])
+    flood = PythonTool(max_output_chars=50).step(
+        task, {}, [{"role": "assistant", "content": "```python\nprint('a' * 999)\n```"}])
     assert flood.messages[0]["content"].endswith("[output cut]") and len(flood.messages[0]["content"]) < 70
     assert python_call("a\n```python\nprint(1)\n```\nthen\n```python\nprint(2)\n```") == "print(2)\n"
     assert python_call("```\nprint(1)\n```") is None
@@ -180,7 +192,8 @@ def test_the_python_tool_reports_errors_and_timeouts_to_the_model():
     ({"max_steps": 1, "turn_env": {"_target_": "torchrl_grpo.episodes.turn_envs.RetryFeedback"}}, "env.max_steps=1"),
     ({"max_steps": 2, "turn_env": {"_target_": "no_such.Env"}}, "env.turn_env._target_=no_such.Env: cannot import"),
     ({"max_steps": 2, "turn_env": {"_target_": "collections.OrderedDict"}}, "not a subclass"),
-    ({"max_steps": 2, "turn_env": {"_target_": "torchrl_grpo.episodes.turn_envs.RetryFeedback", "colour": 1}}, "colour"),
+    ({"max_steps": 2, "turn_env": {"_target_": "torchrl_grpo.episodes.turn_envs.RetryFeedback", "colour": 1}},
+     "colour"),
     ({"max_steps": 2, "turn_env": {"_target_": "torchrl_grpo.episodes.turn_envs.RetryFeedback", "discount": 2}},
      "env.turn_env.discount=2"),
     ({"max_steps": 2, "turn_env": {"_target_": "torchrl_grpo.episodes.turn_envs.PythonTool", "timeout_s": 0}},

@@ -3,8 +3,6 @@ output checked: the run's lines without carriage returns, the metrics table, the
 reply, the exported folder; and the run it made learned."""
 import json
 
-import pytest
-
 from helpers import ROOT, SCRIPT_ENV, metric_rows, needs_vllm
 
 NOTEBOOK = ROOT / "examples" / "quickstart.ipynb"

@@ -11,10 +11,23 @@ from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.objective.log_probs import token_log_probs
 from torchrl_grpo.objective.loss import GRPOLoss, total_loss
-from torchrl_grpo.objective.terms import (accumulation_weight, aggregate, clipped_surrogate, completion_mean,
-                                          group_advantages, kl_estimate, loss_token_mask, off_policy_keep,
-                                          geometric_mean_surrogate, mis_weights, overlong_buffer_tokens,
-                                          overlong_penalty, sapo_surrogate, sequence_clipped_surrogate, tis_weights)
+from torchrl_grpo.objective.terms import (
+    accumulation_weight,
+    aggregate,
+    clipped_surrogate,
+    completion_mean,
+    geometric_mean_surrogate,
+    group_advantages,
+    kl_estimate,
+    loss_token_mask,
+    mis_weights,
+    off_policy_keep,
+    overlong_buffer_tokens,
+    overlong_penalty,
+    sapo_surrogate,
+    sequence_clipped_surrogate,
+    tis_weights,
+)
 from torchrl_grpo.run.build import build_loss
 
 
@@ -85,7 +98,10 @@ def test_sapo_gate_gradient_is_the_unclipped_one_on_policy_and_fades_smoothly():
     adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
     loss, ratio, low, high = sapo_surrogate(logp, old, adv, 1.0, 3.0, 0.2, 0.2)
     loss.sum().backward()
-    sig = lambda x: 1 / (1 + math.exp(-x))
+
+    def sig(x):
+        return 1 / (1 + math.exp(-x))
+
     for i, (a, tau) in enumerate(((2.0, 1.0), (-1.0, 3.0))):
         for t, x in enumerate(d):
             w = math.exp(x)
@@ -362,7 +378,10 @@ def test_padding_and_longer_prompt_change_no_term():
     # one more prompt token in front and two padding tokens at the end of each row
     tokens2 = torch.cat([torch.tensor([[1], [3]]), tokens, torch.zeros(2, 2, dtype=torch.long)], 1)
     mask2 = torch.cat([torch.zeros(2, 1, dtype=torch.bool), mask, torch.zeros(2, 2, dtype=torch.bool)], 1)
-    pad = lambda x: torch.cat([torch.full((2, 1), 7.0, dtype=x.dtype), x, torch.full((2, 2), -5.0, dtype=x.dtype)], 1)
+
+    def pad(x):
+        return torch.cat([torch.full((2, 1), 7.0, dtype=x.dtype), x, torch.full((2, 2), -5.0, dtype=x.dtype)], 1)
+
     batch2 = _batch(tokens2, mask2, adv, pad(old), pad(ref))
     batch2["attention_mask"][:, -2:] = False
     other = GRPOLoss(model, **kwargs)(batch2)
@@ -431,7 +450,10 @@ def _per_token(rows, mask, outside):
 def _variant_batch(model):
     """old/sample/ref built from the model's own log-probs; junk (+-30) outside the completions."""
     current = _hand_logp(model, V_TOKENS, 1.0)
-    inside = lambda x, fill: torch.where(V_MASK, x, torch.full_like(x, fill))
+
+    def inside(x, fill):
+        return torch.where(V_MASK, x, torch.full_like(x, fill))
+
     old = inside(current - _per_token(DELTA, V_MASK, 0.0), 30.0)
     sample = inside(old - _per_token(GAMMA, V_MASK, 0.0), -30.0)
     ref = inside(current + 0.1 * torch.randn(current.shape, generator=torch.Generator().manual_seed(1),
@@ -634,7 +656,8 @@ def test_gmpo_clip_fractions_are_per_token_and_its_ratio_per_completion():
     assert out["clip_fraction_high"].item() == pytest.approx(high / len(tokens))
     assert out["clip_fraction_low"].item() == pytest.approx(low / len(tokens))
     means = [math.exp(_mean(d)) for d in DELTA if d]
-    assert out["ratio_mean"].item() == pytest.approx(_mean(means)) and out["ratio_max"].item() == pytest.approx(max(means))
+    assert (out["ratio_mean"].item() == pytest.approx(_mean(means))
+            and out["ratio_max"].item() == pytest.approx(max(means)))
 
 
 def test_off_policy_keep_drops_exactly_negative_advantage_drifted_completions():
@@ -820,7 +843,10 @@ def test_padding_and_longer_prompt_change_no_term_in_any_variant(name):
     base = _loss_for(model, v, **kwargs)(batch)
     n = len(batch)
     tokens2 = torch.cat([torch.full((n, 1), 2), V_TOKENS, torch.zeros(n, 2, dtype=torch.long)], 1)
-    pad = lambda x, a, b: torch.cat([torch.full((n, 1), a, dtype=x.dtype), x, torch.full((n, 2), b, dtype=x.dtype)], 1)
+
+    def pad(x, a, b):
+        return torch.cat([torch.full((n, 1), a, dtype=x.dtype), x, torch.full((n, 2), b, dtype=x.dtype)], 1)
+
     batch2 = _batch(tokens2, pad(V_MASK, False, False), V_ADV, pad(batch["old_log_probs"], 7.0, float("inf")),
                     pad(batch["ref_log_probs"], -5.0, float("-inf")),
                     sample=pad(batch["sample_log_probs"], float("nan"), -80.0), truncated=V_TRUNCATED)
@@ -839,8 +865,13 @@ def test_bf16_inputs_agree_with_float64():
     old = logp - 0.3 * torch.randn(4, 40, dtype=torch.float64)
     sample = old - 0.3 * torch.randn(4, 40, dtype=torch.float64)
     adv = torch.tensor([1.0, -0.7, 0.4, 2.0], dtype=torch.float64)
-    b = lambda x: x.to(torch.bfloat16)
-    close = lambda got, want: torch.allclose(got.double(), want, rtol=3e-2, atol=3e-2)
+
+    def b(x):
+        return x.to(torch.bfloat16)
+
+    def close(got, want):
+        return torch.allclose(got.double(), want, rtol=3e-2, atol=3e-2)
+
     for got, want in (
         (clipped_surrogate(b(logp), b(old), b(adv), 0.2, 0.28)[0], clipped_surrogate(logp, old, adv, 0.2, 0.28)[0]),
         (sequence_clipped_surrogate(b(logp), b(old), b(adv), mask, 0.1, 0.15)[0],

@@ -126,7 +126,8 @@ def test_no_server_a_missing_field_or_a_missing_extra_is_one_line_before_any_wor
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "openenv" else real(name, *a))
-    with pytest.raises(ConfigError, match=r"openenv-core\) is not installed; pip install -e \"\.\[openenv\]\" \(beside "):
+    with pytest.raises(ConfigError,
+                       match=r"openenv-core\) is not installed; pip install -e \"\.\[openenv\]\" \(beside "):
         build_episode_task(cfg_with("env=openenv", f"env.url={server_url}").env)
 
 

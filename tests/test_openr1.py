@@ -7,8 +7,15 @@ import pytest
 
 from helpers import metric_rows, needs_vllm, run
 from torchrl_grpo.tasks import build_task
-from torchrl_grpo.tasks.openr1 import (CosineScaled, RepetitionPenalty, SoftOverlong, accuracy, length,
-                                       reasoning_steps, tag_count)
+from torchrl_grpo.tasks.openr1 import (
+    CosineScaled,
+    RepetitionPenalty,
+    SoftOverlong,
+    accuracy,
+    length,
+    reasoning_steps,
+    tag_count,
+)
 from torchrl_grpo.tasks.openr1 import format as format_reward
 
 GOOD = "<think>\nhalf of one\n</think>\n<answer>\n$\\boxed{\\frac{1}{2}}$\n</answer>"

@@ -53,7 +53,8 @@ def test_both_signatures_score_a_batch_with_none_left_out_of_the_total(tmp_path)
     scores = task.score_batch(texts, rows, ids)
     assert [s["trl_len"] for s in scores] == [0.0, -8.0, -19.0, -20.0]
     assert [s["ours"] for s in scores] == [1.0, 1.0, 0.0, 1.0]
-    assert scores[:3] == [dict(scores[0], per_topic=1.0), dict(scores[1], per_topic=0.0), dict(scores[2], per_topic=1.0)]
+    assert scores[:3] == [dict(scores[0], per_topic=1.0), dict(scores[1], per_topic=0.0),
+                          dict(scores[2], per_topic=1.0)]
     assert math.isnan(scores[3]["per_topic"])  # fish: not applicable
     expected = [0.5 * 0 + 2 * 1 + 1, 0.5 * -8 + 0 + 1, 0.5 * -19 + 2 + 0, 0.5 * -20 + 1]  # NaN left out, as nansum
     assert [task.total(s) for s in scores] == expected
@@ -69,7 +70,8 @@ def test_trl_rewards_get_chat_messages_for_conversational_prompts(tmp_path):
     rows = [{"messages": [{"role": "user", "content": "Hi"}]}, {"messages": [{"role": "user", "content": "Yo"}]}]
     task = prompts_task(tmp_path, rows, prompt_column="messages", system_prompt="Be brief.",
                         rewards=[register_reward(spy)])
-    assert task.messages(task.rows[0]) == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    assert task.messages(task.rows[0]) == [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "Hi"}]
     task.score_batch(["a", "b"], list(task.rows))
     assert seen["completions"] == [[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "b"}]]
     assert seen["prompts"][1][-1] == {"role": "user", "content": "Yo"}

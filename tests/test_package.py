@@ -68,7 +68,8 @@ def test_a_copied_config_edited_and_run_from_the_users_folder(tmp_path):
     assert out.returncode == 0 and "--config-path mine --config-name grpo_arithmetic" in out.stdout, out.stderr
     assert sorted(p.stem for p in (tmp_path / "mine").glob("*.yaml")) == shipped_recipes()
     mine = tmp_path / "mine" / "grpo_arithmetic.yaml"
-    text = mine.read_text().replace("  - override env: arithmetic", "  - override env: arithmetic\n  - override model: tiny")
+    text = mine.read_text().replace("  - override env: arithmetic",
+                                    "  - override env: arithmetic\n  - override model: tiny")
     mine.write_text(text.replace("total_dialog_turns: 1600 ", "total_dialog_turns: 32 "))
     out = cli("train", "--config-path", "mine", "--config-name", "grpo_arithmetic", "logging.eval_frequency=0",
               "logging.progress_bar=false", "inference_model.max_tokens=4", cwd=tmp_path, timeout=300)

@@ -20,8 +20,8 @@ from torchrl_grpo.models.packed_attention import attend_by_row, sdpa_by_row
 from torchrl_grpo.objective.critic import token_values
 from torchrl_grpo.objective.log_probs import packing_gap, token_log_probs
 from torchrl_grpo.objective.loss import GRPOLoss
-from torchrl_grpo.training.packing import packed_micro_batches
 from torchrl_grpo.training.critic import Critic, CriticSettings
+from torchrl_grpo.training.packing import packed_micro_batches
 from torchrl_grpo.training.trainer import Trainer
 
 

@@ -1,5 +1,5 @@
-"""Figures of a run and of a sweep (torchrl_grpo/telemetry/plots.py, plot.py), from metrics.csv files written by the real
-Telemetry class: PNGs that read back, the sweep's ranking, one-line errors."""
+"""Figures of a run and of a sweep (torchrl_grpo/telemetry/plots.py, plot.py), from metrics.csv files written by the
+real Telemetry class: PNGs that read back, the sweep's ranking, one-line errors."""
 import subprocess
 import sys
 

@@ -51,7 +51,8 @@ def assert_null_address_starts_a_private_ray(running: str) -> None:
     """``ray.address=null`` with a cluster already running here (and ``RAY_ADDRESS`` naming it, as ``ray start``
     leaves it) starts a Ray of its own with the CPUs it asked for: a bare ``ray.init()`` would join the running
     one and refuse ``num_cpus`` (a leftover ``ray start`` failed every async test that way once)."""
-    probe = ("import ray; from omegaconf import OmegaConf; from torchrl_grpo.collect.rollout_actors import ray_init_kwargs; "
+    probe = ("import ray; from omegaconf import OmegaConf; "
+             "from torchrl_grpo.collect.rollout_actors import ray_init_kwargs; "
              "from torchrl_grpo.config.settings import ActorSettings; "
              "ray.init(**ray_init_kwargs(ActorSettings.from_config(OmegaConf.load('config/mode/async.yaml')))); "
              "print(ray.get_runtime_context().gcs_address, int(ray.cluster_resources()['CPU'])); ray.shutdown()")

@@ -32,7 +32,8 @@ def test_scores_use_the_datasets_own_checker_on_the_last_answer_block():
     row = task.rows[1]  # leg_counting: a number
     right, wrong = row["answer"], str(int(row["answer"]) + 1)
     assert task.score(f"<answer>{right}</answer>", row) == {"accuracy": 1.0, "answer_format": 1.0}
-    assert task.score(f"<answer>{right}</answer> then <answer>{wrong}</answer>", row) == {"accuracy": 0.0, "answer_format": 1.0}
+    assert (task.score(f"<answer>{right}</answer> then <answer>{wrong}</answer>", row)
+            == {"accuracy": 0.0, "answer_format": 1.0})
     assert task.score(f"the answer is {right}", row) == {"accuracy": 0.0, "answer_format": 0.0}
     assert task.total({"accuracy": 1.0, "answer_format": 1.0}) == 1.5
     assert answer_text("x <answer> 7 </answer>") == "7"

@@ -11,8 +11,16 @@ import sys
 import pytest
 import torch
 
-from helpers import (VLLM_DEVICE, LOGPROB_TOL, check_completions, cpu_vllm_only, max_logprob_gap, needs_vllm, perturb,
-                     trainer_logprobs)
+from helpers import (
+    LOGPROB_TOL,
+    VLLM_DEVICE,
+    check_completions,
+    cpu_vllm_only,
+    max_logprob_gap,
+    needs_vllm,
+    perturb,
+    trainer_logprobs,
+)
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.factory import make_engine
 from torchrl_grpo.engines.hf import TransformersEngine
@@ -198,7 +206,8 @@ def test_vllm_push_weights_tied_embeddings_smollm2():
     trainer = _policy(path)
     assert trainer.config.tie_word_embeddings
     prompts = [
-        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=False)
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                return_dict=False)
         for q in ("What is 7 times 6?", "Name a colour.")
     ]
     engine = VLLMEngine(path, dtype="float32", device=VLLM_DEVICE, max_model_len=512, seed=0)
@@ -269,7 +278,11 @@ def test_expected_reload_warnings_filter(vllm_engine):
 
     logger = layerwise.logger
     assert any(isinstance(f, ExpectedReloadWarnings) for f in logger.filters)
-    record = lambda layer: logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "%s: Failed to load weights", (layer,), None)
+
+    def record(layer):
+        return logger.makeRecord(logger.name, logging.WARNING, __file__, 0, "%s: Failed to load weights",
+                                 (layer,), None)
+
     assert not logger.filter(record("RotaryEmbedding")) and not logger.filter(record("ParallelLMHead"))
     assert logger.filter(record("QKVParallelLinear"))
 
@@ -311,7 +324,11 @@ def test_transformers_stops_at_eos(tiny_model_path, tokenizer, prompts):
 
 def test_transformers_deterministic_with_seed(tiny_model_path, tokenizer, prompts):
     model = _policy(tiny_model_path)
-    run = lambda seed: [c.token_ids for c in TransformersEngine(model, tokenizer, seed=seed).generate(prompts, n=2, max_tokens=8)]
+
+    def run(seed):
+        return [c.token_ids
+                for c in TransformersEngine(model, tokenizer, seed=seed).generate(prompts, n=2, max_tokens=8)]
+
     assert run(7) == run(7)
     assert run(7) != run(8)
 

@@ -111,7 +111,8 @@ def test_the_folder_holds_a_bounded_amount(own_tmp):
     gone with the call; the disk under it is untouched."""
     from torchrl_grpo.episodes.sandbox import FILE_SIZE_LIMIT, FOLDER_LIMIT
 
-    code = ("import os\nchunk = b'x' * (1 << 20)\ntry:\n    for i in range(1000):\n        with open(f'f{i}', 'wb') as f:\n"
+    code = ("import os\nchunk = b'x' * (1 << 20)\ntry:\n    for i in range(1000):\n"
+            "        with open(f'f{i}', 'wb') as f:\n"
             "            for _ in range(16):\n                f.write(chunk)\nexcept OSError as e:\n"
             "    print(i, e.errno, sum(os.path.getsize(n) for n in os.listdir('.')))\n")
     r = run_python(code)
@@ -205,7 +206,8 @@ def test_no_other_process_is_readable(trainer_with_a_secret):
     processes; so is the parent's."""
     pid = trainer_with_a_secret.pid
     for code in (f"print(open('/proc/{pid}/environ').read())", f"print(open('/proc/{pid}/cmdline').read())",
-                 "import os\nprint(open(f'/proc/{os.getppid()}/environ').read())", "import os\nprint(os.listdir('/proc'))",
+                 "import os\nprint(open(f'/proc/{os.getppid()}/environ').read())",
+                 "import os\nprint(os.listdir('/proc'))",
                  f"import os\nprint(os.readlink('/proc/{pid}/cwd'))"):
         r = run_python(code)
         assert r.status == "error" and SECRET not in r.output and "WANDB" not in r.output, (code, r.output)
@@ -223,7 +225,8 @@ def test_files_outside_the_folder_are_unreadable_whatever_their_mode(own_tmp, mo
     token.chmod(mode)
     (run_dir / "metrics.csv").write_text(f"step,reward\n1,{SECRET}\n")
     for code in (f"print(open({str(token)!r}).read())", f"import os\nprint(os.listdir({str(run_dir)!r}))",
-                 f"print(open({str(run_dir / 'metrics.csv')!r}).read())", f"import os\nprint(os.listdir({str(own_tmp)!r}))",
+                 f"print(open({str(run_dir / 'metrics.csv')!r}).read())",
+                 f"import os\nprint(os.listdir({str(own_tmp)!r}))",
                  f"import os\nprint(os.listdir({os.path.expanduser('~')!r}))", "print(open('/etc/hostname').read())"):
         r = run_python(code)
         hidden = "No such file" in r.output  # under a folder only root can search (pytest's): gone from its view

@@ -167,11 +167,13 @@ def test_a_judge_grades_concurrently_retries_and_counts_what_fails(tmp_path, jud
 ])
 def test_bad_judge_config_is_one_line(tmp_path, judge_server, extra, message):
     with pytest.raises(ConfigError, match=message):
-        build_task({"dataset": "prompts", "data_path": write_rows(tmp_path), "judge": judge_spec(judge_server, **extra)})
+        build_task({"dataset": "prompts", "data_path": write_rows(tmp_path),
+                    "judge": judge_spec(judge_server, **extra)})
 
 
 @needs_vllm
-def test_a_run_with_a_judge_and_a_reward_model_keeps_the_key_out_of_its_files(tmp_path, judge_server, reward_model_path):
+def test_a_run_with_a_judge_and_a_reward_model_keeps_the_key_out_of_its_files(tmp_path, judge_server,
+                                                                              reward_model_path):
     """grpo.py with both scorers beside the task's own rewards (weight 0: logged, not trained on): each logs its
     component every step; the API key, in the environment only, is in no file of the run directory."""
     spec = judge_spec(judge_server, weight=0.0, template="Response: {completion}")

@@ -58,7 +58,8 @@ def test_a_secret_in_the_prompts_reaches_no_file_of_the_run(tmp_path):
               cwd=tmp_path, env_extra={"MY_SERVICE_TOKEN": SECRET})
     assert out.returncode == 0, out.stderr[-2000:]
     assert SECRET not in out.stdout + out.stderr
-    leaks = [str(p.relative_to(run_dir)) for p in run_dir.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    leaks = [str(p.relative_to(run_dir)) for p in run_dir.rglob("*")
+             if p.is_file() and SECRET.encode() in p.read_bytes()]
     assert leaks == []
     assert f"The key is {MASK}." in (run_dir / "samples.jsonl").read_text()  # the samples went through the mask
     assert f"Remember-{MASK}" in (run_dir / ".hydra" / "config.yaml").read_text()

@@ -61,7 +61,8 @@ def test_the_slurm_script_starts_trainer_ranks_on_two_nodes(tmp_path):
                          env=env, capture_output=True, text=True, timeout=420)
     assert out.returncode == 0, failure_excerpt(out)
     assert "2 nodes; 1 rollout actor(s), 0 GPU each; 2 trainer rank(s) on 2 node(s)" in out.stdout
-    assert "data-parallel training: 2 ranks (FSDP2 over gloo, started by torchrun), this process is rank 0" in out.stdout
+    assert ("data-parallel training: 2 ranks (FSDP2 over gloo, started by torchrun), this process is rank 0"
+            in out.stdout)
     rows = metric_rows(run_dir)
     assert [int(float(r["step"])) for r in rows] == [1, 2] and all(float(r["loss"]) == float(r["loss"]) for r in rows)
     assert not ray_processes()

@@ -7,9 +7,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
-from test_multi_turn import ScriptedPolicy
 
 from helpers import GSM8K, IFEVAL, cfg_with, needs_files, run
+from test_multi_turn import ScriptedPolicy
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.episodes.play import play

@@ -41,7 +41,8 @@ def test_samples_are_written_every_n_steps_and_trimmed_on_resume(tmp_path):
     assert [(r["step"], r["completion"]) for r in _lines(tmp_path / "samples.jsonl")] == [
         (2, "answer 2a ✓"), (2, "answer 2b"), (4, "again")]
 
-    with Telemetry(settings, {}, tmp_path, total_steps=4, start_step=0, resumed=False):  # a fresh run starts a fresh file
+    # a fresh run starts a fresh file
+    with Telemetry(settings, {}, tmp_path, total_steps=4, start_step=0, resumed=False):
         pass
     assert not (tmp_path / "samples.jsonl").exists()
 

@@ -8,8 +8,20 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from helpers import (CONFIG_DIR, SMALL, failure_excerpt, finite, measured, metric_rows, needs_vllm, preempted, run,
-                     start, training_values, wait_until)
+from helpers import (
+    CONFIG_DIR,
+    SMALL,
+    failure_excerpt,
+    finite,
+    measured,
+    metric_rows,
+    needs_vllm,
+    preempted,
+    run,
+    start,
+    training_values,
+    wait_until,
+)
 from torchrl_grpo.config.precision import native_bf16
 from torchrl_grpo.core.allocator import find_tcmalloc
 
@@ -192,7 +204,8 @@ def test_preempted_at_each_point_of_a_step_the_run_resumes_to_the_metrics_of_the
         return [int(float(r["step"])) for r in metric_rows(run_dir)]
 
     for point, nth, sig, stops_after in [("generation", 2, "SIGTERM", 2), ("optimizer_step", 1, "SIGTERM", 3),
-                                         ("checkpoint_write", 1, "SIGKILL", None), ("checkpoint_write", 2, "SIGTERM", 5)]:
+                                         ("checkpoint_write", 1, "SIGKILL", None),
+                                         ("checkpoint_write", 2, "SIGTERM", 5)]:
         done, grace_out = preempted(args, point, nth, sig, cwd=tmp_path)
         saved = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_"))
         if stops_after is None:  # killed: step 4's files under their temporary name, never taken
@@ -236,9 +249,9 @@ def test_ppo_learns_the_length_task_and_resumes_with_its_critic(tmp_path):
     for step, the metrics (value loss, explained variance...) of the run left alone: the critic's weights, optimizer
     and schedule come back."""
     args = ["model=tiny", "loss=ppo", "env=length_reward", "inference_model.backend=transformers", "env.num_envs=8",
-            "env.repeats=2", "train.optim_batch_size=16", "train.total_dialog_turns=320", "inference_model.max_tokens=16",
-            "optimizer.lr=3e-3", "critic.lr=3e-3", "optimizer.warmup_steps=1", "logging.checkpoint_frequency=14",
-            "logging.keep_checkpoints=0", "logging.progress_bar=false"]
+            "env.repeats=2", "train.optim_batch_size=16", "train.total_dialog_turns=320",
+            "inference_model.max_tokens=16", "optimizer.lr=3e-3", "critic.lr=3e-3", "optimizer.warmup_steps=1",
+            "logging.checkpoint_frequency=14", "logging.keep_checkpoints=0", "logging.progress_bar=false"]
     whole_dir, resumed_dir = tmp_path / "whole", tmp_path / "resumed"
     whole = run([*args, f"hydra.run.dir={whole_dir}"], cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]

@@ -168,7 +168,8 @@ def test_a_streak_of_non_finite_updates_is_a_divergence_one_finite_update_resets
         trainer.optimize(make_batch())
     message = trainer.divergence()
     assert message.startswith("3 updates in a row had a non-finite gradient norm and were skipped "
-                              "(train.max_nonfinite_updates=3); likely causes: a learning rate too high (optimizer.lr=0.1)")
+                              "(train.max_nonfinite_updates=3); likely causes: a learning rate too high "
+                              "(optimizer.lr=0.1)")
     never = Trainer(policy, None, loss, torch.optim.SGD(policy.parameters(), lr=0.1),
                     dataclasses.replace(settings, max_nonfinite_updates=0), torch.device("cpu"), None)
     for _ in range(4):
@@ -306,7 +307,8 @@ def test_several_updates_a_step_recompute_the_old_log_probs_first():
                      dataclasses.replace(SETTINGS, micro_batch=4, accumulation=1, epochs=2)):  # two epochs
         policy, batch = TableLM(1), make_batch()
         Trainer(policy, None, GRPOLoss(policy), None, settings, torch.device("cpu"), None).prepare(batch)
-        torch.testing.assert_close(batch["old_log_probs"], by_hand(policy, batch["tokens"], batch["completion_mask"], 0.7))
+        torch.testing.assert_close(batch["old_log_probs"],
+                                   by_hand(policy, batch["tokens"], batch["completion_mask"], 0.7))
 
 
 @pytest.mark.parametrize("name", ["AdamW", "Adam"])
@@ -314,7 +316,6 @@ def test_adam_runs_torchs_fused_kernel_on_cpu_with_the_per_tensor_loops_update(n
     """build_optimizer picks the fused kernel (on CPU torch would loop tensor by tensor): same update to float
     rounding."""
     from helpers import cfg_with
-
     from torchrl_grpo.run.build import build_optimizer
 
     cfg = cfg_with(f"optimizer.name={name}", "optimizer.lr=0.1", "optimizer.weight_decay=0.1")
@@ -346,7 +347,6 @@ def test_the_learning_rate_follows_its_schedule_skips_with_an_update_and_resumes
     from types import SimpleNamespace
 
     from helpers import cfg_with
-
     from torchrl_grpo.run.build import build_scheduler
 
     def after_warmup(k):  # k: optimizer steps done, >= 2

@@ -94,7 +94,8 @@ def test_a_reward_that_raises_stops_the_run_or_scores_zero_as_env_reward_errors_
     with pytest.raises(RunError, match=r"reward '\w+' .* raised TaskError: task ProductTask scoring: "
                                       r"RuntimeError: no product for this one on the row whose prompt starts"):
         task.score("408", task.rows[0])
-    task, _ = build("env.max_steps=1", "env.turn_env=null", "env.taskset={task: {raise_on: 12}}", "env.reward_errors=zero")
+    task, _ = build("env.max_steps=1", "env.turn_env=null", "env.taskset={task: {raise_on: 12}}",
+                    "env.reward_errors=zero")
     assert task.score("408", task.rows[0])["correct"] == 0.0 and task.reward_error_count == 4  # all of its scoring
     assert task.score("442", task.rows[1])["correct"] == 1.0
 
@@ -103,7 +104,8 @@ def test_bad_input_is_one_line_before_any_work(monkeypatch):
     with pytest.raises(ConfigError, match=r"^env.id=None: name the verifiers environment"):
         build_episode_task(cfg_with("env=verifiers").env)
     with pytest.raises(ConfigError, match=r"^env.id=no_such_env: loading its taskset failed \(ModuleNotFoundError: "
-                                          r"taskset 'no_such_env' not found.*\); install the environment's package, or check env.id$"):
+                                          r"taskset 'no_such_env' not found.*\); "
+                                          r"install the environment's package, or check env.id$"):
         build("env.id=no_such_env")
     with pytest.raises(ConfigError, match=r"^env.taskset: num_tasks: Input should be a valid integer, unable to parse "
                                           r"string as an integer \(the config of taskset vf_products\)$"):

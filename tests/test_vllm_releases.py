@@ -99,7 +99,8 @@ def test_nccl_between_gpus_needs_vllm_0_32(release):
 
 
 def _on_gpus(spec, train, inference):
-    return dataclasses.replace(spec, placement=Placement(train, inference, train, shared=bool(set(train) & set(inference))))
+    return dataclasses.replace(spec, placement=Placement(train, inference, train,
+                                                         shared=bool(set(train) & set(inference))))
 
 
 def test_the_run_resolves_the_transfer_before_any_model_loads(release):

@@ -12,17 +12,24 @@ from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import RunError
 from torchrl_grpo.engines.hf import TransformersEngine
-from torchrl_grpo.engines.weight_check import (MOVED, Probe, WeightCheck, probe_ids, probe_log_probs, sync_problem,
-                                               tolerance)
+from torchrl_grpo.engines.weight_check import (
+    MOVED,
+    Probe,
+    WeightCheck,
+    probe_ids,
+    probe_log_probs,
+    sync_problem,
+    tolerance,
+)
 from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.models.loading import load_policy, merged_state_dict
 from torchrl_grpo.run.build import build_loss, build_optimizer, build_policy
-from torchrl_grpo.run.state import RunState
 from torchrl_grpo.run.loop import Run, run_loop
 from torchrl_grpo.run.sources import LocalSource
-from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
+from torchrl_grpo.run.state import RunState
 from torchrl_grpo.tasks import Reward, Task
 from torchrl_grpo.training.trainer import Trainer
+from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
 
 
 class FixedScores:
@@ -49,7 +56,8 @@ def test_a_push_that_changes_nothing_is_caught_within_the_gap_limit():
     before = torch.tensor([-1.0, -2.0, -0.5])
     moved = Probe([1, 2, 3, 4], before + 0.02, limit=0.1, trainer_moved=0.02)
     with pytest.raises(RunError, match=r"^weight sync check failed: after the push the engine's log-probs of the probe "
-                                       r"text are unchanged, bit for bit, while the trainer's moved by 0\.02 on average"):
+                                       r"text are unchanged, bit for bit, "
+                                       r"while the trainer's moved by 0\.02 on average"):
         moved.verify(FixedScores(before.tolist()), before)
     nudged = (before + torch.tensor([0.0, 0.0, 1e-6])).tolist()  # any change at all: the push landed somewhere
     assert moved.verify(FixedScores(nudged), before)[0] == pytest.approx(0.02, abs=1e-6)
@@ -133,7 +141,8 @@ def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(
                    "train.total_dialog_turns=320", "inference_model.max_tokens=8", "optimizer.lr=3e-4",
                    "logging.progress_bar=false", "logging.checkpoint_frequency=0")
     torch.manual_seed(0)
-    rows = datasets.Dataset.from_dict({"question": [f"Say some numbers, {i}." for i in range(16)], "answer": ["0"] * 16})
+    rows = datasets.Dataset.from_dict({"question": [f"Say some numbers, {i}." for i in range(16)],
+                                       "answer": ["0"] * 16})
     task = Task("digits", rows, system_prompt=None, rewards=[Reward("digits", digit_share)])
     policy = build_policy(cfg, tiny_model_path, ["cpu"], None, torch.float32)
     trainer = Trainer(policy, None, build_loss(cfg, policy), build_optimizer(cfg, policy), resolve_run(cfg).train,
@@ -147,7 +156,8 @@ def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(
     with pytest.raises(RunError) as stopped:
         run_loop(run)
     message = str(stopped.value)
-    assert message.startswith(f"weight sync check failed: after the push the engine's log-probs of the probe text {why}")
+    assert message.startswith("weight sync check failed: after the push the engine's log-probs of the probe text "
+                              f"{why}")
     assert "\n" not in message
     logged = metric_rows(tmp_path)
     assert len(logged) == 1 and "checkpoint of step 1 saved" in message  # stopped at the first push

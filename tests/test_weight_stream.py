@@ -41,7 +41,8 @@ def _worker(wire: bytes, rank: int, fail_after: int | None, results) -> None:
 
 
 def _run_workers(wire: bytes, ranks: int, fail_after: int | None = None) -> dict:
-    """Start ``ranks`` worker processes on the pickled channel ``wire``, wait for them, return each rank's (count, loaded)."""
+    """Start ``ranks`` worker processes on the pickled channel ``wire``, wait for them, return each rank's
+    (count, loaded)."""
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, args=(wire, r, fail_after, results)) for r in range(ranks)]

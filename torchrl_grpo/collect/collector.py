@@ -47,7 +47,8 @@ class Collector:
         soft overlong penalty, before any KL penalty (which would untie everything)."""
         s, task = self.settings, self.task
         kept, spare, rounds, sampled, generation_time, play_time, score_time = [], [], 0, 0, 0.0, 0.0, 0.0
-        while len(kept) < s.prompts_per_step and (rounds == 0 or (s.dynamic_sampling and rounds <= s.max_resample_rounds)):
+        while len(kept) < s.prompts_per_step and (
+                rounds == 0 or (s.dynamic_sampling and rounds <= s.max_resample_rounds)):
             rows = [task.rows[i] for i in self.sampler.take(s.prompts_per_step - len(kept))]
             started = time.perf_counter()
             played, generating = play(self.engine, self.tokenizer, task, rows, n=s.group_size,
@@ -97,7 +98,8 @@ class Collector:
             metrics["reward_errors"] = self.task.reward_error_count  # so far in this process
         lengths = batch["completion_mask"].sum(-1).float()
         metrics.update({
-            **{f"reward/{k}": v.float().nanmean().item() for k, v in batch["rewards"].items()},  # over those it applies to
+            **{f"reward/{k}": v.float().nanmean().item()
+               for k, v in batch["rewards"].items()},  # over those it applies to
             "completion_length": lengths.mean().item(),
             "completion_length_max": lengths.max().item(),
             "truncated_fraction": batch["truncated"].float().mean().item(),

@@ -200,7 +200,8 @@ class ActorPool:
                 ray.init(**ray_init_kwargs(settings, spec.logging.verbose))
         except Exception as err:  # no cluster at ray.address, a bad ray.init key, ...
             ray.shutdown()
-            raise ConfigError(f"ray.address={settings.address}: could not start or join Ray ({one_line(err)})") from None
+            raise ConfigError(f"ray.address={settings.address}: could not start or join Ray "
+                              f"({one_line(err)})") from None
         try:
             self._start(actor_samplers, start_step, version)
         except BaseException:
@@ -251,7 +252,8 @@ class ActorPool:
             ready, _ = self.ray.wait(list(self.pending), num_returns=1, timeout=self.timeout)
             if not ready:
                 busy = ", ".join(str(i) for i in sorted(self.pending.values()))
-                raise ActorFault(f"no batch from rollout actor(s) {busy} within ray.collect_timeout_s={self.timeout:g} s")
+                raise ActorFault(f"no batch from rollout actor(s) {busy} "
+                                 f"within ray.collect_timeout_s={self.timeout:g} s")
             actor = self.pending.pop(ready[0])
             try:
                 result = self.ray.get(ready[0], timeout=self.timeout)
@@ -287,7 +289,8 @@ class ActorPool:
         self.transport.add(i, self.actors[i])
         self.pushes.update(self.transport.resend(i, self.actors[i], self.version, self.probe))
         print(f"warning: rollout actor {i} died ({why[:200]}); restarted with policy version {self.version} "
-              f"(restart {self.restarts[i]} of ray.max_actor_restarts={self.max_restarts})", file=sys.stderr, flush=True)
+              f"(restart {self.restarts[i]} of ray.max_actor_restarts={self.max_restarts})",
+              file=sys.stderr, flush=True)
         self.pending[self.actors[i].collect.remote()] = i
 
     def push(self, weights: dict, version: int, probe: Probe | None = None) -> None:

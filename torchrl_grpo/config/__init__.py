@@ -3,4 +3,5 @@ placement of models on devices, the precision choices, the run spec that holds t
 line. Imports core and objective (the names of its registered terms)."""
 from pathlib import Path
 
-CONFIG_DIR = Path(__file__).resolve().parent / "recipes"  # the shipped config tree (Hydra's search path; ./config links here)
+# the shipped config tree (Hydra's search path; ./config links here)
+CONFIG_DIR = Path(__file__).resolve().parent / "recipes"

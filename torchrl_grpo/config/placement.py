@@ -30,7 +30,8 @@ class Placement:
 
     def describe(self) -> str:
         note = " (roles share devices)" if self.shared else ""
-        return f"train on {','.join(self.train)}, inference on {','.join(self.inference)}, reference on {','.join(self.ref)}{note}"
+        return (f"train on {','.join(self.train)}, inference on {','.join(self.inference)}, "
+                f"reference on {','.join(self.ref)}{note}")
 
 
 def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Placement:
@@ -45,7 +46,8 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
         for role in roles:
             devices = cfg[role].get("devices")
             if devices:
-                raise ConfigError(f"{role}.devices={list(devices)} but this machine has no GPU: set {role}.devices=null to run on the CPU")
+                raise ConfigError(f"{role}.devices={list(devices)} but this machine has no GPU: "
+                                  f"set {role}.devices=null to run on the CPU")
             if cfg[role].get("num_devices", 1) > 1 and not (role == "train_model" and ranks):
                 fix = " (or train.strategy=fsdp: gloo ranks)" if role == "train_model" else ""
                 raise ConfigError(f"{role}.num_devices={cfg[role].num_devices} but this machine has no GPU: set "
@@ -62,7 +64,8 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
         if devices:
             missing = [d for d in devices if not 0 <= int(d) < available]
             if missing:
-                raise ConfigError(f"{role}.devices={list(devices)}: GPU(s) {missing} do not exist (this machine has {available}: 0..{available - 1})")
+                raise ConfigError(f"{role}.devices={list(devices)}: GPU(s) {missing} do not exist "
+                                  f"(this machine has {available}: 0..{available - 1})")
             chosen[role] = [int(d) for d in devices]
     wanted = {r: int(cfg[r].get("num_devices", 1)) for r in roles if r not in chosen}
     if ranks:  # the ranks on this machine, each on the GPU of its local rank: 0, 1, ...
@@ -74,7 +77,8 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
         chosen["train_model"] = list(range(local))
     for role, n in wanted.items():
         if n < 1 or n > available:
-            raise ConfigError(f"{role}.num_devices={n} but this machine has {available} GPU(s): set {role}.num_devices between 1 and {available}")
+            raise ConfigError(f"{role}.num_devices={n} but this machine has {available} GPU(s): "
+                              f"set {role}.num_devices between 1 and {available}")
     taken = {d for devs in chosen.values() for d in devs}
     free = [d for d in range(available) if d not in taken]
     if sum(wanted.values()) <= len(free):

@@ -16,8 +16,15 @@ from typing import Any
 from omegaconf import DictConfig
 
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.objective.terms import (AGGREGATIONS, IMPORTANCE_LEVELS, KL_ESTIMATORS, MODIFIER_FLOORS,
-                                          MODIFIER_HINTS, OVERLONG, REWARD_SCALES)
+from torchrl_grpo.objective.terms import (
+    AGGREGATIONS,
+    IMPORTANCE_LEVELS,
+    KL_ESTIMATORS,
+    MODIFIER_FLOORS,
+    MODIFIER_HINTS,
+    OVERLONG,
+    REWARD_SCALES,
+)
 
 ENGINE_PROCESSES = ("auto", "same", "own")  # inference_model.engine_process
 WEIGHT_TRANSFERS = ("auto", "collective", "shm")  # inference_model.weight_transfer
@@ -318,7 +325,8 @@ def check_schema(cfg: DictConfig) -> None:
         for field_name, rule in section_keys(section, schema):
             name = f"{section}.{field_name}"
             if node is None or field_name not in node:
-                raise ConfigError(f"{name} is missing from the config: add it (config/grpo_gsm8k.yaml documents every key)")
+                raise ConfigError(f"{name} is missing from the config: "
+                                  "add it (config/grpo_gsm8k.yaml documents every key)")
             check_value(name, node[field_name], rule)
 
 

@@ -15,8 +15,16 @@ from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo.config.placement import Placement, place
 from torchrl_grpo.config.precision import Precision, resolve_precision
-from torchrl_grpo.config.settings import (ActorSettings, CheckpointSettings, CollectSettings, EngineSettings,
-                                          EvalSettings, LoggingSettings, ModelSettings, TrainSettings)
+from torchrl_grpo.config.settings import (
+    ActorSettings,
+    CheckpointSettings,
+    CollectSettings,
+    EngineSettings,
+    EvalSettings,
+    LoggingSettings,
+    ModelSettings,
+    TrainSettings,
+)
 from torchrl_grpo.config.validate import BatchPlan, validate
 
 

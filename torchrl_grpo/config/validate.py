@@ -22,8 +22,12 @@ from omegaconf import DictConfig
 from torchrl_grpo.config.placement import train_strategy
 from torchrl_grpo.config.schema import check_schema, require
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.objective.terms import (COMPLETION_LEVELS, GROUP_FREE_SCALES, MISMATCH_CORRECTIONS,
-                                          TOKEN_ADVANTAGE_LEVELS)
+from torchrl_grpo.objective.terms import (
+    COMPLETION_LEVELS,
+    GROUP_FREE_SCALES,
+    MISMATCH_CORRECTIONS,
+    TOKEN_ADVANTAGE_LEVELS,
+)
 
 
 @dataclass(frozen=True)
@@ -187,7 +191,8 @@ def validate(cfg: DictConfig) -> BatchPlan:
     if _get(cfg, "env.max_steps") > 1 and _get(cfg, "loss.overlong") == "soft":
         raise ConfigError(f"loss.overlong=soft with env.max_steps={_get(cfg, 'env.max_steps')}: the soft overlong "
                           "penalty is defined on one completion's length; set loss.overlong=none or mask")
-    if not _get(cfg, "train.sync_iter") and _get(cfg, "mode") == "sync" and _get(cfg, "inference_model.backend") == "transformers":
+    if (not _get(cfg, "train.sync_iter") and _get(cfg, "mode") == "sync"
+            and _get(cfg, "inference_model.backend") == "transformers"):
         raise ConfigError(
             "train.sync_iter=false with inference_model.backend=transformers: that engine samples with the trained "
             "policy itself, which cannot generate while it is optimized; use inference_model.backend=vllm or "

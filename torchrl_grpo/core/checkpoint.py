@@ -1,10 +1,10 @@
 """Atomic checkpoints and resume.
 
 A checkpoint is a directory ``step_<N>/`` holding the policy in HF format (``save_pretrained``: full
-weights, or only the adapter for LoRA), an actor-critic run's value model in ``critic/``, the tokenizer, and ``trainer_state.pt`` (optimizer, step, RNG
-states, data position, config), which holds tensors and plain containers only: it is read with
-``torch.load(weights_only=True)``, and a state file that needs more (any other pickled object, as those of
-checkpoints written before this rule held numpy's RNG key array) counts as damaged. It is written under a
+weights, or only the adapter for LoRA), an actor-critic run's value model in ``critic/``, the tokenizer, and
+``trainer_state.pt`` (optimizer, step, RNG states, data position, config), which holds tensors and plain containers
+only: it is read with ``torch.load(weights_only=True)``, and a state file that needs more (any other pickled object, as
+those of checkpoints written before this rule held numpy's RNG key array) counts as damaged. It is written under a
 temporary name and renamed into place, so a run killed at any moment leaves either the complete checkpoint
 or none: every ``step_*`` directory is complete by construction.
 """
@@ -128,7 +128,8 @@ def find_resume_point(resume, run_checkpoints: Path) -> Path | None:
             if found is None:
                 raise ConfigError(f"train.resume={resume}: none of its checkpoints loads (see the warnings above)")
             return found
-    raise ConfigError(f"train.resume={resume}: no checkpoint there (expected a step_* directory holding {STATE_FILE}, or a run directory with checkpoints/)")
+    raise ConfigError(f"train.resume={resume}: no checkpoint there (expected a step_* directory holding "
+                      f"{STATE_FILE}, or a run directory with checkpoints/)")
 
 
 def _newest_loadable(directory: Path) -> Path | None:

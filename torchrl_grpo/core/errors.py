@@ -34,7 +34,8 @@ def import_target(spec, key: str, what: str, example: str):
         except ImportError:
             continue
         except Exception as err:  # the module itself fails
-            raise ConfigError(f"{key}._target_={target}: importing {'.'.join(parts[:cut])} raised {one_line(err)}") from None
+            raise ConfigError(f"{key}._target_={target}: importing {'.'.join(parts[:cut])} "
+                              f"raised {one_line(err)}") from None
         try:
             for name in parts[cut:]:
                 found = getattr(found, name)

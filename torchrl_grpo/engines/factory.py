@@ -8,8 +8,8 @@ from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.base import Engine
 
 # vllm.LLM arguments the transformers backend ignores, so that one config can drive either backend.
-_VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "kv_cache_tokens", "engine_process",
-                     "weight_transfer", "sleep_level")
+_VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "kv_cache_tokens",
+                     "engine_process", "weight_transfer", "sleep_level")
 
 
 def engine_options(settings: EngineSettings) -> dict:

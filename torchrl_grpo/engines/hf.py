@@ -44,7 +44,8 @@ class TransformersEngine(Engine):
 
     Temperature and top-p as in vLLM (:func:`nucleus_mask`); log-probs computed in float32 from the
     step's logits; stops at any eos id of the tokenizer or the model's generation config
-    (``finish_reason="stop"``, eos kept in ``token_ids``), else ``"length"``. A ``torch.Generator`` seeded at construction makes it reproducible.
+    (``finish_reason="stop"``, eos kept in ``token_ids``), else ``"length"``. A ``torch.Generator`` seeded at
+    construction makes it reproducible.
 
     ``model`` may be the trainer's own model object: ``push_weights`` is then a no-op for tensors that
     already are the model's parameters.
@@ -57,7 +58,8 @@ class TransformersEngine(Engine):
         self.parallel = parallel  # a DataParallel: ``model`` is sharded over its ranks, which sample together
         self._generators: dict[torch.device, torch.Generator] = {}
         eos: set[int] = set()
-        for source in (getattr(tokenizer, "eos_token_id", None), getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
+        for source in (getattr(tokenizer, "eos_token_id", None),
+                       getattr(getattr(model, "generation_config", None), "eos_token_id", None)):
             if source is None:
                 continue
             eos.update(int(t) for t in (source if isinstance(source, (list, tuple)) else [source]))
@@ -205,7 +207,8 @@ class TransformersEngine(Engine):
         own = model.state_dict()
         unknown = [name for name in state_dict if name not in own]
         if unknown:
-            raise KeyError(f"TransformersEngine.push_weights: the engine model has no parameter {unknown[0]!r} ({len(unknown)} unknown)")
+            raise KeyError(f"TransformersEngine.push_weights: the engine model has no parameter {unknown[0]!r} "
+                           f"({len(unknown)} unknown)")
         with torch.no_grad():
             for name, tensor in state_dict.items():
                 target = own[name]

@@ -19,9 +19,17 @@ from torchrl_grpo.engines import vllm_cpu_fixes, vllm_process
 from torchrl_grpo.engines.base import Completion, Engine
 from torchrl_grpo.engines.sleep import Sleep
 from torchrl_grpo.engines.transports import transport_for
-from torchrl_grpo.engines.vllm_process import (DEFAULT_CPU_KV_CACHE_BYTES, KV_CACHE_ENV, engine_process_env,
-                                               fail_pending_calls_when_the_engine_dies, import_vllm, kv_cache_bytes,
-                                               preserved_global_rng, visible_cuda_devices, wants_own_process)
+from torchrl_grpo.engines.vllm_process import (
+    DEFAULT_CPU_KV_CACHE_BYTES,
+    KV_CACHE_ENV,
+    engine_process_env,
+    fail_pending_calls_when_the_engine_dies,
+    import_vllm,
+    kv_cache_bytes,
+    preserved_global_rng,
+    visible_cuda_devices,
+    wants_own_process,
+)
 from torchrl_grpo.engines.weight_stream import StreamedWeights
 
 log = logging.getLogger(__name__)
@@ -60,8 +68,8 @@ class VLLMEngine(Engine):
     :attr:`transport`, chosen by :func:`~torchrl_grpo.engines.transports.transport_for` (``collective`` through
     vLLM's weight-transfer API, ``shm`` streamed through a bounded buffer in /dev/shm). An engine in this process
     takes the tensors in place. Do not use ``engine_process=same`` on a GPU unless the engine should use the
-    process's first visible GPU: an in-process engine cannot be moved
-    by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
+    process's first visible GPU: an in-process engine cannot be moved by ``CUDA_VISIBLE_DEVICES`` once CUDA
+    is initialised.
 
     ``sleep_level`` (``inference_model.sleep`` resolved, GPUs only): vLLM's sleep mode at that level, for an engine
     sharing its GPU with the trainer (:meth:`sleep`, :mod:`torchrl_grpo.engines.sleep`); 0: it never sleeps.
@@ -239,7 +247,8 @@ class VLLMEngine(Engine):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
                 if c.logprobs is None or len(c.logprobs) != len(ids):
-                    raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for {len(ids)} tokens")
+                    raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs "
+                                       f"for {len(ids)} tokens")
                 lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, ids)]
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 completions.append(Completion(index, ids, lps, str(c.finish_reason), text))

@@ -30,9 +30,15 @@ from typing import ClassVar
 import torch
 from torch.distributed import BroadcastOptions, PrefixStore, ProcessGroupGloo, TCPStore
 from vllm.config.weight_transfer import WeightTransferConfig
-from vllm.distributed.weight_transfer.base import (ParamMeta, TrainerInitInfo, TrainerWeightTransferEngine,
-                                                   WeightSource, WeightTransferEngine, WeightTransferInitInfo,
-                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.base import (
+    ParamMeta,
+    TrainerInitInfo,
+    TrainerWeightTransferEngine,
+    WeightSource,
+    WeightTransferEngine,
+    WeightTransferInitInfo,
+    WeightTransferUpdateInfo,
+)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdateInfo
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload

@@ -62,7 +62,8 @@ def inserted_ids(tokenizer, conversation: list[dict], added: list[dict], sampled
     if not conversation or conversation[-1].get("role") != "assistant":
         raise ValueError("the conversation must end with the assistant's turn")
     messages = [*conversation[:-1], {**conversation[-1], "content": _CONTENT}, *added]
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **(template_kwargs or {}))
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                         **(template_kwargs or {}))
     at = text.rfind(_CONTENT)
     if at < 0:
         raise RunError("the chat template drops the assistant's text of the last turn; multi-turn episodes need a "

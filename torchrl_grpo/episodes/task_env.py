@@ -6,7 +6,8 @@
   ``row`` and gives the conversation (``("history", "prompt")``, a ``ChatHistory`` as TorchRL's history-mode
   transforms read it) and its chat-templated ids (``("tokens", "prompt")``); ``step`` takes the engine's turn
   (``("tokens", "response")``, ``("text", "response")``, ``finish_reason``), appends it, lets the task's
-  :class:`~torchrl_grpo.episodes.turn_envs.TurnEnv` answer (tool output, feedback) and is done after ``max_turns`` turns.
+  :class:`~torchrl_grpo.episodes.turn_envs.TurnEnv` answer (tool output, feedback) and is done after ``max_turns``
+  turns.
 - the user's TorchRL transforms (``env.transforms``), e.g. torchrl's history-mode tool transforms: they append
   messages to the history.
 - :class:`InsertedTokens` (ours): the messages added after the engine's turn enter the ids token by token

@@ -136,7 +136,8 @@ def build_turn_env(env_cfg, transforms: bool = False) -> TurnEnv | None:
     if spec is None:
         if max_steps > 1 and not transforms:
             raise ConfigError(f"env.max_steps={max_steps} without env.turn_env: nothing answers between turns; set "
-                              "env.turn_env (e.g. {_target_: torchrl_grpo.episodes.turn_envs.PythonTool}) or env.max_steps=1")
+                              "env.turn_env (e.g. {_target_: torchrl_grpo.episodes.turn_envs.PythonTool}) "
+                              "or env.max_steps=1")
         return None
     if max_steps < 2:
         raise ConfigError("env.turn_env is set with env.max_steps=1: the environment never gets a turn; set "

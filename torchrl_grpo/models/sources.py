@@ -85,8 +85,8 @@ def resolve_model(name: str, trust_remote_code: bool = False) -> str:
 def check_model_dir(directory: pathlib.Path, name: str, trust_remote_code: bool = False) -> None:
     """A one-line ConfigError naming the file, before any loader reads it, unless ``directory`` holds a
     ``config.json`` that is a model config (JSON with a ``model_type``) and safetensors weights whose headers
-    read back (:func:`checkpoint.weights_damage`). A config whose ``auto_map`` points at the folder's own Python code needs
-    ``trust_remote_code`` (``model.trust_remote_code=true``): loading it would run that code."""
+    read back (:func:`checkpoint.weights_damage`). A config whose ``auto_map`` points at the folder's own Python code
+    needs ``trust_remote_code`` (``model.trust_remote_code=true``): loading it would run that code."""
     file = directory / "config.json"
     where = f"model.name={name}: {file}"
     try:
@@ -171,7 +171,8 @@ def _cached_build(final: pathlib.Path, build: Callable[[pathlib.Path], None]) ->
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the cache is not
-        (tmp / BUILD_MARKER).write_text(json.dumps({"built_s": round(time.perf_counter() - t0, 2), "time": time.time()}))
+        (tmp / BUILD_MARKER).write_text(json.dumps({"built_s": round(time.perf_counter() - t0, 2),
+                                                    "time": time.time()}))
         if final.exists() and not (final / BUILD_MARKER).is_file():
             _remove_dir(final)  # not ours or not finished: never trusted
         try:

@@ -15,9 +15,21 @@ from tensordict import TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
 from torchrl_grpo.objective.log_probs import token_log_probs
-from torchrl_grpo.objective.terms import (COMPLETION_LEVELS, KL_ESTIMATORS, MISMATCH_CORRECTIONS, MODIFIER_FLOORS,
-                                          SURROGATE_MODIFIERS, SurrogateInputs, accumulation_weight, aggregate,
-                                          kl_estimate, loss_token_mask, per_token, term, token_advantages)
+from torchrl_grpo.objective.terms import (
+    COMPLETION_LEVELS,
+    KL_ESTIMATORS,
+    MISMATCH_CORRECTIONS,
+    MODIFIER_FLOORS,
+    SURROGATE_MODIFIERS,
+    SurrogateInputs,
+    accumulation_weight,
+    aggregate,
+    kl_estimate,
+    loss_token_mask,
+    per_token,
+    term,
+    token_advantages,
+)
 
 # the registered families that GRPOLoss takes by the name of their config key (loss.<family>)
 LOSS_CHOICES = ("aggregation", "kl_estimator", "importance_level", "overlong")

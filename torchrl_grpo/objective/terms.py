@@ -116,7 +116,8 @@ def batch_std(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> torch
 
 @register("reward_scale", "none")
 def centred_only(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> torch.Tensor:
-    """``A_i = r_i - mean_g r``: no std scaling (Dr.GRPO), so no weight on nearly-always or nearly-never solved prompts."""
+    """``A_i = r_i - mean_g r``: no std scaling (Dr.GRPO), so no weight on nearly-always or nearly-never solved
+    prompts."""
     return centred
 
 
@@ -327,8 +328,8 @@ def clipped_surrogate(logp, logp_old, advantages, eps_low: float, eps_high: floa
     """Token level: per token ``-min(w_it A_i, clip(w_it, 1-eps_low, 1+eps_high) A_i)`` with
     ``w_it = exp(logp_it - logp_old_it)``.
 
-    ``advantages`` is per completion [N] (broadcast over tokens) or per token [N, L]. Returns ``(loss, ratio, clipped_low,
-    clipped_high)``, all [N, L]: a token counts as clipped where the clipped branch is the one taken and
+    ``advantages`` is per completion [N] (broadcast over tokens) or per token [N, L]. Returns ``(loss, ratio,
+    clipped_low, clipped_high)``, all [N, L]: a token counts as clipped where the clipped branch is the one taken and
     carries no gradient (ratio below ``1-eps_low`` with ``A < 0``, above ``1+eps_high`` with ``A > 0``).
     """
     ratio = torch.exp(_wide(logp) - _wide(logp_old))

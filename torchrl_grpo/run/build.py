@@ -6,9 +6,9 @@ vLLM) happen here, after the config was validated, so that a bad key fails in a 
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 import sys
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,9 +126,9 @@ def build_weight_check(cfg: DictConfig, trainer: Trainer, tokenizer, dtype: torc
 
 
 def build_optimizer(cfg: DictConfig, policy, lr: float | None = None) -> torch.optim.Optimizer:
-    """``optimizer.name`` over the trainable parameters, at ``optimizer.lr`` unless ``lr`` is given. Adam(W) runs torch's fused kernel on plain CPU or CUDA
-    tensors, where on CPU torch would pick its per-tensor loop (SmolLM2: 0.24 -> 0.09 s a step,
-    ``bench/step_breakdown.py``); sharded (DTensor) parameters keep torch's default."""
+    """``optimizer.name`` over the trainable parameters, at ``optimizer.lr`` unless ``lr`` is given. Adam(W) runs
+    torch's fused kernel on plain CPU or CUDA tensors, where on CPU torch would pick its per-tensor loop (SmolLM2:
+    0.24 -> 0.09 s a step, ``bench/step_breakdown.py``); sharded (DTensor) parameters keep torch's default."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in policy.parameters() if p.requires_grad]

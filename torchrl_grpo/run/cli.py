@@ -84,7 +84,8 @@ def _config(args: list[str]) -> None:
             print(f"  {name}")
         return
     if len(args) > 2:
-        raise ConfigError("config takes NAME and an optional DEST folder, e.g. `torchrl-grpo config grpo_gsm8k my_config`")
+        raise ConfigError("config takes NAME and an optional DEST folder, "
+                          "e.g. `torchrl-grpo config grpo_gsm8k my_config`")
     dest = copy_recipe(args[0], args[1] if len(args) == 2 else args[0])
     print(f"copied the config tree ({args[0]}.yaml, the configs it builds on, the groups) to {dest}/; edit it, then\n"
           f"  torchrl-grpo train --config-path {dest} --config-name {args[0]}")

@@ -4,13 +4,13 @@ One code path serves ``evaluate.py`` and the trainer's evaluation every ``loggin
 :func:`generate_responses` (the rollout engine, on the task's evaluation split) then :func:`score_responses`.
 
 Metrics: the mean of each reward component and of the weighted total over all responses (``reward/<name>``);
-``solved`` and ``accuracy``, the count and the share of responses whose success component (``Task.success_reward``: ``accuracy`` for GSM8K and
-reasoning-gym, ``prompt_strict`` for IFEval) is >= 1; ``pass@k`` for k = 1, 2, 4, ... up to the responses
-per prompt (and that count itself); for a task's pooled components (``Task.pooled``: IFEval's instruction
+``solved`` and ``accuracy``, the count and the share of responses whose success component (``Task.success_reward``:
+``accuracy`` for GSM8K and reasoning-gym, ``prompt_strict`` for IFEval) is >= 1; ``pass@k`` for k = 1, 2, 4, ... up to
+the responses per prompt (and that count itself); for a task's pooled components (``Task.pooled``: IFEval's instruction
 rewards, a share of each prompt's instructions) ``<name>/passed`` of ``<name>/checks`` over all responses and
-their ratio ``<name>/pooled`` (IFEval's instruction-level accuracy); with the unbiased estimator of Chen et al. 2021 (2107.03374):
-``pass@k = mean over prompts of 1 - C(n - c, k) / C(n, k)`` for n responses of which c solved; and the same
-per task for rows that carry a ``task`` field (reasoning-gym).
+their ratio ``<name>/pooled`` (IFEval's instruction-level accuracy); with the unbiased estimator of Chen et al. 2021
+(2107.03374): ``pass@k = mean over prompts of 1 - C(n - c, k) / C(n, k)`` for n responses of which c solved; and the
+same per task for rows that carry a ``task`` field (reasoning-gym).
 """
 from __future__ import annotations
 
@@ -44,7 +44,8 @@ def ks_for(n: int) -> list[int]:
     return ks + [n]
 
 
-def score_responses(task: Task, rows: Sequence[Mapping[str, Any]], responses: Sequence[Sequence[str]]) -> tuple[dict, list[dict]]:
+def score_responses(task: Task, rows: Sequence[Mapping[str, Any]],
+                    responses: Sequence[Sequence[str]]) -> tuple[dict, list[dict]]:
     """Metrics of ``responses[i]`` (the responses to ``rows[i]``, at least one each; pass@k up to the smallest
     count), and the scored records (the row's fields, ``response``, and ``scores``: each component and the
     weighted ``reward``) in row order."""
@@ -64,7 +65,8 @@ def score_responses(task: Task, rows: Sequence[Mapping[str, Any]], responses: Se
     metrics = {
         "prompts": float(len(rows)), "responses": float(len(records)),
         "solved": float(sum(solved)), "accuracy": sum(solved) / len(records),
-        **{f"pass@{k}": sum(pass_at_k(n, c, k) for n, c in zip(counts, solved)) / len(rows) for k in ks_for(min(counts))},
+        **{f"pass@{k}": sum(pass_at_k(n, c, k) for n, c in zip(counts, solved)) / len(rows)
+           for k in ks_for(min(counts))},
         **{f"reward{'' if key == 'reward' else '/' + key}": nan_mean(r["scores"][key] for r in records)
            for key in ["reward", *task.reward_names]},
     }
@@ -134,11 +136,12 @@ PROMPT_FIELDS = ("question", "prompt", "problem")  # ours, IFEval's, MATH's: how
 def read_responses(path: str | Path, task: Task) -> tuple[list[dict], list[list[str]]]:
     """Rows and their responses from a JSONL of ``{<dataset fields>, "response": str}`` (what ``evaluate.py``
     writes as ``eval_responses.jsonl``; its ``scores`` are ignored) or of ``{"question", "prompt" or "problem": str,
-    "response": str}`` (IFEval's published responses, MATH's own fields), whose rows are found in ``task`` by :func:`match_rows`;
-    responses with the same row are the responses to one prompt."""
+    "response": str}`` (IFEval's published responses, MATH's own fields), whose rows are found in ``task`` by
+    :func:`match_rows`; responses with the same row are the responses to one prompt."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ConfigError(f"eval.responses={path}: no such file; give a JSONL with one {{..., \"response\": ...}} a line")
+        raise ConfigError(f"eval.responses={path}: no such file; "
+                          f"give a JSONL with one {{..., \"response\": ...}} a line")
     numbers, records = [], []
     with open(path) as f:
         for number, line in enumerate(f, 1):

@@ -125,7 +125,8 @@ def _prepare(raw: datasets.Dataset, where: str) -> datasets.Dataset:
     return raw.remove_columns("answer").add_column("answer", golds)
 
 
-def load_gsm8k(dataset: str = HUB_DATASET, data_path: str | Path | None = None, split: str = "train") -> datasets.Dataset:
+def load_gsm8k(dataset: str = HUB_DATASET, data_path: str | Path | None = None,
+               split: str = "train") -> datasets.Dataset:
     """GSM8K rows ``{"question", "answer"}`` with ``answer`` the normalised gold number.
 
     ``data_path``: a folder holding ``train.jsonl``/``test.jsonl`` (or the hub layout ``main/train-*.parquet``)

@@ -303,7 +303,8 @@ def _prepare(raw: datasets.Dataset, where: str) -> datasets.Dataset:
     )
 
 
-def load_ifeval(dataset: str = HUB_DATASET, data_path: str | Path | None = None, split: str = "train") -> datasets.Dataset:
+def load_ifeval(dataset: str = HUB_DATASET, data_path: str | Path | None = None,
+                split: str = "train") -> datasets.Dataset:
     """IFEval rows ``{question, key, instruction_id_list, kwargs}`` (``kwargs``: JSON string, one dict per
     instruction, None values dropped).
 

@@ -88,7 +88,8 @@ def judge_entry(spec: Mapping[str, Any], columns: Sequence[str]) -> dict:
     if "completion" not in fields or fields - allowed:
         bad = sorted(fields - allowed)
         raise ConfigError(f"env.judge.template: {'{' + bad[0] + '}' if bad else 'no {completion}'}: a template fills "
-                          f"{{completion}} and may use {', '.join('{' + c + '}' for c in sorted(allowed - {'completion'}))}")
+                          f"{{completion}} and may use "
+                          f"{', '.join('{' + c + '}' for c in sorted(allowed - {'completion'}))}")
     try:
         re.compile(spec.get("score_pattern") or r"x")
     except re.error as err:

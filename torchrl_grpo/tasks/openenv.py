@@ -50,7 +50,8 @@ class OpenEnvServer:
         from openenv.core import GenericEnvClient
 
         self.client_cls, self.url, self.action_field = GenericEnvClient, url, action_field
-        self.observation_field, self.timeout_s, self.reset_kwargs = observation_field, timeout_s, dict(reset_kwargs or {})
+        self.observation_field, self.timeout_s, self.reset_kwargs = (observation_field, timeout_s,
+                                                                     dict(reset_kwargs or {}))
         self.loop = BackgroundLoop("openenv")
         self.lock = threading.Lock()
         self.idle: dict[tuple, list[_Session]] = {}  # (seed, turns so far) -> sessions waiting for the next turn

@@ -190,7 +190,8 @@ class Telemetry:
         rows = self.csv.rows()
         trends = summarize(rows, ["reward"] + [f"reward/{n}" for n in reward_names] + ["explained_variance"], window)
         width = max([len(key) for key in trends] + [8])
-        self.print(f"{'summary:':<{width + 2}} {'first step':>12} {f'first {window} mean':>14} {f'last {window} mean':>14}")
+        self.print(f"{'summary:':<{width + 2}} {'first step':>12} "
+                   f"{f'first {window} mean':>14} {f'last {window} mean':>14}")
         for key, trend in trends.items():
             self.print(f"  {key:<{width}} {trend.first_step:>12.3f} {trend.first_mean:>14.3f} {trend.last_mean:>14.3f}")
         evaluated = [r for r in rows if r.get("eval/accuracy") not in (None, "")]

@@ -27,15 +27,22 @@ from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.engines.weight_stream import StreamedWeights
 from torchrl_grpo.models.flops import bf16_peak_flops, model_shape, update_flops
 from torchrl_grpo.models.loading import merged_state_dict, merged_weights
-from torchrl_grpo.objective.critic import clipped_value_loss, explained_variance, gae, token_rewards, token_values, whiten
+from torchrl_grpo.objective.critic import (
+    clipped_value_loss,
+    explained_variance,
+    gae,
+    token_rewards,
+    token_values,
+    whiten,
+)
 from torchrl_grpo.objective.log_probs import token_log_probs
 from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, total_loss
 from torchrl_grpo.objective.terms import aggregate, group_advantages
+from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, gathered, load_optimizer, save_optimizer
 from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.no_signal import NoSignalWatch
 from torchrl_grpo.training.packing import packed_micro_batches
 from torchrl_grpo.training.recast import weights_recast_in_backward
-from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, gathered, load_optimizer, save_optimizer
 
 
 class Trainer:
@@ -114,8 +121,8 @@ class Trainer:
         """GAE over the completion tokens from the critic's values (:func:`gae`): the task reward on each
         episode's last token, the KL penalty of the reward on every token; the values are kept as ``value_old``
         and the returns as ``return``, the value loss's targets. Returns the advantages [N, L], whitened over the
-        batch's loss tokens (``loss_mask``) when ``critic.whiten_advantages``; adds the critic's metrics (``explained_variance``
-        of the returns by the values before the update, their means)."""
+        batch's loss tokens (``loss_mask``) when ``critic.whiten_advantages``; adds the critic's metrics
+        (``explained_variance`` of the returns by the values before the update, their means)."""
         c, mask = self.critic.settings, batch["completion_mask"]
         packed = self.settings.micro_batch_tokens is not None
         values = self._per_row(lambda mb: token_values(self.critic.model, mb["tokens"], mb["attention_mask"],
@@ -264,7 +271,8 @@ class Trainer:
         metrics.update({"skipped_updates": skipped, "still_updates": still,
                         "trained_row_fraction": trained_rows / (len(batch) * s.epochs),
                         "lr": self.optimizer.param_groups[0]["lr"] if lr is None else lr,
-                        "train_time": elapsed, "optimizer_time": optimizer_time, "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
+                        "train_time": elapsed, "optimizer_time": optimizer_time,
+                        "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
         if self.model_shapes is not None:
             metrics["train_flops_per_s"] = flops / max(elapsed, 1e-9)
         if self.peak_flops is not None:
