@@ -8,11 +8,14 @@ and how far each process's resident set rose above where it was before the push 
 this process's and, with ``own``, the engine's worker's. ``--engine-process actor``: the engine of one Ray
 rollout actor (``grpo-async.py``'s), pushed to over the gloo collective or (``shm``) through Ray's object store,
 timed from the push until the actor has loaded and checked it (the trainer's snapshot of the weights included).
+``--lora-sync adapter|merged``: the policy with LoRA (r 16, alpha 32, every linear layer), pushing its adapter only
+or every weight with the adapter merged in (``train_model.lora.sync``).
 
     .venv/bin/python bench/push.py --engine-process own --weight-transfer collective
     .venv/bin/python bench/push.py --engine-process own --weight-transfer shm
     .venv/bin/python bench/push.py --engine-process same
     .venv/bin/python bench/push.py --engine-process actor --weight-transfer collective|shm
+    .venv/bin/python bench/push.py --engine-process same|own --lora-sync adapter|merged
 """
 import argparse
 import os
@@ -33,6 +36,7 @@ def main() -> None:
     parser.add_argument("--engine-process", choices=("same", "own", "actor"), default="own")
     parser.add_argument("--weight-transfer", choices=("collective", "shm"), default="collective")
     parser.add_argument("--pushes", type=int, default=5)
+    parser.add_argument("--lora-sync", choices=("adapter", "merged"), help="LoRA r 16, pushing this (default: no LoRA)")
     opts = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import psutil
@@ -40,7 +44,9 @@ def main() -> None:
     from torchrl_grpo.run.build import build_common, build_engine, read_inputs
 
     actor = ["mode=async"] if opts.engine_process == "actor" else []
-    cfg = workload_config(GSM8K_DATA, f"inference_model.weight_transfer={opts.weight_transfer}", *actor)
+    lora = [] if opts.lora_sync is None else ["train_model.lora.enabled=true", "train_model.lora.r=16",
+                                              "train_model.lora.alpha=32", f"train_model.lora.sync={opts.lora_sync}"]
+    cfg = workload_config(GSM8K_DATA, f"inference_model.weight_transfer={opts.weight_transfer}", *actor, *lora)
     run_dir = ROOT / "outputs" / "bench-push"
     shutil.rmtree(run_dir, ignore_errors=True)
     common = build_common(cfg, read_inputs(cfg, run_dir))
@@ -52,23 +58,32 @@ def main() -> None:
     workers = [p.pid for p in psutil.Process().children(recursive=True) if "Worker" in p.name()]
     watched = {"trainer process": "self", **{f"engine worker {pid}": pid for pid in workers}}
     weights = sum(p.numel() * p.element_size() for p in trainer.policy.parameters()) / GiB
-    sent = sum(t.numel() * wire_dtype(t, engine.dtype).itemsize for t in snapshot(trainer).values()) / GiB
+    if opts.lora_sync == "adapter":
+        sent = trainer.adapter().nbytes / GiB
+
+        def push():
+            engine.push_adapter(trainer.adapter())
+    else:
+        sent = sum(t.numel() * wire_dtype(t, engine.dtype).itemsize for t in snapshot(trainer).values()) / GiB
+
+        def push():
+            engine.push_weights(trainer.weights())
     try:
-        trainer.push_weights(engine)  # the first push makes the push folder or file
+        push()  # the first push makes the push folder or file
         before = {name: status(pid)["VmRSS"] for name, pid in watched.items()}
         for pid in watched.values():
             reset_peak(pid)
         times = []
         for _ in range(opts.pushes):
             started = time.perf_counter()
-            trainer.push_weights(engine)
+            push()
             times.append(time.perf_counter() - started)
         rises = {name: status(pid)["VmHWM"] - before[name] for name, pid in watched.items()}
     finally:
         engine.close()
-    transport = engine.transport.name
+    transport = "the LoRA adapter" if opts.lora_sync == "adapter" else engine.transport.name
     median = statistics.median(times)
-    print(f"engine process {opts.engine_process} ({transport}): weights {weights:.2f} GiB, {sent:.2f} GiB sent, "
+    print(f"engine process {opts.engine_process} ({transport}): weights {weights:.2f} GiB, {sent:.4f} GiB sent, "
           f"push median {median:.3f} s, {median / sent:.2f} s/GiB "
           f"(of {opts.pushes}: {', '.join(f'{t:.3f}' for t in times)})")
     for name, rise in rises.items():

@@ -46,6 +46,7 @@ from helpers import (
 from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.weight_check import probe_log_probs
+from torchrl_grpo.models.adapter import AdapterOff
 from torchrl_grpo.models.loading import load_policy, merged_weights
 from torchrl_grpo.objective import log_probs
 from torchrl_grpo.objective.loss import GRPOLoss
@@ -109,7 +110,8 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
     policy = load_policy(model_path, dtype=torch.float32, device="cpu", lora=lora,
                          gradient_checkpointing=train_options.get("checkpointing", False))
     ref = None
-    if loss_options.get("kl_to_ref_coeff") or train_options.get("kl_in_reward"):
+    wants_ref = loss_options.get("kl_to_ref_coeff") or train_options.get("kl_in_reward")
+    if wants_ref and lora is None:  # with LoRA the reference is the policy with its adapter off, as a run has it
         ref = load_policy(model_path, dtype=torch.float32, device="cpu", trainable=False)
     mixed = train_options.get("mixed_precision", False)
     critic_model = None
@@ -119,6 +121,8 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
         policy = shard_model(policy, mixed)
         ref = ref if ref is None else shard_model(ref, mixed)
         critic_model = critic_model if critic_model is None else shard_model(critic_model, mixed)
+    if wants_ref and lora is not None:
+        ref = AdapterOff(policy)
 
     def critic():  # a fresh optimizer over the (sharded) critic, as a run builds and a resume restores it
         if critic_model is None:
@@ -160,6 +164,9 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
     for key, tensor in merged_weights(policy):  # every rank gathers in step; rank 0 keeps
         if keep:
             weights[key] = tensor.clone()
+    if lora is not None:  # the adapter an adapter push sends, gathered from the shards
+        adapter = trainer.adapter()
+        weights.update({f"adapter.{k}": t.clone() for k, t in adapter.tensors.items()} if keep else {})
     if critic_model is not None:
         state = gathered(((k, t.detach()) for k, t in critic_model.state_dict().items()), keep=keep)
         weights.update({f"critic.{k}": t.clone() for k, t in state.items()})

@@ -184,22 +184,26 @@ class ActorTransport(Protocol):
 
 
 class StorePushes:
-    """Pushes through Ray's object store: the actor's calls run in order, so a push lands before its next collect."""
+    """Pushes through Ray's object store: the actor's calls run in order, so a push lands before its next collect.
+    With ``adapter`` each push is a LoRA adapter (:class:`~torchrl_grpo.models.adapter.Adapter`: its config and
+    arrays), which the actor's engine loads beside its base weights."""
 
-    name = "through Ray's object store"
-
-    def __init__(self, ray):
-        self.ray, self.ref = ray, None
+    def __init__(self, ray, adapter: bool = False):
+        self.ray, self.ref, self.adapter = ray, None, adapter
+        self.name = "(the LoRA adapter) through Ray's object store" if adapter else "through Ray's object store"
 
     def add(self, i: int, actor) -> None:
         pass
 
-    def send(self, actors: list, weights: dict[str, torch.Tensor], version: int, probe: Probe | None) -> dict:
-        self.ref = self.ray.put(as_arrays(weights))
-        return {a.push_weights.remote(self.ref, version, probe): i for i, a in enumerate(actors)}
+    def send(self, actors: list, weights, version: int, probe: Probe | None) -> dict:
+        self.ref = self.ray.put((weights.config, as_arrays(weights.tensors)) if self.adapter else as_arrays(weights))
+        return {self._call(a, version, probe): i for i, a in enumerate(actors)}
 
     def resend(self, i: int, actor, version: int, probe: Probe | None) -> dict:
-        return {} if self.ref is None else {actor.push_weights.remote(self.ref, version, probe): i}
+        return {} if self.ref is None else {self._call(actor, version, probe): i}
+
+    def _call(self, actor, version: int, probe: Probe | None):
+        return (actor.push_adapter if self.adapter else actor.push_weights).remote(self.ref, version, probe)
 
     def settle(self, pushes: dict) -> None:
         pass
@@ -259,9 +263,12 @@ class LinkPushes:
 
 
 def actor_transport(ray, backend: str, weight_transfer: str, dtype: torch.dtype, actor_num_gpus: float,
-                    timeout_s: float) -> ActorTransport:
-    """The one place the actors' transport is chosen: a collective for vLLM engines unless
-    ``inference_model.weight_transfer=shm``; the object store otherwise (and for the transformers backend)."""
+                    timeout_s: float, adapter: bool = False) -> ActorTransport:
+    """The one place the actors' transport is chosen: with ``adapter`` (``train_model.lora.sync=adapter``) the
+    adapter through the object store; else a collective for vLLM engines unless ``inference_model.weight_transfer=shm``;
+    the object store otherwise (and for the transformers backend)."""
+    if adapter:
+        return StorePushes(ray, adapter=True)
     if backend == "vllm" and weight_transfer != "shm":
         return LinkPushes(ray, dtype, actor_num_gpus, ray.util.get_node_ip_address(), timeout_s)
     return StorePushes(ray)

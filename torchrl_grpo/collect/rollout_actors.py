@@ -38,6 +38,7 @@ from torchrl_grpo.core.console import quiet_libraries
 from torchrl_grpo.core.errors import ConfigError, one_line
 from torchrl_grpo.core.secrets import mask_output, secret_names
 from torchrl_grpo.engines.weight_check import Probe
+from torchrl_grpo.models.adapter import Adapter
 
 EXIT_GRACE_S = 5  # an actor asked to exit (after its collect in flight) is killed after this long
 
@@ -95,6 +96,12 @@ class RolloutActor:
         ``probe`` (the weight sync check), the engine's gap to the trainer's probe log-probs, or a RunError when
         it is too large."""
         self.collector.engine.push_weights(from_arrays(arrays))
+        return self._landed(version, probe)
+
+    def push_adapter(self, payload: tuple, version: int, probe: Probe | None = None) -> float | None:
+        """A LoRA adapter (its config and :func:`as_arrays` tensors) into the engine, as :meth:`push_weights`."""
+        config, arrays = payload
+        self.collector.engine.push_adapter(Adapter(config, from_arrays(arrays)))
         return self._landed(version, probe)
 
     def join_weight_transfer(self, backend: str, init_info: dict) -> bool:
@@ -222,7 +229,8 @@ class ActorPool:
                               "enable_task_events": False}
         self.actors = [self._new_actor(i) for i in range(len(actor_samplers))]
         self.transport = actor_transport(self.ray, self.spec.engine.backend, self.spec.engine.weight_transfer,
-                                         self.spec.precision.engine, settings.actor_num_gpus, self.timeout)
+                                         self.spec.precision.engine, settings.actor_num_gpus, self.timeout,
+                                         adapter=self.spec.engine.lora_rank is not None)
         for i, actor in enumerate(self.actors):
             self.transport.add(i, actor)
 

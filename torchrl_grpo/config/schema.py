@@ -28,6 +28,7 @@ from torchrl_grpo.objective.terms import (
 
 ENGINE_PROCESSES = ("auto", "same", "own")  # inference_model.engine_process
 WEIGHT_TRANSFERS = ("auto", "collective", "shm")  # inference_model.weight_transfer
+LORA_SYNCS = ("auto", "adapter", "merged")  # train_model.lora.sync
 SLEEP_LEVELS = ("auto", 0, 1, 2)  # inference_model.sleep
 ADVANTAGES = ("group", "gae")  # loss.advantage
 
@@ -167,7 +168,8 @@ class Devices:
 class TrainModel(Devices):
     gradient_checkpointing: bool = key("bool", "recompute activations in the backward pass (memory)")
     attn_implementation: str = key("str", "transformers' attention implementation (sdpa, eager, ...)")
-    lora: dict = key("any", "LoRA: enabled, r, alpha, dropout, target_modules")
+    lora: dict = key("any", "LoRA: enabled, r, alpha, dropout, target_modules, rslora, modules_to_save, sync "
+                            "(auto | adapter | merged: what a push sends the engine)")
 
 
 @dataclass

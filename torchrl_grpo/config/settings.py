@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo.config.placement import Placement
 from torchrl_grpo.config.precision import Precision
-from torchrl_grpo.config.validate import BatchPlan
+from torchrl_grpo.config.validate import BatchPlan, check_lora, engine_lora_rank, lora_sync
 
 
 @dataclass(frozen=True)
@@ -74,15 +74,18 @@ class EngineSettings:
     prompts_per_step: int           # env.num_envs: with the two below, what a step's KV cache must hold
     completions_per_step: int       # env.num_envs x env.repeats
     max_tokens: int                 # inference_model.max_tokens
+    lora_rank: int | None = None    # train_model.lora.sync resolved to adapter: the engine's max_lora_rank, else None
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> EngineSettings:
-        inference = cfg.inference_model
+        inference, lora = cfg.inference_model, cfg.train_model.get("lora")
+        adapter = lora_sync(lora, str(inference.backend)) == "adapter"
         return cls(backend=str(inference.backend), gpu_memory_utilization=float(inference.gpu_memory_utilization),
                    max_model_len=int(inference.max_model_len), engine_process=str(inference.engine_process),
                    weight_transfer=str(inference.weight_transfer), sleep=inference.sleep,
                    trust_remote_code=bool(cfg.model.trust_remote_code), prompts_per_step=plan.prompts_per_step,
-                   completions_per_step=plan.completions_per_step, max_tokens=plan.max_tokens)
+                   completions_per_step=plan.completions_per_step, max_tokens=plan.max_tokens,
+                   lora_rank=engine_lora_rank(check_lora(lora)["r"]) if adapter else None)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from torchrl_grpo.config.placement import train_strategy
-from torchrl_grpo.config.schema import check_schema, require
+from torchrl_grpo.config.schema import LORA_SYNCS, check_schema, require
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.objective.terms import (
     COMPLETION_LEVELS,
@@ -187,7 +187,7 @@ def validate(cfg: DictConfig) -> BatchPlan:
     _check_trackers(cfg)
     lora = _get(cfg, "train_model.lora")
     if hasattr(lora, "get") and lora.get("enabled"):
-        check_lora(lora)
+        lora_sync(lora, _get(cfg, "inference_model.backend"))
     if _get(cfg, "env.max_steps") > 1 and _get(cfg, "loss.overlong") == "soft":
         raise ConfigError(f"loss.overlong=soft with env.max_steps={_get(cfg, 'env.max_steps')}: the soft overlong "
                           "penalty is defined on one completion's length; set loss.overlong=none or mask")
@@ -253,8 +253,9 @@ def _check_critic(cfg: DictConfig, level: str, scale: str) -> None:
 
 def check_lora(lora: Mapping[str, Any]) -> dict[str, Any]:
     """``train_model.lora``'s knobs, checked (a one-line ConfigError naming ``train_model.lora.<key>``) and with
-    their defaults: r, alpha, dropout, target_modules. :func:`validate` calls it first."""
-    known = {"enabled", "r", "alpha", "dropout", "target_modules"}
+    their defaults: r, alpha, dropout, target_modules, rslora, modules_to_save, sync. :func:`validate` calls it
+    first."""
+    known = {"enabled", "r", "alpha", "dropout", "target_modules", "rslora", "modules_to_save", "sync"}
     unknown = sorted(set(lora) - known)
     if unknown:
         raise ConfigError(f"train_model.lora.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
@@ -268,4 +269,47 @@ def check_lora(lora: Mapping[str, Any]) -> dict[str, Any]:
     targets = lora.get("target_modules", "all-linear") or "all-linear"
     if not isinstance(targets, str):
         targets = [str(t) for t in targets]  # OmegaConf ListConfig -> list
-    return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": targets}
+    rslora = lora.get("rslora", False)
+    if not isinstance(rslora, bool):
+        raise ConfigError(f"train_model.lora.rslora={rslora!r}: must be true or false (rank-stabilised scaling, "
+                          "alpha/sqrt(r))")
+    saved = lora.get("modules_to_save") or None
+    if saved is not None:
+        saved = [saved] if isinstance(saved, str) else [str(m) for m in saved]
+    sync = lora.get("sync", "auto")
+    if sync not in LORA_SYNCS:
+        raise ConfigError(f"train_model.lora.sync={sync!r}: choose one of {', '.join(LORA_SYNCS)}")
+    return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": targets, "rslora": rslora,
+            "modules_to_save": saved, "sync": sync}
+
+
+# vLLM's max_lora_rank takes one of these (vllm.config.lora.MaxLoRARanks): an engine is started with the smallest
+# that holds the adapter's rank
+ENGINE_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def engine_lora_rank(r: int) -> int | None:
+    """The ``max_lora_rank`` a vLLM engine needs for adapters of rank ``r`` (None: larger than vLLM takes)."""
+    return next((rank for rank in ENGINE_LORA_RANKS if rank >= r), None)
+
+
+def lora_sync(lora: Mapping[str, Any] | None, backend: str) -> str | None:
+    """``train_model.lora.sync`` resolved: ``adapter`` (the engine holds the base once and each push is the adapter),
+    ``merged`` (each push is every weight with the adapter merged in), or None without LoRA. ``auto`` is the adapter
+    wherever vLLM can serve it: a vLLM engine, a rank it takes, no ``modules_to_save`` (vLLM applies adapters to
+    linear layers only); asked for where it cannot be, it is a one-line ConfigError."""
+    if lora is None or not lora.get("enabled", False):
+        return None
+    knobs = check_lora(lora)
+    why = None
+    if backend != "vllm":
+        why = f"inference_model.backend={backend} samples with the trained policy or a merged copy of it"
+    elif engine_lora_rank(knobs["r"]) is None:
+        why = f"vLLM serves adapters up to rank 512, not train_model.lora.r={knobs['r']}"
+    elif knobs["modules_to_save"]:
+        why = "vLLM serves no adapter with train_model.lora.modules_to_save (whole modules trained beside it)"
+    if why is None:
+        return "adapter" if knobs["sync"] in ("auto", "adapter") else "merged"
+    if knobs["sync"] == "adapter":
+        raise ConfigError(f"train_model.lora.sync=adapter: {why}; set train_model.lora.sync=merged (or auto)")
+    return "merged"

@@ -9,7 +9,7 @@ from torchrl_grpo.engines.base import Engine
 
 # vllm.LLM arguments the transformers backend ignores, so that one config can drive either backend.
 _VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "kv_cache_tokens",
-                     "engine_process", "weight_transfer", "sleep_level")
+                     "engine_process", "weight_transfer", "sleep_level", "lora_rank")
 
 
 def engine_options(settings: EngineSettings) -> dict:
@@ -19,7 +19,8 @@ def engine_options(settings: EngineSettings) -> dict:
             "kv_cache_tokens": kv_cache_tokens(settings), "trust_remote_code": settings.trust_remote_code,
             "engine_process": settings.engine_process, "weight_transfer": settings.weight_transfer,
             # resolved by the trainer's run (run.build.with_sleep); unresolved, no training shares the engine's GPU
-            "sleep_level": 0 if settings.sleep == "auto" else int(settings.sleep)}
+            "sleep_level": 0 if settings.sleep == "auto" else int(settings.sleep),
+            "lora_rank": settings.lora_rank}
 
 
 def kv_cache_tokens(settings: EngineSettings) -> int:
@@ -39,7 +40,8 @@ def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
     transformers: loads its own copy of ``model_path`` (``dtype`` default "float32", ``device`` default
     "cpu"), unless ``model=`` (e.g. the trainer's model object) and optionally ``tokenizer=`` are given;
     ``seed`` and ``trust_remote_code`` are honoured and vLLM-only arguments (gpu_memory_utilization, max_model_len,
-    enable_prefix_caching, kv_cache_tokens, engine_process, weight_transfer, sleep_level) are ignored.
+    enable_prefix_caching, kv_cache_tokens, engine_process, weight_transfer, sleep_level, lora_rank) are
+    ignored.
     """
     # vLLM and transformers import in seconds: only the backend asked for
     if backend == "vllm":

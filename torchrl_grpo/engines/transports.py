@@ -9,6 +9,8 @@ around it (:class:`~torchrl_grpo.engines.vllm.VLLMEngine`) wakes, drops a tied h
   (:mod:`~torchrl_grpo.engines.weight_transfer`: vLLM's NCCL engine on GPUs, our gloo engine on CPUs).
 - :class:`Stream`: an engine in its own process, through a bounded buffer in /dev/shm
   (:mod:`~torchrl_grpo.engines.weight_stream`), which each tensor-parallel worker reads.
+- :class:`AdapterSlot`: a LoRA adapter (``train_model.lora.sync=adapter``) beside the base weights the engine keeps,
+  through a folder of /dev/shm, in any process of this machine.
 
 Pushes to Ray rollout actors are :mod:`torchrl_grpo.collect.actor_weights`' (the actor's engine receives them).
 """
@@ -26,6 +28,7 @@ from torchrl_grpo.engines.vllm_releases import choose_weight_transfer
 from torchrl_grpo.engines.weight_stream import WeightStream, receive_weights
 
 PUSH_DIR_PREFIX = "torchrl_grpo_push_"  # + the pushing process id: a weight stream's folder in /dev/shm
+ADAPTER_DIR_PREFIX = "torchrl_grpo_lora_"  # + the pushing process id: the adapters' folder in /dev/shm
 
 Specs = Sequence[tuple[str, torch.Tensor]]
 Tensors = Iterator[tuple[str, torch.Tensor]]
@@ -112,9 +115,7 @@ class Stream:
 
     def _stream(self) -> WeightStream:
         if self.stream is None:
-            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-            push_dir = tempfile.mkdtemp(prefix=f"{PUSH_DIR_PREFIX}{os.getpid()}_", dir=shm)
-            self.stream = WeightStream(push_dir, workers=self.workers)
+            self.stream = WeightStream(_shm_folder(PUSH_DIR_PREFIX), workers=self.workers)
         return self.stream
 
     def close(self) -> None:
@@ -122,6 +123,46 @@ class Stream:
         if stream is not None:
             stream.close()
             shutil.rmtree(stream.directory, ignore_errors=True)
+
+
+def _shm_folder(prefix: str) -> str:
+    """A new folder in /dev/shm (else the temporary folder) named after this process."""
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}_", dir=shm)
+
+
+class AdapterSlot:
+    """The adapter of an engine started with ``enable_lora``: each push is written in PEFT's format to a folder of
+    /dev/shm that the engine's process reads (this one or its own), loaded under a new id, and the previous version
+    removed, so that the engine holds one adapter and its prefix cache never mixes two. :attr:`request`: the
+    ``LoRARequest`` generation passes (None before the first push: the base model, which a fresh adapter is)."""
+
+    name = "adapter"
+
+    def __init__(self, llm):
+        self.llm, self.request, self.directory, self.pushes = llm, None, None, 0
+
+    def push(self, adapter) -> None:
+        from vllm.lora.request import LoRARequest
+
+        if self.directory is None:
+            self.directory = _shm_folder(ADAPTER_DIR_PREFIX)
+        self.pushes += 1
+        folder = os.path.join(self.directory, f"v{self.pushes}")
+        adapter.save(folder)
+        request = LoRARequest(f"policy-{self.pushes}", self.pushes, folder)
+        engine = self.llm.llm_engine
+        if not engine.add_lora(request):
+            raise RuntimeError(f"adapter push: the vLLM engine did not load the adapter from {folder}")
+        old, self.request = self.request, request
+        if old is not None:
+            engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+
+    def close(self) -> None:
+        directory, self.directory = self.directory, None
+        if directory is not None:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def transport_for(asked: str, llm, *, in_process: bool, devices: Sequence[torch.device],

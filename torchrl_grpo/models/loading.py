@@ -156,7 +156,7 @@ def merged_weights(model, shapes_only: bool = False) -> Iterator[tuple[str, torc
     def whole(p: torch.Tensor) -> torch.Tensor:
         return torch.empty(p.shape, dtype=p.dtype, device="meta") if shapes_only else full_tensor(p.detach())
 
-    model = _unwrap(model)
+    model = unwrap(model)
     try:
         from peft import PeftModel
     except ImportError:  # peft absent: no model can be a PEFT model
@@ -186,7 +186,7 @@ def _wrap_lora(model, lora: Mapping[str, Any]):
     targets = knobs["target_modules"]
     cfg = LoraConfig(
         r=knobs["r"], lora_alpha=knobs["alpha"], lora_dropout=knobs["dropout"], target_modules=targets,
-        task_type="CAUSAL_LM",
+        use_rslora=knobs["rslora"], modules_to_save=knobs["modules_to_save"], task_type="CAUSAL_LM",
     )
     try:
         return get_peft_model(model, cfg)
@@ -230,7 +230,7 @@ def _hf_name(name: str) -> str:
     return re.sub(r"\.modules_to_save\.[^.]+\.", ".", name)
 
 
-def _unwrap(model):
+def unwrap(model):
     """Strip torch.compile and (Distributed)DataParallel wrappers, whose names would prefix every key."""
     while True:
         if hasattr(model, "_orig_mod"):

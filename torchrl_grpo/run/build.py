@@ -190,17 +190,19 @@ def build_eval_engine(cfg: DictConfig, spec: RunSpec, task: Task, turns: Turns):
 
 def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: Path | None,
                   parallel: DataParallel | None = None) -> Trainer:
-    """Policy (from the checkpoint when resuming), reference when a KL to it is on, loss and optimizer; with
+    """Policy (from the checkpoint when resuming), reference when a KL to it is on (with LoRA, the policy with its
+    adapter off: :class:`~torchrl_grpo.models.adapter.AdapterOff`), loss and optimizer; with
     ``parallel`` both models on the rank's own device (its GPU, or the CPU) and sharded over the ranks (FSDP2,
     with its bf16 policy under mixed precision) before the optimizer is built."""
+    from torchrl_grpo.models.adapter import AdapterOff, is_lora
     from torchrl_grpo.models.loading import load_policy, sparse_tied_embedding_gradient
 
     train_on, ref_on, precision = spec.placement.train, spec.placement.ref, spec.precision
     if parallel is not None:
         train_on = ref_on = [str(parallel.device)]
     policy = build_policy(cfg, model_path, train_on, resume_from, precision.train_weights)
-    ref_policy = None
-    if float(cfg.train.kl_to_ref_coeff) > 0:
+    ref_policy, free_reference = None, float(cfg.train.kl_to_ref_coeff) > 0 and is_lora(policy)
+    if float(cfg.train.kl_to_ref_coeff) > 0 and not free_reference:
         ref_policy = load_policy(model_path, dtype=precision.reference, device=ref_on, trainable=False,
                                  trust_remote_code=bool(cfg.model.trust_remote_code))
     mixed = precision.autocast_bf16
@@ -227,6 +229,8 @@ def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: 
         if critic is not None:
             check_packing_keeps_rows_apart(critic.model, lambda m, rows, attention: token_values(
                 m, rows, attention, attention, packed=True))
+    if free_reference:  # the policy with its adapter off: the base model, no second copy of it
+        ref_policy, ref_on = AdapterOff(policy), train_on
     return Trainer(policy, ref_policy, build_loss(cfg, policy), optimizer, spec.train, torch.device(train_on[0]),
                    torch.device(ref_on[0]) if ref_policy is not None else None, parallel,
                    build_scheduler(cfg, optimizer, spec.plan), critic)
@@ -326,7 +330,7 @@ def with_sleep(spec: RunSpec) -> RunSpec:
     else:
         busy = None
     training = [*spec.placement.train, *spec.placement.ref]
-    level = choose_sleep(engine.sleep, spec.placement.inference, training, busy)
+    level = choose_sleep(engine.sleep, spec.placement.inference, training, busy, adapter=engine.lora_rank is not None)
     return dataclasses.replace(spec, engine=dataclasses.replace(engine, sleep=level))
 
 
@@ -390,7 +394,8 @@ def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = 
                           seed=c.spec.train.seed + c.state.step,
                           engine_process="own" if parallel is not None else None, parallel=parallel)
     weights = EngineSync(c.trainer, engine, None if samples_with_policy(c.trainer, engine) else (
-        build_weight_check(cfg, c.trainer, c.tokenizer, c.spec.precision.engine)))
+        build_weight_check(cfg, c.trainer, c.tokenizer, c.spec.precision.engine)),
+        adapter=c.spec.engine.lora_rank is not None)
     if c.state.resume_from is not None:
         weights.resume()
     if (line := weights.startup()) is not None:
@@ -407,6 +412,7 @@ def build_async(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None =
     c = build_common(cfg, inputs, parallel)
     print(f"precision: {c.spec.precision.describe(cfg)}", flush=True)
     engine_dtype = c.spec.precision.engine
-    weights = ActorSync(c.trainer, build_weight_check(cfg, c.trainer, c.tokenizer, engine_dtype), engine_dtype)
+    weights = ActorSync(c.trainer, build_weight_check(cfg, c.trainer, c.tokenizer, engine_dtype), engine_dtype,
+                        adapter=c.spec.engine.lora_rank is not None)
     source = ActorSource(c.spec, weights, c.tokenizer, c.task.reward_names)
     return Run(source, c.trainer, c.state, c.spec, c.evaluator)

@@ -25,6 +25,7 @@ from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.core.checkpoint import CRITIC_DIR, OPTIMIZER_SHARDS
 from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.engines.weight_stream import StreamedWeights
+from torchrl_grpo.models.adapter import Adapter, adapter_config, adapter_weights
 from torchrl_grpo.models.flops import bf16_peak_flops, model_shape, update_flops
 from torchrl_grpo.models.loading import merged_state_dict, merged_weights
 from torchrl_grpo.objective.critic import (
@@ -322,6 +323,15 @@ class Trainer:
         if self.parallel.rank == 0:
             return StreamedWeights(list(merged_weights(self.policy, shapes_only=True)), merged_weights(self.policy))
         return gathered(merged_weights(self.policy), keep=False)
+
+    @collective
+    def adapter(self) -> Adapter | None:
+        """The policy's LoRA adapter (``train_model.lora.sync=adapter``: what an engine loads beside its base weights),
+        as CPU tensors (on a CPU, the live ones: read them before the next update). Data-parallel: gathered from the
+        shards on every rank in step, kept on rank 0 (None on the others)."""
+        keep = self.parallel is None or self.parallel.rank == 0
+        tensors = gathered(adapter_weights(self.policy), keep=keep)
+        return Adapter(adapter_config(self.policy), tensors) if keep else None
 
     @collective
     def probe_log_probs(self, token_ids: list[int]) -> torch.Tensor:

@@ -74,11 +74,12 @@ class WeightSync:
 
 class EngineSync(WeightSync):
     """The trainer's weights into ``engine`` after each update (nothing to push into an engine that
-    :func:`samples_with_policy`: build no ``check`` for it)."""
+    :func:`samples_with_policy`: build no ``check`` for it); with ``adapter`` (``train_model.lora.sync=adapter``)
+    the LoRA adapter only."""
 
-    def __init__(self, trainer: Trainer, engine, check: WeightCheck | None = None):
+    def __init__(self, trainer: Trainer, engine, check: WeightCheck | None = None, adapter: bool = False):
         super().__init__(trainer, check)
-        self.engine = engine
+        self.engine, self.adapter = engine, adapter
 
     def resume(self) -> None:
         self._send(0)
@@ -93,7 +94,11 @@ class EngineSync(WeightSync):
         return self.changed or self.engine.needs_weights
 
     def _send(self, version: int) -> None:
-        if not samples_with_policy(self.trainer, self.engine):
+        if samples_with_policy(self.trainer, self.engine):
+            return
+        if self.adapter:
+            self.engine.push_adapter(self.trainer.adapter())
+        else:
             self.engine.push_weights(self.trainer.weights())
 
     def _verify(self) -> dict:
@@ -112,12 +117,13 @@ class EngineSync(WeightSync):
 class ActorSync(WeightSync):
     """The trainer's weights to the actors of an :class:`~torchrl_grpo.collect.rollout_actors.ActorPool`
     (:meth:`attach`), cast to their engines' ``engine_dtype`` (an engine casts what it loads anyway: half the bytes
-    for bf16 engines). Each actor checks itself after a push (a failed check is a RunError there): the gaps land
-    later (:meth:`landed`)."""
+    for bf16 engines); with ``adapter`` the LoRA adapter only. Each actor checks itself after a push (a failed check
+    is a RunError there): the gaps land later (:meth:`landed`)."""
 
-    def __init__(self, trainer: Trainer, check: WeightCheck | None = None, engine_dtype: torch.dtype | None = None):
+    def __init__(self, trainer: Trainer, check: WeightCheck | None = None, engine_dtype: torch.dtype | None = None,
+                 adapter: bool = False):
         super().__init__(trainer, check)
-        self.engine_dtype, self.pool = engine_dtype, None
+        self.engine_dtype, self.adapter, self.pool = engine_dtype, adapter, None
 
     def attach(self, pool) -> None:
         self.pool = pool
@@ -133,7 +139,8 @@ class ActorSync(WeightSync):
         return None if self.check is None else self.check.startup(self.pool)
 
     def _send(self, version: int) -> None:
-        self.pool.push(snapshot(self.trainer, self.engine_dtype), version, self._probe())
+        weights = self.trainer.adapter() if self.adapter else snapshot(self.trainer, self.engine_dtype)
+        self.pool.push(weights, version, self._probe())
 
     def landed(self) -> dict:
         """The largest gap of the pushes that landed since the last call, when any did."""
