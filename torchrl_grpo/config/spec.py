@@ -61,7 +61,7 @@ def resolve_run(cfg: DictConfig, training: bool = True) -> RunSpec:
     if cfg.get("mode") == "async":
         engine_on = "cuda" if float(cfg.ray.actor_num_gpus) > 0 else "cpu"
     precision = resolve_precision(cfg, placement.train[0], engine_on, placement.ref[0])
-    return RunSpec(plan, placement, precision, EngineSettings.from_config(cfg, plan),
+    return RunSpec(plan, placement, precision, EngineSettings.from_config(cfg, plan, engine_on),
                    CollectSettings.from_config(cfg, plan), TrainSettings.from_config(cfg, plan, precision),
                    EvalSettings.from_config(cfg, plan), ModelSettings.from_config(cfg),
                    ActorSettings.from_config(cfg) if cfg.get("mode") == "async" else None,

