@@ -248,7 +248,7 @@ class VLLMEngine(Engine):
                                             detokenize=False, seed=seed)
                   for seed in self._request_seeds(len(prompts))]
         with self._engine_rng():
-            outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora_request())
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, **self._adapter_kwargs())
         completions = []
         for index, out in enumerate(outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -268,8 +268,7 @@ class VLLMEngine(Engine):
         self.sleeping.for_generation()
         ids = [int(t) for t in token_ids]
         params = self._sampling_params_cls(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False,
-                                lora_request=self._lora_request())[0]
+        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False, **self._adapter_kwargs())[0]
         return [float(step[tok].logprob) for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
 
     # -- weights -------------------------------------------------------------------------------------
@@ -307,8 +306,10 @@ class VLLMEngine(Engine):
             self.adapter.push(adapter)
         self.llm.reset_prefix_cache()
 
-    def _lora_request(self):
-        return None if self.adapter is None else self.adapter.request
+    def _adapter_kwargs(self) -> dict:
+        """``generate``'s ``lora_request`` once an adapter was pushed (none asked of an engine without one)."""
+        request = None if self.adapter is None else self.adapter.request
+        return {} if request is None else {"lora_request": request}
 
     def sleep(self) -> None:
         """While the trainer trains: with ``sleep_level`` (``inference_model.sleep``), release the GPU's memory
