@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Does training learn on a GPU, in each precision? The learning test's task (reward = share of digit
-# characters, tests/test_learning.py) run through grpo.py on CUDA with bf16 weights, fp32 weights under
+# characters, tests/training/test_learning.py) run through grpo.py on CUDA with bf16 weights, fp32 weights under
 # bf16 autocast, and plain fp32; prints the reward over the first and last 5 of 20 steps for each.
 # Usage: bench/gpu_learning_check.sh [extra overrides, e.g. inference_model.backend=transformers]
 #   the data-parallel path (FSDP2 over nccl, one rank):

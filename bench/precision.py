@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "training"))
 from test_mixed_precision import SETTINGS, make_batch  # noqa: E402  (the test's batch, at the workload's size)
 from torchrl_grpo.models.loading import load_policy  # noqa: E402
 from torchrl_grpo.models.sources import resolve_model  # noqa: E402

@@ -46,7 +46,7 @@ def pytest_runtest_setup(item):
 
 
 # ===================================================================================================
-# rollout fixtures (torchrl_grpo/engines/base.py, tests/test_rollout.py): one vLLM engine per session
+# rollout fixtures (torchrl_grpo/engines/base.py, tests/engines/test_rollout.py): one vLLM engine per session
 # ===================================================================================================
 
 
@@ -88,8 +88,8 @@ def vllm_engine(tiny_model_path):
 
 
 # ===================================================================================================
-# grpo.py with its engine in its own process (tests/test_engine_process.py, and the one-process reference of
-# tests/test_data_parallel.py's torchrun step): the same run, made once per session
+# grpo.py with its engine in its own process (tests/engines/test_engine_process.py, and the one-process reference of
+# tests/parallel/test_data_parallel.py's torchrun step): the same run, made once per session
 # ===================================================================================================
 
 OWN_ENGINE_RUN = ["train.total_dialog_turns=16", "inference_model.engine_process=own", "loss.old_log_probs=trainer",

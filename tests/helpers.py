@@ -22,10 +22,11 @@ from hydra import compose, initialize_config_dir
 
 from faults.sitecustomize import job_processes, processes_with_env  # noqa: F401 (tests import it from here)
 from torchrl_grpo.config import CONFIG_DIR
+from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.telemetry.recorder import metrics_rows
 
 ROOT = Path(__file__).resolve().parents[1]
-# the README's first command (tests/test_docs.py holds the README to it; tests/test_arithmetic.py runs it)
+# the README's first command (tests/test_docs.py holds the README to it; tests/tasks/test_arithmetic.py runs it)
 FIRST_COMMAND = ".venv/bin/python grpo.py --config-name grpo_arithmetic"
 
 
@@ -96,8 +97,8 @@ needs_ray = pytest.mark.needs("ray")
 
 # ------------------------------------------------------------------------------- engines against the trainer
 # The reference for every engine's sampling log-probs is what the trainer computes:
-# ``log_softmax(logits.float() / T)[token]`` from a plain forward of prompt + completion (tests/test_rollout.py,
-# tests/test_engine_process.py). torch is imported inside: most test modules never need these.
+# ``log_softmax(logits.float() / T)[token]`` from a plain forward of prompt + completion (tests/engines/test_rollout.py,
+# tests/engines/test_engine_process.py). torch is imported inside: most test modules never need these.
 LOGPROB_TOL = 1e-4  # float32: measured gaps are 1e-5 (tiny) and 3e-5..6e-5 (SmolLM2)
 
 
@@ -178,7 +179,7 @@ SMALL = ["model=tiny", "env=gsm_symbolic", "env.size=64", "env.num_envs=2", "env
          "logging.progress_bar=false", "optimizer.lr=1e-3"]
 # float32 end to end (the trainer, and so the engine and the ratio's denominator): for the tests that check that
 # the engine holds the trainer's exact weights (log-prob gaps of 1e-4); train.mixed_precision=auto runs bf16 on
-# a CPU with native bf16 (tests/test_train_e2e.py runs that default)
+# a CPU with native bf16 (tests/run/test_train_e2e.py runs that default)
 FLOAT32 = ["train.mixed_precision=false"]
 # The scripts the tests start are CPU runs, GPUs or not (their checks are the CPU's: float32 gaps, gloo ranks;
 # bench/gpu_check.sh runs the GPU path); with a CUDA build of vLLM their engines need the GPUs, which stay visible.
@@ -321,3 +322,34 @@ def ray_processes() -> str:
             return ""
         time.sleep(0.5)
     return out
+
+
+# a scripted engine for multi-turn episodes (tests/episodes, tests/tasks)
+
+
+class ScriptedPolicy:
+    """Turn k of every episode answers ``script[k]`` (ids as the tokenizer gives them, then the turn's end, unless
+    ``cut``: finish_reason "length"), with log-prob -0.1 * (turn + 1) - 0.001 * position."""
+
+    def __init__(self, tokenizer, script, cut=()):
+        self.tokenizer, self.script, self.cut, self.calls = tokenizer, script, set(cut), []
+        self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    def generate(self, prompts, *, n, max_tokens, temperature, top_p, top_k=0, min_p=0.0):
+        self.calls.append((len(prompts), n))
+        out = []
+        for i, ids in enumerate(prompts):
+            turn = self.tokenizer.decode(ids).count("<|im_start|>assistant") - 1
+            text = self.script[turn]
+            sampled = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            if turn not in self.cut:
+                sampled = sampled + [self.end]
+            for _ in range(n):
+                scores = [-0.1 * (turn + 1) - 0.001 * k for k in range(len(sampled))]
+                out.append(Completion(i, sampled, scores, "length" if turn in self.cut else "stop", text))
+        return out
+
+
+def rendered(tokenizer, messages):
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

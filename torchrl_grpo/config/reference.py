@@ -3,7 +3,7 @@
 Every key of :mod:`torchrl_grpo.config.schema`: its kind and range, whether null is allowed, its default in
 ``config/grpo_gsm8k.yaml`` (the async keys: with ``config/mode/async.yaml``) and its meaning. The page is
 generated, never edited by hand: ``python -m torchrl_grpo.config.reference > docs/config-reference.md``;
-``tests/test_schema.py`` fails when the page and the schema part.
+``tests/config/test_schema.py`` fails when the page and the schema part.
 """
 from __future__ import annotations
 

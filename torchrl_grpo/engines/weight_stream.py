@@ -9,8 +9,8 @@ bucket out because vLLM's layer-wise reload keeps a layer's tensors until the la
 in the next bucket. Two FIFOs per worker (one per tensor-parallel rank) beside the buffer say "bucket k is ready"
 and "bucket k is copied out"; while the workers load bucket k the trainer fills bucket k+1.
 
-Pinned by tests/test_weight_stream.py (the protocol, against a worker in a real process) and
-tests/test_engine_process.py (vLLM's engine in its own process).
+Pinned by tests/engines/test_weight_stream.py (the protocol, against a worker in a real process) and
+tests/engines/test_engine_process.py (vLLM's engine in its own process).
 """
 from __future__ import annotations
 

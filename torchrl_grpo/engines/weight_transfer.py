@@ -14,7 +14,7 @@ through vLLM's layer-wise reload, as ``reload_weights`` does. Unlike the /dev/sh
 
 The worker side is attached after the engine starts (:func:`attach_in_worker`, through ``collective_rpc``), so no
 vLLM plugin has to be installed in the engine's process. This module imports vLLM: import it only where vLLM
-runs. Pinned by tests/test_engine_process.py.
+runs. Pinned by tests/engines/test_engine_process.py.
 """
 from __future__ import annotations
 

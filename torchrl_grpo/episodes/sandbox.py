@@ -5,7 +5,7 @@ own session, with its cwd a new temporary folder (removed afterwards) and an env
 HOME/TMPDIR (the folder) and the locale. It returns plain data (`SandboxResult`, picklable for Ray actors); a call
 that breaches a limit gets a status and a `[sandbox: ...]` line in its output, it never hangs the caller. The
 bootstrap forks twice: the code runs as pid 2 of a PID namespace of its own, whose pid 1 reaps it and reports how it
-ended. The layers, measured on Linux 6.18 as root in a container (tests/test_sandbox.py, as an attacker would):
+ended. The layers, measured on Linux 6.18 as root in a container (tests/episodes/test_sandbox.py, as an attacker would):
 
 - wall clock: the parent reads with a deadline and SIGKILLs the whole process group on expiry;
 - rlimits, set in the child before the code runs (hard limits, so the code cannot raise them): RLIMIT_CPU
@@ -34,7 +34,7 @@ ended. The layers, measured on Linux 6.18 as root in a container (tests/test_san
 - an audit hook (sys.addaudithook) installed just before the code: refuses sockets, DNS, subprocess, os.system,
   os.exec*/spawn*/fork, os.kill, ctypes library and symbol loading (importing ctypes stays allowed: numpy needs
   it), and writes or removals outside the folder, each with a clear error. It is defence in depth, not a
-  boundary: Python code can reach around it (patching the modules it calls, as tests/test_sandbox.py does to
+  boundary: Python code can reach around it (patching the modules it calls, as tests/episodes/test_sandbox.py does to
   start a child, `_posixsubprocess`, ctypes.memmove), so the kernel layers above are what hold.
 With `strict=True` (the default) a kernel layer that cannot be set up fails the call with RunError (never a
 silent fallback); `strict=False` runs with the layers that work. Not limited: CPU time of processes started by

@@ -19,7 +19,7 @@
 Why not ``torchrl.envs.llm.ChatEnv``: in tokens mode its step inserts nothing between turns (the next prompt is
 the sampled ids, without the tool message or the generation prompt), and in history mode the ids are the
 conversation rendered to text and tokenized again, which is not what the engine sampled
-(``tests/test_task_env.py`` pins both).
+(``tests/episodes/test_task_env.py`` pins both).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ completion tokens; every log-prob is of the sampled token given its prefix):
 * every mean is over the loss mask only (completion tokens), never prompt or padding.
 
 The plain functions under the terms (:func:`clipped_surrogate`, :func:`tis_weights`, ...) are what
-``tests/test_objective.py`` checks against independent float64 computations.
+``tests/objective/`` checks against independent float64 computations.
 """
 from __future__ import annotations
 

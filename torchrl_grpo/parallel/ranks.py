@@ -10,7 +10,7 @@ over ranks (:func:`shard_model` turns its default average off): the sum of the s
 then the one-process gradient, for any world size (scaling the loss by N would round for N not a power of
 two). On the CPU the ranks talk gloo, on GPUs nccl.
 
-Either every rank runs the same program (tests/test_data_parallel.py), or only rank 0 runs the loop
+Either every rank runs the same program (tests/parallel/test_data_parallel.py), or only rank 0 runs the loop
 (engine, collector, metrics, checkpoints: ``grpo.py``) and the other ranks *follow*: the trainer on rank 0
 announces each of its calls that holds a collective (prepare, optimize, the weights gather, the
 probe, the checkpoint), with its arguments, and each follower makes the same call on its own trainer

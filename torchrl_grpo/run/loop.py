@@ -107,71 +107,106 @@ class Run:
 
 def run_loop(run: Run) -> dict:
     """Train until ``total_steps``; returns the end-of-run summary (first vs last steps)."""
-    source, trainer, state, evaluator = run.source, run.trainer, run.state, run.evaluator
-    state.restore(trainer, source.position, source.exact_engine)
-    start = state.step
-
-    def stopped_by(cause, last_step: int, position):
-        return state.stopped_by(cause, last_step, start, trainer, source.tokenizer, position)
-
-    def after_error(cause: Exception, last_step: int, position, keep=lambda: None) -> str:
-        """Called while handling an error of the source, the trainer holding ``last_step``'s update: after a stop
-        request, ``keep()`` then the stop's checkpoint and line (the signal ended the engine's or actors' processes
-        too); otherwise a fault stops the run with a checkpoint, and any other error goes on up."""
-        if not stop.requested:
-            if isinstance(cause, source.faults):
-                raise stopped_by(cause, last_step, position) from None
-            raise
-        keep()
-        return state.stopped_early(last_step, start, trainer, source.tokenizer, position)
-
+    run.state.restore(run.trainer, run.source.position, run.source.exact_engine)
     with contextlib.ExitStack() as stack:
+        loop = Loop.started(run, stack)
+        try:
+            for step in range(loop.start + 1, run.total_steps + 1):
+                if not loop.step(step):
+                    break
+        except NotWritten as err:  # a full disk: every checkpoint before this one is whole
+            raise NotWritten(f"{err}; stopped: free some space, then {run.state.continue_hint()}") from None
+    return loop.telemetry.summary(run.source.reward_names, run.total_steps)
+
+
+@dataclass
+class Loop:
+    """What the loop holds while it trains: the run, the step it resumed after, its telemetry, the stop request,
+    the memory probe and the engine evaluations sample with."""
+
+    run: Run
+    start: int
+    telemetry: Telemetry
+    stop: StopRequest
+    memory: MemoryProbe
+    eval_engine: object
+
+    @classmethod
+    def started(cls, run: Run, stack: contextlib.ExitStack) -> Loop:
+        """The source started (and stopped by ``stack``), telemetry and the stop request entered, the evaluation
+        before the first step done when due, then the source's own start-up checks; a source that cannot start
+        stops the run with one line."""
+        source, trainer, state, evaluator = run.source, run.trainer, run.state, run.evaluator
+        start = state.step
         try:
             stack.enter_context(source.running(state, trainer, run.total_steps))
         except source.faults as cause:  # the source could not start
-            raise stopped_by(cause, start, source.position) from None
+            raise state.stopped_by(cause, start, start, trainer, source.tokenizer, source.position) from None
         telemetry = stack.enter_context(Telemetry(run.spec.logging, run.spec.config, state.run_dir,
                                                   run.total_steps, start, resumed=start > 0))
         stop = stack.enter_context(StopRequest())
         memory = MemoryProbe(cuda_devices(trainer.policy, trainer.critic and trainer.critic.model),
                              cuda_devices(trainer.ref_policy), source.engine_devices, source.engine_held)
-        eval_engine = source.eval_engine(trainer) if evaluator is not None else None
+        loop = cls(run, start, telemetry, stop, memory, source.eval_engine(trainer) if evaluator is not None else None)
         if start == 0 and evaluator is not None and evaluator.due(0):
-            telemetry.record(0, evaluator(eval_engine))
+            telemetry.record(0, evaluator(loop.eval_engine))
         try:
             source.ready()
         except source.faults as cause:
-            raise stopped_by(cause, start, source.position) from None
+            raise loop.stopped_by(cause, start, source.position) from None
+        return loop
+
+    def step(self, step: int) -> bool:
+        """Take the batch, prepare and optimize it, let the source finish the step (its push) and evaluate when
+        due, log it, checkpoint when due; False once the run stops."""
+        source, trainer, evaluator = self.run.source, self.run.trainer, self.run.evaluator
+        position = source.saved_position()
         try:
-            for step in range(start + 1, run.total_steps + 1):
-                position = source.saved_position()
-                try:
-                    delivery = source.take(step)
-                except Exception as cause:  # the trainer holds the update of the step before
-                    telemetry.print(after_error(cause, step - 1, position))
-                    break
-                metrics = delivery.metrics
-                metrics.update(trainer.prepare(delivery.batch))
-                metrics.update(trainer.optimize(delivery.batch))
-                try:
-                    metrics.update(source.finish(step, delivery, stop.requested))
-                    if evaluator is not None and evaluator.due(step):
-                        metrics.update(evaluator(eval_engine))
-                except Exception as cause:  # the trainer holds this step's update
-                    telemetry.print(after_error(cause, step, source.position,
-                                                keep=lambda: telemetry.log(step, metrics, scored_samples(delivery))))
-                    break
-                metrics.update(memory.read())
-                telemetry.log(step, metrics, scored_samples(delivery))
-                warning = trainer.no_signal.observe(metrics)
-                if warning and not trainer.no_signal.stop:
-                    print(f"warning: {warning}", file=sys.stderr, flush=True)
-                stopped = state.after_step(step, run.total_steps, trainer, source.tokenizer, source.position,
-                                           lambda: stop.requested, source.exact_engine,
-                                           source.fault or trainer.no_signal.stop_reason(metrics))
-                if stopped:
-                    telemetry.print(stopped)
-                    break
-        except NotWritten as err:  # a full disk: every checkpoint before this one is whole
-            raise NotWritten(f"{err}; stopped: free some space, then {state.continue_hint()}") from None
-    return telemetry.summary(source.reward_names, run.total_steps)
+            delivery = source.take(step)
+        except Exception as cause:  # the trainer holds the update of the step before
+            self.telemetry.print(self.after_error(cause, step - 1, position))
+            return False
+        metrics = delivery.metrics
+        metrics.update(trainer.prepare(delivery.batch))
+        metrics.update(trainer.optimize(delivery.batch))
+        try:
+            metrics.update(source.finish(step, delivery, self.stop.requested))
+            if evaluator is not None and evaluator.due(step):
+                metrics.update(evaluator(self.eval_engine))
+        except Exception as cause:  # the trainer holds this step's update
+            self.telemetry.print(self.after_error(
+                cause, step, source.position, keep=lambda: self.telemetry.log(step, metrics, scored_samples(delivery))))
+            return False
+        metrics.update(self.memory.read())
+        self.telemetry.log(step, metrics, scored_samples(delivery))
+        return self.goes_on(step, metrics)
+
+    def goes_on(self, step: int, metrics: dict) -> bool:
+        """After a logged step: the no-signal watch's warning, then the checkpoint when due; False (its line
+        printed) when the run stops here: done, asked to, a weight sync fault or no signal for too long."""
+        source, trainer, state = self.run.source, self.run.trainer, self.run.state
+        warning = trainer.no_signal.observe(metrics)
+        if warning and not trainer.no_signal.stop:
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+        stopped = state.after_step(step, self.run.total_steps, trainer, source.tokenizer, source.position,
+                                   lambda: self.stop.requested, source.exact_engine,
+                                   source.fault or trainer.no_signal.stop_reason(metrics))
+        if stopped:
+            self.telemetry.print(stopped)
+        return not stopped
+
+    def stopped_by(self, cause, last_step: int, position):
+        return self.run.state.stopped_by(cause, last_step, self.start, self.run.trainer, self.run.source.tokenizer,
+                                         position)
+
+    def after_error(self, cause: Exception, last_step: int, position, keep=lambda: None) -> str:
+        """Called while handling an error of the source, the trainer holding ``last_step``'s update: after a stop
+        request, ``keep()`` then the stop's checkpoint and line (the signal ended the engine's or actors' processes
+        too); otherwise a fault stops the run with a checkpoint, and any other error goes on up."""
+        if not self.stop.requested:
+            if isinstance(cause, self.run.source.faults):
+                raise self.stopped_by(cause, last_step, position) from None
+            raise
+        keep()
+        return self.run.state.stopped_early(last_step, self.start, self.run.trainer, self.run.source.tokenizer,
+                                            position)

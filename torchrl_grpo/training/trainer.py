@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -41,9 +42,27 @@ from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, total_loss
 from torchrl_grpo.objective.terms import aggregate, group_advantages
 from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, gathered, load_optimizer, save_optimizer
 from torchrl_grpo.training.critic import Critic
+from torchrl_grpo.training.micro_batches import by_length, packed_micro_batches, rows_to_train, trim_padding
 from torchrl_grpo.training.no_signal import NoSignalWatch
-from torchrl_grpo.training.packing import packed_micro_batches
 from torchrl_grpo.training.recast import weights_recast_in_backward
+
+
+@dataclass
+class Tally:
+    """What :meth:`Trainer.optimize` accumulates over a step's micro-batches and optimizer steps."""
+
+    history: dict[str, list[float]] = field(default_factory=dict)  # each loss and diagnostic, per micro-batch
+    share_weights: list[float] = field(default_factory=list)  # each micro-batch's accumulation weight
+    trained_tokens: int = 0
+    trained_rows: int = 0
+    skipped: int = 0  # updates dropped for a non-finite gradient norm
+    still: int = 0  # optimizer steps not taken: no row could move the weights
+    optimizer_time: float = 0.0
+    flops: int = 0
+    lr: float | None = None  # the learning rate of the step's last update taken
+
+    def add(self, key: str, value: float) -> None:
+        self.history.setdefault(key, []).append(value)
 
 
 class Trainer:
@@ -174,7 +193,7 @@ class Trainer:
     def _micro_batches(self, rows: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
         """This rank's rows (batch indices) of each micro-batch over ``rows``: ``train.optim_batch_size`` rows of
         similar lengths (data-parallel: this rank's share of them), or packed by ``train.micro_batch_tokens``
-        (:func:`~torchrl_grpo.training.packing.packed_micro_batches`). Every rank gets as many micro-batches."""
+        (:func:`~torchrl_grpo.training.micro_batches.packed_micro_batches`). Every rank gets as many micro-batches."""
         s, parallel = self.settings, self.parallel
         if s.micro_batch_tokens is not None:
             ranks, rank = (1, 0) if parallel is None else (parallel.world_size, parallel.rank)
@@ -199,80 +218,96 @@ class Trainer:
         with its own optimizer beside the policy's. Data-parallel: this rank's share of each micro-batch, weights
         normalised over the whole window's. ``train_flops_per_s``: the model FLOPs of every forward and backward
         (:mod:`torchrl_grpo.models.flops`; all ranks') over ``train_time``; ``mfu``: that over :meth:`_peak_flops`."""
-        s, parallel = self.settings, self.parallel
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        history: dict[str, list[float]] = {}
-        share_weights: list[float] = []  # each micro-batch's accumulation weight (data-parallel metrics)
-        trained_tokens, trained_rows, skipped, still, optimizer_time, flops = 0, 0, 0, 0, 0.0, 0
+        tally, started = Tally(), time.perf_counter()
+        self._train_mode(True)
+        for _ in range(self.settings.epochs):
+            # each optimizer step's rows: a shuffled window
+            size = self.settings.micro_batch * self.settings.accumulation
+            for window in torch.randperm(len(batch), generator=self.shuffle).split(size):
+                self._optimizer_step(batch, window, tally)
+        self._train_mode(False)
+        return self._metrics(tally, len(batch), time.perf_counter() - started)
+
+    def _optimizer_step(self, batch, window: torch.Tensor, tally: Tally) -> None:
+        """One optimizer step over the rows ``window``: its micro-batches planned (rows of similar lengths, or
+        packed), each one's forward and backward, then the update (not taken when no row can move the weights)."""
+        # every rank holds the whole batch: they agree; the critic learns from every row with a loss token
+        moving = (self.loss.moving_rows(batch[window]) if self.critic is None
+                  else self.loss.token_mask(batch[window]).any(-1))
+        moves = bool(moving.any())
+        rows = rows_to_train(window, moving, self._rows_per_micro_batch) if moves else window
+        tally.trained_rows += len(rows) if moves else 0
+        order = self._micro_batches(rows, batch["attention_mask"])
+        micro = [trim_padding(batch[idx]).to(self.device) for idx in order]
+        weights = [self.loss.accumulation_weight(mb) for mb in micro]
+        total = self.loss.accumulation_weight(batch[window])  # every row of the window counts
+        tally.share_weights += weights
+        for mb, weight, idx in zip(micro, weights, order):
+            lengths = batch["attention_mask"][idx].sum(-1).tolist()  # from the batch as collected: no sync
+            self._forward_backward(mb, weight / max(total, 1e-9), moves, lengths, tally)
+        if not moves:
+            tally.still += 1
+            tally.add("grad_norm", 0.0)
+            return
+        self._update(tally)
+
+    def _forward_backward(self, mb, share: float, moves: bool, lengths: list[int], tally: Tally) -> None:
+        """One micro-batch: its losses (and the critic's value loss), and when the step ``moves`` their backward,
+        weighted by the micro-batch's ``share`` of the optimizer step's accumulation weight."""
+        with self._autocast(), weights_recast_in_backward(), torch.set_grad_enabled(moves):
+            losses = self.loss(mb)
+            if self.critic is not None:
+                losses.update(self._value_loss(mb))
+        if moves:
+            objective = total_loss(losses) + (0 if self.critic is None else losses["value_loss"])
+            (objective * share).backward()
+        for key, value in losses.items():
+            tally.add(key, value.detach().float().item())
+        tally.trained_tokens += sum(lengths)
+        if self.model_shapes is not None:
+            tally.flops += update_flops(self.model_shapes, lengths, moves)
+
+    def _update(self, tally: Tally) -> None:
+        """The optimizer steps, the critic's and the policy's, each clipped; a non-finite gradient norm skips the
+        policy's (counted, and in a streak that :meth:`divergence` watches)."""
+        clip = self.settings.clip_grad_norm
+        if self.critic is not None:  # its own optimizer, clipped like the policy's
+            tally.add("critic_grad_norm", clipped_step(self.critic.trainable(), self.critic.optimizer,
+                                                       self.critic.scheduler, clip).item())
         started = time.perf_counter()
-        lr = None  # the learning rate of the step's last update taken
-        self.policy.train()
-        if self.critic is not None:
-            self.critic.model.train()
-        for _ in range(s.epochs):
-            # each optimizer step's rows (a shuffled window), cut into micro-batches of similar lengths
-            windows = torch.randperm(len(batch), generator=self.shuffle).split(s.micro_batch * s.accumulation)
-            for window in windows:
-                # every rank holds the whole batch: they agree; the critic learns from every row with a loss token
-                moving = (self.loss.moving_rows(batch[window]) if self.critic is None
-                          else self.loss.token_mask(batch[window]).any(-1))
-                moves = bool(moving.any())
-                rows = rows_to_train(window, moving, self._rows_per_micro_batch) if moves else window
-                trained_rows += len(rows) if moves else 0
-                order = self._micro_batches(rows, batch["attention_mask"])
-                micro = [trim_padding(batch[idx]).to(self.device) for idx in order]
-                weights = [self.loss.accumulation_weight(mb) for mb in micro]
-                total = self.loss.accumulation_weight(batch[window])  # every row of the window counts
-                share_weights += weights
-                for mb, weight, idx in zip(micro, weights, order):
-                    with self._autocast(), weights_recast_in_backward(), torch.set_grad_enabled(moves):
-                        losses = self.loss(mb)
-                        if self.critic is not None:
-                            losses.update(self._value_loss(mb))
-                    if moves:
-                        objective = total_loss(losses) + (0 if self.critic is None else losses["value_loss"])
-                        (objective * (weight / max(total, 1e-9))).backward()
-                    for key, value in losses.items():
-                        history.setdefault(key, []).append(value.detach().float().item())
-                    lengths = batch["attention_mask"][idx].sum(-1).tolist()  # from the batch as collected: no sync
-                    trained_tokens += sum(lengths)
-                    if self.model_shapes is not None:
-                        flops += update_flops(self.model_shapes, lengths, moves)
-                if not moves:
-                    still += 1
-                    history.setdefault("grad_norm", []).append(0.0)
-                    continue
-                if self.critic is not None:  # its own optimizer, clipped like the policy's
-                    history.setdefault("critic_grad_norm", []).append(clipped_step(
-                        self.critic.trainable(), self.critic.optimizer, self.critic.scheduler,
-                        s.clip_grad_norm).item())
-                step_started = time.perf_counter()
-                lr = self.optimizer.param_groups[0]["lr"]  # this update's
-                grad_norm = clipped_step(params, self.optimizer, self.scheduler, s.clip_grad_norm)
-                if torch.isfinite(grad_norm):
-                    self.updates += 1
-                    self.nonfinite_streak = 0
-                else:  # a NaN/inf gradient would poison the weights: the update was dropped, say so in the metrics
-                    skipped += 1
-                    self.nonfinite_streak += 1
-                optimizer_time += time.perf_counter() - step_started
-                history.setdefault("grad_norm", []).append(grad_norm.item())
-        self.policy.eval()
-        if self.critic is not None:
-            self.critic.model.eval()
-        elapsed = time.perf_counter() - started
-        if parallel is not None:
-            history = parallel.global_history(history, share_weights)
-            trained_tokens = parallel.sum(trained_tokens)
-            flops = parallel.sum(flops)
+        tally.lr = self.optimizer.param_groups[0]["lr"]  # this update's
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        grad_norm = clipped_step(params, self.optimizer, self.scheduler, clip)
+        if torch.isfinite(grad_norm):
+            self.updates += 1
+            self.nonfinite_streak = 0
+        else:  # a NaN/inf gradient would poison the weights: the update was dropped, say so in the metrics
+            tally.skipped += 1
+            self.nonfinite_streak += 1
+        tally.optimizer_time += time.perf_counter() - started
+        tally.add("grad_norm", grad_norm.item())
+
+    def _train_mode(self, on: bool) -> None:
+        for model in (self.policy, None if self.critic is None else self.critic.model):
+            if model is not None:
+                model.train(on)
+
+    def _metrics(self, tally: Tally, rows: int, elapsed: float) -> dict:
+        """The step's metrics from ``tally`` (data-parallel: the whole micro-batches', over all ranks): means of
+        the losses and diagnostics (the largest of :data:`MAX_METRICS`), the counts, time and throughput."""
+        history, trained_tokens, flops = tally.history, tally.trained_tokens, tally.flops
+        if self.parallel is not None:
+            history = self.parallel.global_history(history, tally.share_weights)
+            trained_tokens = self.parallel.sum(trained_tokens)
+            flops = self.parallel.sum(flops)
         metrics = {key: sum(v) / len(v) for key, v in history.items()}
         metrics["loss"] = sum(metrics[k] for k in metrics if k.startswith("loss_"))
         metrics["clip_fraction"] = metrics["clip_fraction_low"] + metrics["clip_fraction_high"]
         metrics.update({key: max(history[key]) for key in MAX_METRICS if key in history})
-        metrics.update({"skipped_updates": skipped, "still_updates": still,
-                        "trained_row_fraction": trained_rows / (len(batch) * s.epochs),
-                        "lr": self.optimizer.param_groups[0]["lr"] if lr is None else lr,
-                        "train_time": elapsed, "optimizer_time": optimizer_time,
+        metrics.update({"skipped_updates": tally.skipped, "still_updates": tally.still,
+                        "trained_row_fraction": tally.trained_rows / (rows * self.settings.epochs),
+                        "lr": self.optimizer.param_groups[0]["lr"] if tally.lr is None else tally.lr,
+                        "train_time": elapsed, "optimizer_time": tally.optimizer_time,
                         "train_tokens_per_s": trained_tokens / max(elapsed, 1e-9)})
         if self.model_shapes is not None:
             metrics["train_flops_per_s"] = flops / max(elapsed, 1e-9)
@@ -409,25 +444,3 @@ def clipped_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimi
             scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     return grad_norm
-
-
-def by_length(rows: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """``rows`` (indices into the batch) sorted by their token count, so that micro-batches cut from them in
-    order hold sequences of similar lengths: less compute on padding, and an optimizer step over a window of
-    micro-batches still sees the same rows (stable sort: ties keep their shuffled order)."""
-    lengths = attention_mask[rows].sum(-1)
-    return rows[torch.sort(lengths, stable=True).indices]
-
-
-def rows_to_train(window: torch.Tensor, moving: torch.Tensor, micro_batch: int) -> torch.Tensor:
-    """The rows of ``window`` (batch indices) that can move the weights (``moving``), filled up with others to
-    whole micro-batches: the micro-batches, and each data-parallel rank's share of them, stay as full as
-    without the skip, and are cut alike in one process and over ranks."""
-    keep = window[moving]
-    return torch.cat([keep, window[~moving][: -len(keep) % micro_batch]])
-
-
-def trim_padding(batch):
-    """Drop the padding columns no row of this micro-batch uses."""
-    used = int(batch["attention_mask"].any(0).nonzero().max()) + 1
-    return batch.apply(lambda t: t[:, :used] if t.dim() == 2 else t)

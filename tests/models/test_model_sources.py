@@ -88,7 +88,7 @@ def test_tiny_tokenizer_chat_template_and_forward(tiny_dir):
 
 
 def test_local_directory_is_returned_as_is(tiny_dir):
-    assert model_sources.resolve_model(tiny_dir) == tiny_dir  # bad folders: tests/test_bad_inputs.py
+    assert model_sources.resolve_model(tiny_dir) == tiny_dir  # bad folders: tests/config/test_bad_inputs.py
 
 
 def test_a_lora_checkpoint_resolves_to_its_merged_model_once(tiny_dir, tmp_path, monkeypatch):
@@ -230,7 +230,7 @@ def test_a_follower_rank_builds_a_whole_model_cache(tmp_path):
 
     from transformers import AutoModelForCausalLM
 
-    env = {**os.environ, "TORCHRL_GRPO_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(Path(__file__).parents[1])}
+    env = {**os.environ, "TORCHRL_GRPO_CACHE": str(tmp_path / "cache"), "PYTHONPATH": str(Path(__file__).parents[2])}
     ranks = [subprocess.Popen([sys.executable, "-c", RANK_BUILDS, str(rank), str(tmp_path / "store")], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
     try:

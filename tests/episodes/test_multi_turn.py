@@ -10,12 +10,14 @@ import torch
 from helpers import (
     LOGPROB_TOL,
     SMALL,
+    ScriptedPolicy,
     cfg_with,
     finite,
     metric_rows,
     needs_ray_and_vllm,
     needs_vllm,
     ray_processes,
+    rendered,
     run,
     run_async,
 )
@@ -23,7 +25,6 @@ from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.core.secrets import masker
-from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.factory import make_engine
 from torchrl_grpo.episodes.setup import build_episode_task
 from torchrl_grpo.episodes.trajectories import PromptSampler
@@ -33,29 +34,6 @@ from torchrl_grpo.tasks import Reward, Task
 
 CALL = "```python\nprint(6 * 7)\n```"
 SECRET = "sk-leak-0123456789abcdef"
-
-
-class ScriptedPolicy:
-    """Turn k of every episode answers ``script[k]`` (ids as the tokenizer gives them, then the turn's end, unless
-    ``cut``: finish_reason "length"), with log-prob -0.1 * (turn + 1) - 0.001 * position."""
-
-    def __init__(self, tokenizer, script, cut=()):
-        self.tokenizer, self.script, self.cut, self.calls = tokenizer, script, set(cut), []
-        self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-
-    def generate(self, prompts, *, n, max_tokens, temperature, top_p, top_k=0, min_p=0.0):
-        self.calls.append((len(prompts), n))
-        out = []
-        for i, ids in enumerate(prompts):
-            turn = self.tokenizer.decode(ids).count("<|im_start|>assistant") - 1
-            text = self.script[turn]
-            sampled = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            if turn not in self.cut:
-                sampled = sampled + [self.end]
-            for _ in range(n):
-                scores = [-0.1 * (turn + 1) - 0.001 * k for k in range(len(sampled))]
-                out.append(Completion(i, sampled, scores, "length" if turn in self.cut else "stop", text))
-        return out
 
 
 def answer_42(completion, row):
@@ -69,11 +47,6 @@ def collector(tokenizer, engine, turn_env, max_steps=3, max_model_len=2048):
     task = Task("x", rows, "Use the tool.", [Reward("accuracy", answer_42)])
     return Collector(task, tokenizer, engine, PromptSampler(2, seed=0), resolve_run(cfg).collect,
                      Turns(max_steps, turn_env))
-
-
-def rendered(tokenizer, messages):
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
 def test_a_tool_call_episode_holds_the_sampled_and_inserted_ids_exactly(tokenizer):

@@ -88,7 +88,7 @@ def test_a_gpu_is_matched_by_the_words_of_its_name(name, peak):
 def test_the_throughput_bench_trains_the_recipe_and_counts_its_flops(monkeypatch):
     """bench/train_throughput.py on its tiny shape: the run's trainer learns from every row, and its FLOP/s over
     its tokens/s is the hand count of a row of that length (every row is as long), 3 forwards' worth."""
-    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).resolve().parents[1] / "bench"))
+    monkeypatch.syspath_prepend(str(__import__("pathlib").Path(__file__).resolve().parents[2] / "bench"))
     import train_throughput
 
     assert train_throughput.plan(2048, 131072, 16384) == (64, 8, 8)

@@ -9,7 +9,8 @@ from tensordict import TensorDict
 
 from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.objective.loss import GRPOLoss
-from torchrl_grpo.training.trainer import Trainer, by_length
+from torchrl_grpo.training.micro_batches import by_length
+from torchrl_grpo.training.trainer import Trainer
 
 VOCAB = 7
 

@@ -6,8 +6,7 @@ import importlib.util
 
 import pytest
 
-from helpers import ROOT, SMALL, cfg_with, failure_excerpt, metric_rows, run
-from test_multi_turn import ScriptedPolicy
+from helpers import ROOT, SMALL, ScriptedPolicy, cfg_with, failure_excerpt, metric_rows, run
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import ConfigError, RunError

@@ -2,7 +2,7 @@
 
 The reference everywhere is what the trainer computes (helpers.trainer_logprobs). vLLM tests use the session
 engine of conftest.py (tiny model, in this process) and start one more engine, on SmolLM2 (tied embeddings),
-for the weight-push trap; tests/test_engine_process.py does the same for an engine in its own process.
+for the weight-push trap; tests/engines/test_engine_process.py does the same for an engine in its own process.
 """
 import logging
 import math

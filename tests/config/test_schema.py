@@ -1,5 +1,5 @@
 """The config schema (torchrl_grpo/config/schema.py) against the real config tree: the YAML and the schema name the
-same keys, every key says what it means, null only where allowed (bad values: tests/test_bad_inputs.py), and
+same keys, every key says what it means, null only where allowed (bad values: tests/config/test_bad_inputs.py), and
 docs/config-reference.md is what the schema and the defaults give."""
 from dataclasses import fields
 

@@ -230,7 +230,9 @@ def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path, m
     assert set(AGGREGATIONS) <= {case[0]["aggregation"] for case in CASES.values()}
     monkeypatch.setattr(log_probs, "CHUNK_BYTES", three_token_chunks(tiny_model_path))
     out = tmp_path / "ranks.pt"
-    env = {**os.environ, **SCRIPT_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[1])}  # gloo
+    tests = Path(__file__).parents[1]  # helpers, for the ranks run as scripts; gloo: one thread each
+    env = {**os.environ, **SCRIPT_ENV, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(tests.parent), str(tests)])}
     started = time.perf_counter()
     ranks = [subprocess.Popen([sys.executable, __file__, str(r), str(tmp_path / "store"), tiny_model_path, str(out)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -482,7 +484,7 @@ def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(own_en
     engines run in a process of their own and seed each request (they sampled differently before: the loss, mostly
     the entropy bonus, then differed by 1.4e-5 relative in CI). The ratio's denominator is the trainer's, so the
     step does not hang on the engines' log-probs, computed in batches formed as the requests arrive. The one-process
-    run is conftest.py's own_engine_run, with the same keys (tests/test_engine_process.py checks it). The model
+    run is conftest.py's own_engine_run, with the same keys (tests/engines/test_engine_process.py checks it). The model
     cache starts empty: rank 0 builds the model while the other rank waits to join."""
     run_dir = tmp_path / "run"
     args = [*SMALL, *FLOAT32, "loss.old_log_probs=trainer", "train.entropy_coeff=0.01",

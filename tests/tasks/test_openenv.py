@@ -10,8 +10,19 @@ import urllib.request
 
 import pytest
 
-from helpers import ROOT, SMALL, cfg_with, failure_excerpt, free_port, metric_rows, needs_ray, ray_processes, run
-from test_multi_turn import ScriptedPolicy, rendered
+from helpers import (
+    ROOT,
+    SMALL,
+    ScriptedPolicy,
+    cfg_with,
+    failure_excerpt,
+    free_port,
+    metric_rows,
+    needs_ray,
+    ray_processes,
+    rendered,
+    run,
+)
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import ConfigError, RunError

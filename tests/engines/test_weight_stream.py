@@ -1,6 +1,6 @@
 """The weight stream's protocol (torchrl_grpo/engines/weight_stream.py) against workers in real processes: every tensor
 arrives bit for bit through buckets far smaller than the weights, at every worker, and a failure on either side
-ends the push with an error instead of a hang. The vLLM engine's use of it: tests/test_engine_process.py."""
+ends the push with an error instead of a hang. The vLLM engine's use of it: tests/engines/test_engine_process.py."""
 import io
 import multiprocessing
 import os

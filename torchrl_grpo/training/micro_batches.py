@@ -1,10 +1,12 @@
-"""Micro-batches by a token budget (``train.micro_batch_tokens``): the rows of an optimizer step packed end to end
-into as few micro-batches as fit, each holding at most the budget's tokens on each data-parallel rank, with equal
-token loads.
+"""How a step's rows become micro-batches: a fixed number of rows of similar lengths (:func:`by_length`), or packed
+by a token budget (``train.micro_batch_tokens``, :func:`packed_micro_batches`): the rows of an optimizer step end to
+end in as few micro-batches as fit, each holding at most the budget's tokens on each data-parallel rank, with equal
+token loads. :func:`rows_to_train` leaves out the rows that cannot move the weights; :func:`trim_padding` the
+columns no row uses.
 
 The update does not depend on how a step's rows are cut: each micro-batch's loss is weighted by its share of the
 step's aggregation (:meth:`~torchrl_grpo.objective.loss.GRPOLoss.accumulation_weight`), so only the float rounding
-of the sum changes. What changes is the work: no padding (the forward reads the rows packed, see
+of the sum changes. What packing changes is the work: no padding (the forward reads the rows packed, see
 :func:`~torchrl_grpo.objective.log_probs.packed_inputs`), and micro-batches as full as the budget allows whatever
 the rows' lengths, where a fixed number of rows is sized for the longest.
 """
@@ -64,3 +66,25 @@ def _fill_empty_shares(shares: list[list[int]], sizes: list[int]) -> None:
         shortest = min(donor, key=sizes.__getitem__)
         donor.remove(shortest)
         share.append(shortest)
+
+
+def by_length(rows: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``rows`` (indices into the batch) sorted by their token count, so that micro-batches cut from them in
+    order hold sequences of similar lengths: less compute on padding, and an optimizer step over a window of
+    micro-batches still sees the same rows (stable sort: ties keep their shuffled order)."""
+    lengths = attention_mask[rows].sum(-1)
+    return rows[torch.sort(lengths, stable=True).indices]
+
+
+def rows_to_train(window: torch.Tensor, moving: torch.Tensor, micro_batch: int) -> torch.Tensor:
+    """The rows of ``window`` (batch indices) that can move the weights (``moving``), filled up with others to
+    whole micro-batches: the micro-batches, and each data-parallel rank's share of them, stay as full as
+    without the skip, and are cut alike in one process and over ranks."""
+    keep = window[moving]
+    return torch.cat([keep, window[~moving][: -len(keep) % micro_batch]])
+
+
+def trim_padding(batch):
+    """Drop the padding columns no row of this micro-batch uses."""
+    used = int(batch["attention_mask"].any(0).nonzero().max()) + 1
+    return batch.apply(lambda t: t[:, :used] if t.dim() == 2 else t)

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from helpers import ROOT
 from torchrl_grpo.core.errors import RunError
 from torchrl_grpo.episodes.sandbox import run_python
 
@@ -147,7 +148,7 @@ def test_output_flood_is_truncated():
 
 def test_writes_outside_the_folder_are_refused_inside_allowed(own_tmp):
     outside = own_tmp / "outside.txt"
-    repo_file = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sandbox_escape.txt")
+    repo_file = os.path.join(str(ROOT), "sandbox_escape.txt")
     for path in (outside, repo_file):
         r = run_python(f"open({str(path)!r}, 'w').write('x')")
         assert r.status == "error" and "PermissionError: sandbox: open outside the working folder" in r.output
@@ -257,7 +258,7 @@ def test_the_readable_paths_hold_no_repository_or_home():
     from torchrl_grpo.episodes.sandbox import readable_paths
 
     paths = readable_paths()
-    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    repository = str(ROOT)
     assert repository not in paths and os.path.expanduser("~") not in paths and "/" not in paths
     assert not any(p in ("/proc", "/etc", "/tmp", "/home", "/root", "/sys") for p in paths)
 

@@ -1,4 +1,4 @@
-"""Packed micro-batches (train.micro_batch_tokens; torchrl_grpo/training/packing.py and the packed forward of
+"""Packed micro-batches (train.micro_batch_tokens; torchrl_grpo/training/micro_batches.py and the packed forward of
 torchrl_grpo/objective/log_probs.py): the plan's budget, shares and errors; packed log-probs equal to the padded ones
 on the real tiny model in float64 (values and gradients, multi-turn rows with inserted tokens, LoRA); the update of
 a packed step equal to the padded step's for every aggregation; and a model that lets packed rows see each other
@@ -21,7 +21,7 @@ from torchrl_grpo.objective.critic import token_values
 from torchrl_grpo.objective.log_probs import packing_gap, token_log_probs
 from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.training.critic import Critic, CriticSettings
-from torchrl_grpo.training.packing import packed_micro_batches
+from torchrl_grpo.training.micro_batches import packed_micro_batches
 from torchrl_grpo.training.trainer import Trainer
 
 

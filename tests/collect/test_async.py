@@ -135,7 +135,7 @@ def test_a_dying_actor_is_replaced_with_the_current_weights_until_restarts_run_o
                          "logging.checkpoint_frequency=0",
                          "ray.max_actor_restarts=1", f"hydra.run.dir={run_dir}",
                          "+ray.init.runtime_env.worker_process_setup_hook=actor_faults.exit_at_third_collect"],
-                        cwd=tmp_path, timeout=300, env_extra={"PYTHONPATH": str(Path(__file__).parent)})
+                        cwd=tmp_path, timeout=300, env_extra={"PYTHONPATH": str(Path(__file__).parents[1])})
     assert crashed.returncode == 1, crashed.stderr[-3000:]
     warnings = [line for line in crashed.stderr.splitlines() if line.startswith("warning: rollout actor 0 died")]
     assert (len(warnings) == 1

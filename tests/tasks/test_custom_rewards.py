@@ -1,7 +1,10 @@
 """Custom rewards named by import path in the config, combined and logged apart."""
+import os
+from pathlib import Path
+
 import pytest
 
-from helpers import ROOT, SMALL, cfg_with, metric_rows, needs_vllm, run
+from helpers import SMALL, cfg_with, metric_rows, needs_vllm, run
 from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.tasks import build_task
 
@@ -80,7 +83,7 @@ def test_a_reward_that_raises_stops_the_run_after_a_checkpoint(tmp_path):
     run_dir = tmp_path / "run"
     out = run([*SMALL, "train.total_dialog_turns=32", "logging.checkpoint_frequency=0",
                "env.rewards=[{_target_: test_custom_rewards.fails_on_the_twelfth_call}]", f"hydra.run.dir={run_dir}"],
-              cwd=tmp_path, env_extra={"PYTHONPATH": str(ROOT / "tests")})
+              cwd=tmp_path, env_extra={"PYTHONPATH": os.pathsep.join(str(Path(__file__).parents[i]) for i in (0, 1))})
     assert out.returncode == 1, out.stderr[-3000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines[-1].startswith("error: reward 'fails_on_the_twelfth_call' (test_custom_rewards.fails_on_the_twelfth_"

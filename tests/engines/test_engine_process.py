@@ -286,7 +286,7 @@ def test_grpo_py_with_its_engine_in_its_own_process(own_engine_run, tmp_path):
     """Two steps of grpo.py with engine_process=own: the step-2 batch was sampled after a push through /dev/shm,
     and its engine log-probs agree with the trainer's updated weights; no engine process outlives the run.
     Resumed from its step-1 checkpoint, step 2 samples and trains again what it did (the engine's sampling state
-    is in the checkpoint). The run is conftest.py's own_engine_run (tests/test_data_parallel.py compares
+    is in the checkpoint). The run is conftest.py's own_engine_run (tests/parallel/test_data_parallel.py compares
     torchrun's step 1 with it)."""
     done, run_dir, tag = own_engine_run.done, own_engine_run.run_dir, own_engine_run.tag
     assert done.returncode == 0, done.stderr[-3000:]

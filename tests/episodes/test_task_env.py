@@ -8,8 +8,7 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 
-from helpers import GSM8K, IFEVAL, cfg_with, needs_files, run
-from test_multi_turn import ScriptedPolicy
+from helpers import GSM8K, IFEVAL, ScriptedPolicy, cfg_with, needs_files, run
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.episodes.play import play
@@ -39,8 +38,13 @@ TASKS = {
     "reasoning_gym": {"dataset": "reasoning_gym", "tasks": ["syllogism", "leg_counting"], "size": 4, "seed": 3},
     "ifeval": {"dataset": "ifeval", "data_path": str(IFEVAL / "input_data.jsonl")},
     "custom_rewards": {"dataset": "gsm_symbolic", "size": 8, "rewards": [
-        {"_target_": "test_custom_rewards.shouting", "weight": 2.0}]},
+        {"_target_": "test_task_env.shouting", "weight": 2.0}]},
 }
+
+
+def shouting(completion: str, row) -> float:
+    """A custom reward named by import path (this module's)."""
+    return float(completion.isupper())
 
 
 @needs_files(GSM8K, IFEVAL)

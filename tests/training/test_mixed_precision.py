@@ -1,5 +1,5 @@
 """train.mixed_precision: bf16 autocast over float32 master weights (what ``auto`` resolves to:
-tests/test_precision.py). On the CPU, against float32 on the same small batch: bf16 matmuls really run, the loss
+tests/config/test_precision.py). On the CPU, against float32 on the same small batch: bf16 matmuls really run, the loss
 and the gradient norm stay within a bound, the weights stay float32, and the ratio's two log-probs are computed
 alike."""
 import dataclasses
