@@ -1,5 +1,10 @@
 """The model FLOPs of the update (torchrl_grpo/models/flops.py): each model's N, L, H, Q counted by hand from its
 config, the PaLM formula on hand-made rows, and the GPU peaks MFU divides by."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
@@ -42,9 +47,9 @@ def test_a_model_without_a_transformers_config_has_no_shape():
     assert model_shape(torch.nn.Linear(4, 4)) is None
 
 
-def test_a_sharded_model_counts_its_parameters_whole():
-    """FSDP2 over a fake process group of 4 ranks: each rank holds a quarter of each parameter, a DTensor whose
-    count is the whole parameter's; the tied head stays the embedding."""
+def sharded_shape() -> None:
+    """FSDP2 over a fake process group of 4 ranks, in a process of its own (this one's default group may be taken,
+    e.g. by an in-process vLLM engine of an earlier test)."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -60,6 +65,14 @@ def test_a_sharded_model_counts_its_parameters_whole():
         assert model_shape(model) == ModelShape(MATMUL_PARAMS, layers=2, heads=4, head_dim=4)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_sharded_model_counts_its_parameters_whole():
+    """Each rank holds a quarter of each parameter, a DTensor whose count is the whole parameter's; the tied head
+    stays the embedding."""
+    done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 def test_forward_flops_follow_the_palm_formula_row_by_row():
@@ -100,3 +113,7 @@ def test_the_throughput_bench_trains_the_recipe_and_counts_its_flops(monkeypatch
     n = 2 * layer + 64 + 512 * 64
     per_token = 3 * (2 * n + 4 * 2 * 4 * 16 * 64)
     assert row["train_flops_per_s"] / row["train_tokens_per_s"] == pytest.approx(per_token, rel=1e-9)
+
+
+if __name__ == "__main__":
+    sharded_shape()
