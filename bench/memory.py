@@ -105,12 +105,12 @@ def main() -> None:
     cfg = workload_config(opts.data, *opts.overrides)
     run_dir = ROOT / "outputs" / "bench-memory"
     shutil.rmtree(run_dir, ignore_errors=True)
-    common = build_common(cfg, read_inputs(cfg, run_dir))
+    common = build_common(read_inputs(cfg, run_dir))
     trainer = common.trainer
     ledger.mark("policy (and reference)")
-    engine = build_engine(cfg, common.spec, common.model_path, trainer.policy, common.tokenizer, seed=0)
+    engine = build_engine(common.spec, common.model_path, trainer.policy, common.tokenizer, seed=0)
     ledger.mark("engine (weights, KV cache)")
-    check = build_weight_check(cfg, trainer, common.tokenizer, common.spec.precision.engine)
+    check = build_weight_check(common.spec.train, trainer, common.tokenizer, common.spec.precision.engine)
     collector = Collector(common.task, common.tokenizer, engine, PromptSampler(len(common.task.rows), 0),
                           common.spec.collect, common.turns)
     try:

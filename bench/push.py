@@ -9,13 +9,14 @@ this process's and, with ``own``, the engine's worker's. ``--engine-process acto
 rollout actor (``grpo-async.py``'s), pushed to over the gloo collective or (``shm``) through Ray's object store,
 timed from the push until the actor has loaded and checked it (the trainer's snapshot of the weights included).
 ``--lora-sync adapter|merged``: the policy with LoRA (r 16, alpha 32, every linear layer), pushing its adapter only
-or every weight with the adapter merged in (``train_model.lora.sync``).
+or every weight with the adapter merged in (``train_model.lora.sync``). ``--shape``: a randomly initialised model of
+one of ``bench/train_throughput.py``'s shapes (with the tiny model's tokenizer) instead of SmolLM2.
 
     .venv/bin/python bench/push.py --engine-process own --weight-transfer collective
     .venv/bin/python bench/push.py --engine-process own --weight-transfer shm
     .venv/bin/python bench/push.py --engine-process same
     .venv/bin/python bench/push.py --engine-process actor --weight-transfer collective|shm
-    .venv/bin/python bench/push.py --engine-process same|own --lora-sync adapter|merged
+    .venv/bin/python bench/push.py --engine-process same|own --lora-sync adapter|merged [--shape qwen2.5-1.5b]
 """
 import argparse
 import os
@@ -23,12 +24,14 @@ import shutil
 import statistics
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from memory import ROOT, GiB, reset_peak, status  # noqa: E402
 from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
 from torchrl_grpo.engines.weight_stream import wire_dtype  # noqa: E402
 from torchrl_grpo.training.weight_sync import snapshot  # noqa: E402
+from train_throughput import SHAPES, random_model  # noqa: E402
 
 
 def main() -> None:
@@ -37,6 +40,7 @@ def main() -> None:
     parser.add_argument("--weight-transfer", choices=("collective", "shm"), default="collective")
     parser.add_argument("--pushes", type=int, default=5)
     parser.add_argument("--lora-sync", choices=("adapter", "merged"), help="LoRA r 16, pushing this (default: no LoRA)")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a random model of this shape instead of SmolLM2")
     opts = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import psutil
@@ -46,14 +50,15 @@ def main() -> None:
     actor = ["mode=async"] if opts.engine_process == "actor" else []
     lora = [] if opts.lora_sync is None else ["train_model.lora.enabled=true", "train_model.lora.r=16",
                                               "train_model.lora.alpha=32", f"train_model.lora.sync={opts.lora_sync}"]
-    cfg = workload_config(GSM8K_DATA, f"inference_model.weight_transfer={opts.weight_transfer}", *actor, *lora)
+    model = [] if opts.shape is None else [f"model.name={shaped_model(opts.shape)}"]
+    cfg = workload_config(GSM8K_DATA, f"inference_model.weight_transfer={opts.weight_transfer}", *actor, *lora, *model)
     run_dir = ROOT / "outputs" / "bench-push"
     shutil.rmtree(run_dir, ignore_errors=True)
-    common = build_common(cfg, read_inputs(cfg, run_dir))
+    common = build_common(read_inputs(cfg, run_dir))
     trainer = common.trainer
     if actor:
         return actor_pushes(common, opts.pushes)
-    engine = build_engine(cfg, common.spec, common.model_path, trainer.policy, common.tokenizer, seed=0,
+    engine = build_engine(common.spec, common.model_path, trainer.policy, common.tokenizer, seed=0,
                           engine_process=opts.engine_process)
     workers = [p.pid for p in psutil.Process().children(recursive=True) if "Worker" in p.name()]
     watched = {"trainer process": "self", **{f"engine worker {pid}": pid for pid in workers}}
@@ -88,6 +93,20 @@ def main() -> None:
           f"(of {opts.pushes}: {', '.join(f'{t:.3f}' for t in times)})")
     for name, rise in rises.items():
         print(f"  {name}: resident set rose by up to {rise:.2f} GiB during the pushes")
+
+
+def shaped_model(shape: str) -> Path:
+    """A random model of ``shape`` with the tiny model's tokenizer, made once under outputs/."""
+    from torchrl_grpo.models.sources import resolve_model
+
+    folder = ROOT / "outputs" / "bench-push-models" / shape
+    if not (folder / "config.json").is_file():
+        random_model(shape, folder)
+        tiny = Path(resolve_model("tiny"))
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            if (tiny / name).is_file():
+                shutil.copy(tiny / name, folder / name)
+    return folder
 
 
 def actor_pushes(common, pushes: int) -> None:

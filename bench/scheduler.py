@@ -108,7 +108,7 @@ def completions_per_s(cfg, run_dir: Path, wait: float, overlap: bool) -> tuple[f
 
     shutil.rmtree(run_dir, ignore_errors=True)
     run_dir.mkdir(parents=True)
-    c = build_common(cfg, read_inputs(cfg, run_dir))
+    c = build_common(read_inputs(cfg, run_dir))
     collector = Collector(c.task, c.tokenizer, stand_in(c.tokenizer, wait), PromptSampler(len(c.task.rows), 0),
                           c.spec.collect, c.turns)
     started = []

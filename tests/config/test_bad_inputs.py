@@ -112,6 +112,8 @@ ROWS = [
     # the model folder
     (["model.name=/no/such/model"], r"model.name='/no/such/model': no such directory"),
     (["model.name={F}/empty_model"], r"model.name='{F}/empty_model': the directory has no config.json"),
+    (["loss=ppo", "critic.model={F}/empty_model"], r"critic.model='{F}/empty_model': the directory has no config.json"),
+    (["loss=ppo", "critic.model={F}/gone"], r"critic.model='{F}/gone': no such directory"),
     (["model.name={F}/broken_config"], r"model.name={F}/broken_config: {F}/broken_config/config.json is not JSON"),
     (["model.name={F}/not_a_model_config"], r"model.name=.*/config.json is not a model config"),
     (["model.name={F}/custom_code"],

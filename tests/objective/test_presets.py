@@ -26,8 +26,7 @@ def test_every_preset_sets_every_loss_key():
 @pytest.mark.parametrize("name", PRESETS)
 def test_presets_compose_validate_and_build(name):
     cfg = cfg_with(f"loss={name}")
-    resolve_run(cfg)
-    loss = build_loss(cfg, TableLM())
+    loss = build_loss(resolve_run(cfg).loss, TableLM())
     assert loss.aggregation == cfg.loss.aggregation and loss.importance_level == cfg.loss.importance_level
     assert loss.clip_epsilon_high == pytest.approx(cfg.loss.clip_epsilon_high)
     assert loss.aggregation_constant == cfg.inference_model.max_tokens

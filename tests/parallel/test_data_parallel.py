@@ -43,7 +43,7 @@ from helpers import (
     start,
     wait_until,
 )
-from torchrl_grpo.config.settings import TrainSettings
+from torchrl_grpo.config.settings import CriticSettings, TrainSettings
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.models.adapter import AdapterOff
@@ -52,7 +52,7 @@ from torchrl_grpo.objective import log_probs
 from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.objective.terms import AGGREGATIONS
 from torchrl_grpo.parallel.ranks import DataParallel, gathered, process_group, shard_model
-from torchrl_grpo.training.critic import Critic, CriticSettings
+from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.trainer import Trainer
 
 WORLD = 2

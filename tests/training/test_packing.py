@@ -12,7 +12,7 @@ from tensordict import TensorDict
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import LORA, cfg_with, padded_rows
-from torchrl_grpo.config.settings import TrainSettings
+from torchrl_grpo.config.settings import CriticSettings, TrainSettings
 from torchrl_grpo.config.validate import validate
 from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.models.loading import load_policy
@@ -20,7 +20,7 @@ from torchrl_grpo.models.packed_attention import attend_by_row, sdpa_by_row
 from torchrl_grpo.objective.critic import token_values
 from torchrl_grpo.objective.log_probs import packing_gap, token_log_probs
 from torchrl_grpo.objective.loss import GRPOLoss
-from torchrl_grpo.training.critic import Critic, CriticSettings
+from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.micro_batches import packed_micro_batches
 from torchrl_grpo.training.trainer import Trainer
 

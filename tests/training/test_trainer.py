@@ -7,7 +7,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 
-from torchrl_grpo.config.settings import TrainSettings
+from torchrl_grpo.config.settings import OptimizerSettings, TrainSettings
 from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.training.micro_batches import by_length
 from torchrl_grpo.training.trainer import Trainer
@@ -324,7 +324,7 @@ def test_adam_runs_torchs_fused_kernel_on_cpu_with_the_per_tensor_loops_update(n
     fused_model, loop_model = torch.nn.Linear(5, 3), torch.nn.Linear(5, 3)
     loop_model.load_state_dict(fused_model.state_dict())
     initial = fused_model.weight.detach().clone()
-    fused = build_optimizer(cfg, fused_model)
+    fused = build_optimizer(OptimizerSettings.from_config(cfg), fused_model)
     assert fused.param_groups[0]["fused"] is True
     cls = torch.optim.AdamW if name == "AdamW" else torch.optim.Adam
     loop = cls(loop_model.parameters(), lr=0.1, eps=cfg.optimizer.eps, weight_decay=0.1, foreach=False)
@@ -362,7 +362,7 @@ def test_the_learning_rate_follows_its_schedule_skips_with_an_update_and_resumes
     def trainer(policy, loss):
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
         return Trainer(policy, None, loss, optimizer, settings, torch.device("cpu"), None,
-                       scheduler=build_scheduler(cfg, optimizer, plan))
+                       scheduler=build_scheduler(OptimizerSettings.from_config(cfg), optimizer, plan))
 
     policy = TableLM(1)
     loss = PoisonedLoss(policy)

@@ -27,6 +27,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from torchrl_grpo.config.precision import dtype_name
 from torchrl_grpo.engines.weight_check import Probe
 
 
@@ -146,7 +147,7 @@ def as_arrays(weights: dict[str, torch.Tensor]) -> dict[str, tuple[np.ndarray, s
     def array(t: torch.Tensor) -> np.ndarray:
         return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
-    return {name: (array(t.detach()), str(t.dtype).removeprefix("torch.")) for name, t in weights.items()}
+    return {name: (array(t.detach()), dtype_name(t.dtype)) for name, t in weights.items()}
 
 
 def from_arrays(arrays: dict[str, tuple[np.ndarray, str]]) -> dict[str, torch.Tensor]:

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from torchrl_grpo.collect.actor_weights import actor_transport, from_arrays
+from torchrl_grpo.config.precision import dtype_name
 from torchrl_grpo.config.settings import ActorSettings
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.console import quiet_libraries
@@ -75,7 +76,7 @@ class RolloutActor:
         # the rows the trainer kept, found again (the same check on the same rows; the trainer printed the warning)
         fit_prompts(task, tokenizer, collect.max_tokens, collect.max_model_len, collect.overlong_prompts,
                     max_turns=turns.max_turns)
-        dtype = str(spec.precision.engine).removeprefix("torch.")
+        dtype = dtype_name(spec.precision.engine)
         # the vLLM-only options: make_engine drops them for the transformers backend
         kwargs = {"dtype": dtype, "device": actor_devices(spec.actors), "seed": engine_seed,
                   **engine_options(spec.engine)}

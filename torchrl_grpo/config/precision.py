@@ -37,10 +37,11 @@ class Precision:
 
     def describe(self, cfg: DictConfig) -> str:
         """The resolved choices, for the console, each with the key it comes from."""
-        weights = _name(self.train_weights)
+        weights = dtype_name(self.train_weights)
         compute = f"bf16 autocast over {weights} weights" if self.autocast_bf16 else weights
         old = "the trainer's" if self.trainer_old_log_probs else "the engine's"
-        return (f"trainer {compute} (train.mixed_precision={cfg.train.mixed_precision}), engine {_name(self.engine)} "
+        return (f"trainer {compute} (train.mixed_precision={cfg.train.mixed_precision}), "
+                f"engine {dtype_name(self.engine)} "
                 f"(inference_model.torch_dtype={cfg.inference_model.torch_dtype}), old log-probs {old} "
                 f"(loss.old_log_probs={cfg.loss.old_log_probs})")
 
@@ -107,5 +108,6 @@ def _check_old_log_probs(cfg: DictConfig, precision: Precision) -> None:
             )
 
 
-def _name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: how configs and engines name a dtype."""
     return str(dtype).removeprefix("torch.")

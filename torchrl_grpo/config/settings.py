@@ -16,14 +16,42 @@ from torchrl_grpo.config.validate import BatchPlan, check_lora, engine_lora_rank
 
 @dataclass(frozen=True)
 class ModelSettings:
-    """Where the model comes from (``model.*``): a hub name, a folder or a packaged model's name."""
+    """Where the model comes from (``model.*``: a hub name, a folder or a packaged model's name) and how the trained
+    one is built (``train_model.*``)."""
 
-    name: str                 # model.name
-    trust_remote_code: bool   # model.trust_remote_code
+    name: str                       # model.name
+    trust_remote_code: bool         # model.trust_remote_code
+    compile: bool = False           # model.compile: torch.compile the policy's forward
+    gradient_checkpointing: bool = False  # train_model.gradient_checkpointing
+    attn_implementation: str = "sdpa"     # train_model.attn_implementation
+    lora: dict[str, Any] | None = None    # train_model.lora when enabled (its keys as set), else None
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> ModelSettings:
-        return cls(name=str(cfg.model.name), trust_remote_code=bool(cfg.model.trust_remote_code))
+        lora = cfg.train_model.lora
+        return cls(name=str(cfg.model.name), trust_remote_code=bool(cfg.model.trust_remote_code),
+                   compile=bool(cfg.model.compile),
+                   gradient_checkpointing=bool(cfg.train_model.gradient_checkpointing),
+                   attn_implementation=str(cfg.train_model.attn_implementation),
+                   lora=OmegaConf.to_container(lora, resolve=True) if lora.enabled else None)
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    """The optimizer and its learning-rate schedule (``optimizer.*``; the clip is the trainer's)."""
+
+    name: str                       # optimizer.name: AdamW | Adam | SGD
+    lr: float                       # optimizer.lr
+    eps: float                      # optimizer.eps (Adam's)
+    weight_decay: float             # optimizer.weight_decay
+    scheduler: str                  # optimizer.scheduler: constant | linear | cosine
+    warmup_steps: int               # optimizer.warmup_steps
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> OptimizerSettings:
+        opt = cfg.optimizer
+        return cls(name=str(opt.name), lr=opt.lr, eps=opt.eps, weight_decay=opt.weight_decay,
+                   scheduler=str(opt.scheduler), warmup_steps=int(opt.warmup_steps))
 
 
 @dataclass(frozen=True)
@@ -109,6 +137,55 @@ class EvalSettings:
                    max_model_len=int(cfg.inference_model.max_model_len), every=int(cfg.logging.eval_frequency))
 
 
+def kl_split(cfg: DictConfig) -> tuple[float, float]:
+    """``train.kl_to_ref_coeff`` as (its coefficient in the loss, in the reward): ``train.kl_coef_in_loss`` puts
+    it in one of them."""
+    coeff = float(cfg.train.kl_to_ref_coeff)
+    return (coeff, 0.0) if cfg.train.kl_coef_in_loss else (0.0, coeff)
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """The objective's settings (``loss.*``, and the ``train.*`` coefficients that weigh its terms), what
+    :meth:`~torchrl_grpo.objective.loss.GRPOLoss.from_config` builds the loss from."""
+
+    section: dict[str, Any]         # loss.*: the clip range, each registered family, each surrogate modifier
+    max_tokens: int                 # inference_model.max_tokens: constant_sum's constant
+    temperature: float              # inference_model.temperature: the log-probs' distribution
+    kl_to_ref_coeff: float          # train.kl_to_ref_coeff in the loss (0 with train.kl_coef_in_loss=false)
+    kl_to_inference_coeff: float    # train.kl_to_inference_coeff
+    entropy_coeff: float            # train.entropy_coeff
+    packed: bool                    # train.micro_batch_tokens set: the policy reads rows packed
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> LossSettings:
+        return cls(section=OmegaConf.to_container(cfg.loss, resolve=True),
+                   max_tokens=int(cfg.inference_model.max_tokens), temperature=float(cfg.inference_model.temperature),
+                   kl_to_ref_coeff=kl_split(cfg)[0], kl_to_inference_coeff=float(cfg.train.kl_to_inference_coeff),
+                   entropy_coeff=float(cfg.train.entropy_coeff), packed=cfg.train.micro_batch_tokens is not None)
+
+
+@dataclass(frozen=True)
+class CriticSettings:
+    """The ``critic.*`` keys the trainer reads (an actor-critic run's: ``loss.advantage=gae``)."""
+
+    gamma: float                    # critic.gamma: the discount per token
+    lmbda: float                    # critic.lmbda: GAE's lambda
+    value_clip: float | None        # critic.value_clip: V within V_old +- it in the value loss; None: unclipped
+    whiten_advantages: bool         # critic.whiten_advantages: advantages normalised over the batch's tokens
+    enabled: bool = False           # loss.advantage=gae: the run has a critic
+    model: str | None = None        # critic.model: its starting model (None: the policy's)
+    lr: float = 1e-5                # critic.lr
+
+    @classmethod
+    def from_config(cls, cfg: DictConfig) -> CriticSettings:
+        c = cfg.critic
+        return cls(gamma=float(c.gamma), lmbda=float(c.lmbda),
+                   value_clip=None if c.value_clip is None else float(c.value_clip),
+                   whiten_advantages=bool(c.whiten_advantages), enabled=cfg.loss.advantage == "gae",
+                   model=None if c.model is None else str(c.model), lr=float(c.lr))
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     """What the trainer needs besides its model, loss and optimizer, in its own terms."""
@@ -129,6 +206,10 @@ class TrainSettings:
     min_ess: float = 0.5            # train.min_ess
     no_signal_stop: bool = False    # train.no_signal_stop: stop at that warning
     micro_batch_tokens: int | None = None  # train.micro_batch_tokens: packed micro-batches of at most this many tokens
+    reference: bool = False         # train.kl_to_ref_coeff > 0: a KL to the reference model, in the loss or reward
+    sync_iter: bool = True          # train.sync_iter: false generates the next batch while this one trains
+    weight_sync_check: bool = True  # train.weight_sync_check
+    weight_sync_tolerance: float | None = None  # train.weight_sync_tolerance (None: by dtype)
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan, precision: Precision) -> TrainSettings:
@@ -138,12 +219,14 @@ class TrainSettings:
             micro_batch_tokens=None if cfg.train.micro_batch_tokens is None else int(cfg.train.micro_batch_tokens),
             epochs=plan.epochs, temperature=float(cfg.inference_model.temperature),
             recompute_old_log_probs=precision.trainer_old_log_probs,
-            kl_in_reward_coeff=0.0 if cfg.train.kl_coef_in_loss else float(cfg.train.kl_to_ref_coeff),
+            kl_in_reward_coeff=kl_split(cfg)[1],
             reward_scale=cfg.loss.reward_scale, clip_grad_norm=None if not clip else float(clip),
             mixed_precision=precision.autocast_bf16,
             max_nonfinite_updates=int(cfg.train.max_nonfinite_updates), seed=int(cfg.train.seed),
             no_signal_patience=int(cfg.train.no_signal_patience), min_ess=float(cfg.train.min_ess),
-            no_signal_stop=bool(cfg.train.no_signal_stop),
+            no_signal_stop=bool(cfg.train.no_signal_stop), reference=float(cfg.train.kl_to_ref_coeff) > 0,
+            sync_iter=bool(cfg.train.sync_iter), weight_sync_check=bool(cfg.train.weight_sync_check),
+            weight_sync_tolerance=cfg.train.weight_sync_tolerance,
         )
 
 

@@ -19,10 +19,13 @@ from torchrl_grpo.config.settings import (
     ActorSettings,
     CheckpointSettings,
     CollectSettings,
+    CriticSettings,
     EngineSettings,
     EvalSettings,
     LoggingSettings,
+    LossSettings,
     ModelSettings,
+    OptimizerSettings,
     TrainSettings,
 )
 from torchrl_grpo.config.validate import BatchPlan, validate
@@ -44,6 +47,9 @@ class RunSpec:
     logging: LoggingSettings    # what the telemetry needs
     checkpoint: CheckpointSettings  # what saves and resumes checkpoints
     config: dict[str, Any]      # the whole config, resolved: what checkpoints and wandb record
+    loss: LossSettings          # what builds the objective
+    critic: CriticSettings      # an actor-critic run's value model (its keys are read in every run)
+    optimizer: OptimizerSettings  # the optimizer and its schedule
 
     @property
     def task(self) -> dict[str, Any]:
@@ -66,4 +72,5 @@ def resolve_run(cfg: DictConfig, training: bool = True) -> RunSpec:
                    EvalSettings.from_config(cfg, plan), ModelSettings.from_config(cfg),
                    ActorSettings.from_config(cfg) if cfg.get("mode") == "async" else None,
                    LoggingSettings.from_config(cfg), CheckpointSettings.from_config(cfg, placement),
-                   OmegaConf.to_container(cfg, resolve=True))
+                   OmegaConf.to_container(cfg, resolve=True), LossSettings.from_config(cfg),
+                   CriticSettings.from_config(cfg), OptimizerSettings.from_config(cfg))

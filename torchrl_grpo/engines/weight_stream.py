@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from torchrl_grpo.config.precision import dtype_name
+
 BUCKET_BYTES = 128 * 2 ** 20  # a bucket never splits a tensor: a larger tensor gets a bucket of its own size
 ALIGN = 64  # offsets in the buffer, so that every dtype's view of it is aligned
 WORKER_WAIT_S = 300.0  # the worker gives up when the trainer sends nothing for this long
@@ -85,7 +87,7 @@ def plan_buckets(items: Sequence[tuple[str, torch.Tensor]], bucket_bytes: int,
         if bucket and offset + nbytes > bucket_bytes:
             buckets.append(bucket)
             bucket, offset = [], 0
-        bucket.append(Entry(name, str(kind).removeprefix("torch."), tuple(t.shape), offset))
+        bucket.append(Entry(name, dtype_name(kind), tuple(t.shape), offset))
         used = offset + nbytes
     if bucket:
         buckets.append(bucket)

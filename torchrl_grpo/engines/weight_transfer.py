@@ -44,6 +44,7 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferUpdat
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
+from torchrl_grpo.config.precision import dtype_name
 from torchrl_grpo.engines.weight_stream import Entry, bucket_size, entry_view, plan_buckets, wire_dtype
 
 GLOO = "gloo"  # our backend's name in vLLM's factories
@@ -223,7 +224,7 @@ def update_info(backend: str, params: Sequence[ParamMeta]) -> dict:
     ``params``: who drives the workers itself (a rollout actor's push) sends it beforehand."""
     if backend == "nccl":
         return asdict(NCCLWeightTransferUpdateInfo(names=[m.name for m in params],
-                                                   dtype_names=[str(m.dtype).split(".")[-1] for m in params],
+                                                   dtype_names=[dtype_name(m.dtype) for m in params],
                                                    shapes=[list(m.shape) for m in params]))
     return _gloo_plan([(m.name, m.dtype, m.shape) for m in params])[1]
 

@@ -50,9 +50,19 @@ BUILD_MARKER = ".torchrl_grpo_build"
 _STALE_TMP_S = 3600.0
 
 
-def resolve_model(name: str, trust_remote_code: bool = False) -> str:
+def resolve_model(name: str, trust_remote_code: bool = False, config_key: str = "model.name") -> str:
     """A local directory for `model.name` (see the module docstring for the accepted kinds), checked by
-    :func:`check_model_dir` (``trust_remote_code``: ``model.trust_remote_code``) unless built here."""
+    :func:`check_model_dir` (``trust_remote_code``: ``model.trust_remote_code``) unless built here. ``config_key``:
+    the key that named it (``critic.model`` for an actor-critic run's value model), which its errors name."""
+    try:
+        return _resolve_model(name, trust_remote_code)
+    except ConfigError as err:
+        if config_key == "model.name":
+            raise
+        raise ConfigError(str(err).replace("model.name", config_key)) from None
+
+
+def _resolve_model(name: str, trust_remote_code: bool) -> str:
     if not isinstance(name, str) or not name.strip():
         raise ConfigError(
             f"model.name={name!r}: give a hub id, a local directory, 'tiny' or '{packaged_smollm2.NAME}'"

@@ -14,11 +14,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.placement import adopt_torchrun_ranks, torchrun_launch
-from torchrl_grpo.config.precision import native_bf16
+from torchrl_grpo.config.precision import dtype_name, native_bf16
+from torchrl_grpo.config.settings import LossSettings, ModelSettings, OptimizerSettings, TrainSettings
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
 from torchrl_grpo.core.checkpoint import CRITIC_DIR
@@ -36,7 +37,7 @@ from torchrl_grpo.run.loop import Run
 from torchrl_grpo.run.sources import ActorSource, LocalSource
 from torchrl_grpo.run.state import RunState
 from torchrl_grpo.tasks import Task, eval_env_config
-from torchrl_grpo.training.critic import Critic, CriticSettings
+from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.trainer import Trainer
 from torchrl_grpo.training.weight_sync import ActorSync, EngineSync, samples_with_policy
 
@@ -47,22 +48,22 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_from: Path | None,
+def build_policy(model: ModelSettings, model_path: str, devices: list[str], resume_from: Path | None,
                  dtype: torch.dtype):
     """The trained policy, its weights in ``dtype``: base weights (or a full checkpoint's), LoRA if enabled,
     dropout off (so that the ratio is exactly 1 on fresh data), in eval mode outside optimisation."""
     from torchrl_grpo.models.loading import load_policy, without_dropout
 
-    lora = dict(cfg.train_model.lora) if cfg.train_model.lora.enabled else None
+    lora = model.lora
     full_checkpoint = resume_from is not None and lora is None
     policy = load_policy(
         str(resume_from) if full_checkpoint else model_path,
         dtype=dtype,
         device=devices,
-        gradient_checkpointing=bool(cfg.train_model.gradient_checkpointing),
+        gradient_checkpointing=model.gradient_checkpointing,
         lora=lora,
-        attn_implementation=cfg.train_model.attn_implementation,
-        trust_remote_code=bool(cfg.model.trust_remote_code),
+        attn_implementation=model.attn_implementation,
+        trust_remote_code=model.trust_remote_code,
     )
     if resume_from is not None and lora is not None:
         from peft import set_peft_model_state_dict
@@ -70,12 +71,12 @@ def build_policy(cfg: DictConfig, model_path: str, devices: list[str], resume_fr
 
         set_peft_model_state_dict(policy, load_file(str(resume_from / "adapter_model.safetensors")))
     without_dropout(policy)
-    if cfg.model.compile:
+    if model.compile:
         policy.forward = torch.compile(policy.forward)
     return policy.eval()
 
 
-def build_critic(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: Path | None, devices: list[str],
+def build_critic(spec: RunSpec, model_path: str, resume_from: Path | None, devices: list[str],
                  parallel: DataParallel | None) -> Critic:
     """The value model of an actor-critic run (``loss.advantage=gae``): from the checkpoint's ``critic/`` when
     resuming one that has it, else ``critic.model`` (null: the policy's starting model) under a fresh value head; in
@@ -84,23 +85,23 @@ def build_critic(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: P
     from torchrl_grpo.models.loading import load_policy
     from torchrl_grpo.models.sources import resolve_model
 
-    trust = bool(cfg.model.trust_remote_code)
+    trust, critic = spec.model.trust_remote_code, spec.critic
     saved = None if resume_from is None else Path(resume_from) / CRITIC_DIR
     if saved is not None and saved.is_dir():
         source = str(saved)
     else:
-        source = model_path if cfg.critic.model is None else resolve_model(str(cfg.critic.model), trust)
+        source = model_path if critic.model is None else resolve_model(critic.model, trust, "critic.model")
     model = load_policy(source, dtype=spec.precision.train_weights, device=devices,
-                        gradient_checkpointing=bool(cfg.train_model.gradient_checkpointing),
-                        attn_implementation=cfg.train_model.attn_implementation, trust_remote_code=trust,
+                        gradient_checkpointing=spec.model.gradient_checkpointing,
+                        attn_implementation=spec.model.attn_implementation, trust_remote_code=trust,
                         value_head=True)
     if parallel is not None:
         model = shard_model(model, spec.precision.autocast_bf16)
-    optimizer = build_optimizer(cfg, model, lr=float(cfg.critic.lr))
-    return Critic(model.eval(), optimizer, CriticSettings.from_config(cfg), build_scheduler(cfg, optimizer, spec.plan))
+    optimizer = build_optimizer(spec.optimizer, model, lr=critic.lr)
+    return Critic(model.eval(), optimizer, critic, build_scheduler(spec.optimizer, optimizer, spec.plan))
 
 
-def build_engine(cfg: DictConfig, spec: RunSpec, model_path: str, policy, tokenizer, seed: int,
+def build_engine(spec: RunSpec, model_path: str, policy, tokenizer, seed: int,
                  engine_process: str | None = None, parallel: DataParallel | None = None):
     """The rollout engine: vLLM on its device(s) (in the process ``engine_process`` says, default
     ``inference_model.engine_process``), or the transformers fallback sharing the trained policy (with
@@ -113,26 +114,25 @@ def build_engine(cfg: DictConfig, spec: RunSpec, model_path: str, policy, tokeni
     options = engine_options(spec.engine)
     if engine_process:
         options["engine_process"] = engine_process
-    return make_engine(backend, model_path, dtype=str(spec.precision.engine).removeprefix("torch."),
+    return make_engine(backend, model_path, dtype=dtype_name(spec.precision.engine),
                        device=spec.placement.inference, seed=seed, **options)
 
 
-def build_weight_check(cfg: DictConfig, trainer: Trainer, tokenizer, dtype: torch.dtype) -> WeightCheck | None:
+def build_weight_check(settings: TrainSettings, trainer: Trainer, tokenizer, dtype: torch.dtype) -> WeightCheck | None:
     """The weight sync check (``train.weight_sync_check``) between the trainer and engines of ``dtype``."""
-    if not cfg.train.weight_sync_check:
+    if not settings.weight_sync_check:
         return None
-    return WeightCheck(trainer.policy, tokenizer, dtype, cfg.train.weight_sync_tolerance,
+    return WeightCheck(trainer.policy, tokenizer, dtype, settings.weight_sync_tolerance,
                        log_probs=trainer.probe_log_probs)
 
 
-def build_optimizer(cfg: DictConfig, policy, lr: float | None = None) -> torch.optim.Optimizer:
+def build_optimizer(opt: OptimizerSettings, policy, lr: float | None = None) -> torch.optim.Optimizer:
     """``optimizer.name`` over the trainable parameters, at ``optimizer.lr`` unless ``lr`` is given. Adam(W) runs
     torch's fused kernel on plain CPU or CUDA tensors, where on CPU torch would pick its per-tensor loop (SmolLM2:
     0.24 -> 0.09 s a step, ``bench/step_breakdown.py``); sharded (DTensor) parameters keep torch's default."""
     from torch.distributed.tensor import DTensor
 
     params = [p for p in policy.parameters() if p.requires_grad]
-    opt = cfg.optimizer
     lr = opt.lr if lr is None else lr
     if opt.name == "SGD":
         return torch.optim.SGD(params, lr=lr, weight_decay=opt.weight_decay)
@@ -141,27 +141,22 @@ def build_optimizer(cfg: DictConfig, policy, lr: float | None = None) -> torch.o
     return cls(params, lr=lr, eps=opt.eps, weight_decay=opt.weight_decay, fused=fused)
 
 
-def build_scheduler(cfg: DictConfig, optimizer: torch.optim.Optimizer, plan) -> torch.optim.lr_scheduler.LRScheduler:
+def build_scheduler(opt: OptimizerSettings, optimizer: torch.optim.Optimizer,
+                    plan) -> torch.optim.lr_scheduler.LRScheduler:
     """``optimizer.scheduler`` with ``optimizer.warmup_steps``: transformers' schedules (TRL's and the HF
     Trainer's), over the run's optimizer steps (``total steps x optimizer steps per step``)."""
     from transformers import get_scheduler
 
-    opt = cfg.optimizer
     name = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}[opt.scheduler]
     return get_scheduler(name, optimizer, num_warmup_steps=int(opt.warmup_steps),
                          num_training_steps=plan.total_steps * plan.optimizer_steps_per_step)
 
 
-def build_loss(cfg: DictConfig, policy) -> GRPOLoss:
+def build_loss(settings: LossSettings, policy) -> GRPOLoss:
     return GRPOLoss.from_config(
-        policy,
-        cfg.loss,
-        max_tokens=cfg.inference_model.max_tokens,
-        temperature=cfg.inference_model.temperature,
-        kl_to_ref_coeff=cfg.train.kl_to_ref_coeff if cfg.train.kl_coef_in_loss else 0.0,
-        kl_to_inference_coeff=cfg.train.kl_to_inference_coeff,
-        entropy_coeff=cfg.train.entropy_coeff,
-        packed=cfg.train.micro_batch_tokens is not None,
+        policy, settings.section, max_tokens=settings.max_tokens, temperature=settings.temperature,
+        kl_to_ref_coeff=settings.kl_to_ref_coeff, kl_to_inference_coeff=settings.kl_to_inference_coeff,
+        entropy_coeff=settings.entropy_coeff, packed=settings.packed,
     )
 
 
@@ -171,7 +166,7 @@ def build_eval_task(spec: RunSpec) -> tuple[Task, Turns]:
     return build_episode_task(eval_env_config(spec.task))
 
 
-def build_eval_engine(cfg: DictConfig, spec: RunSpec, task: Task, turns: Turns):
+def build_eval_engine(spec: RunSpec, task: Task, turns: Turns):
     """(engine, tokenizer) for ``evaluate.py``: the configured backend on ``model.name``, no trainer; the rows of
     the evaluation ``task`` that cannot fit the engine's context left out first (:func:`fit_lengths`)."""
     from torchrl_grpo.models.loading import load_policy, load_tokenizer
@@ -185,10 +180,10 @@ def build_eval_engine(cfg: DictConfig, spec: RunSpec, task: Task, turns: Turns):
     if spec.engine.backend == "transformers":
         policy = load_policy(model_path, dtype=spec.precision.engine, device=spec.placement.inference,
                              trainable=False, trust_remote_code=trust)
-    return build_engine(cfg, spec, model_path, policy, tokenizer, seed=spec.train.seed), tokenizer
+    return build_engine(spec, model_path, policy, tokenizer, seed=spec.train.seed), tokenizer
 
 
-def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: Path | None,
+def build_trainer(spec: RunSpec, model_path: str, resume_from: Path | None,
                   parallel: DataParallel | None = None) -> Trainer:
     """Policy (from the checkpoint when resuming), reference when a KL to it is on (with LoRA, the policy with its
     adapter off: :class:`~torchrl_grpo.models.adapter.AdapterOff`), loss and optimizer; with
@@ -200,24 +195,24 @@ def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: 
     train_on, ref_on, precision = spec.placement.train, spec.placement.ref, spec.precision
     if parallel is not None:
         train_on = ref_on = [str(parallel.device)]
-    policy = build_policy(cfg, model_path, train_on, resume_from, precision.train_weights)
-    ref_policy, free_reference = None, float(cfg.train.kl_to_ref_coeff) > 0 and is_lora(policy)
-    if float(cfg.train.kl_to_ref_coeff) > 0 and not free_reference:
+    policy = build_policy(spec.model, model_path, train_on, resume_from, precision.train_weights)
+    ref_policy, free_reference = None, spec.train.reference and is_lora(policy)
+    if spec.train.reference and not free_reference:
         ref_policy = load_policy(model_path, dtype=precision.reference, device=ref_on, trainable=False,
-                                 trust_remote_code=bool(cfg.model.trust_remote_code))
+                                 trust_remote_code=spec.model.trust_remote_code)
     mixed = precision.autocast_bf16
     if parallel is not None:
         policy = shard_model(policy, mixed)
         ref_policy = None if ref_policy is None else shard_model(ref_policy, mixed)
-    elif not cfg.model.compile:  # FSDP2 reduces dense gradients; torch.compile was not tried with sparse ones
+    elif not spec.model.compile:  # FSDP2 reduces dense gradients; torch.compile was not tried with sparse ones
         sparse_tied_embedding_gradient(policy)
     if mixed and not native_bf16(train_on[0]):
         print("warning: train.mixed_precision=true on a CPU without native bf16 (AVX-512 BF16 or AMX): bf16 is "
               "emulated and slower than float32 here; set train.mixed_precision=false", file=sys.stderr, flush=True)
-    optimizer = build_optimizer(cfg, policy)
+    optimizer = build_optimizer(spec.optimizer, policy)
     critic = None
-    if cfg.loss.advantage == "gae":
-        critic = build_critic(cfg, spec, model_path, resume_from, train_on, parallel)
+    if spec.critic.enabled:
+        critic = build_critic(spec, model_path, resume_from, train_on, parallel)
     if spec.train.micro_batch_tokens is not None:
         from torchrl_grpo.models.packed_attention import attend_by_row
         from torchrl_grpo.objective.critic import token_values
@@ -231,9 +226,9 @@ def build_trainer(cfg: DictConfig, spec: RunSpec, model_path: str, resume_from: 
                 m, rows, attention, attention, packed=True))
     if free_reference:  # the policy with its adapter off: the base model, no second copy of it
         ref_policy, ref_on = AdapterOff(policy), train_on
-    return Trainer(policy, ref_policy, build_loss(cfg, policy), optimizer, spec.train, torch.device(train_on[0]),
+    return Trainer(policy, ref_policy, build_loss(spec.loss, policy), optimizer, spec.train, torch.device(train_on[0]),
                    torch.device(ref_on[0]) if ref_policy is not None else None, parallel,
-                   build_scheduler(cfg, optimizer, spec.plan), critic)
+                   build_scheduler(spec.optimizer, optimizer, spec.plan), critic)
 
 
 def check_packing_keeps_rows_apart(policy, read=None) -> None:
@@ -261,7 +256,7 @@ def build_follower(spec: RunSpec, parallel: DataParallel) -> tuple[Trainer, obje
     seed_everything(spec.train.seed)
     trust = spec.model.trust_remote_code
     model_path = resolve_model(spec.model.name, trust)
-    trainer = build_trainer(OmegaConf.create(spec.config), spec, model_path, None, parallel)
+    trainer = build_trainer(spec, model_path, None, parallel)
     return trainer, policy_engine(trainer.policy, load_tokenizer(model_path, trust), parallel=parallel)
 
 
@@ -297,8 +292,8 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     from torchrl_grpo.models.sources import resolve_model
 
     model_path = resolve_model(spec.model.name, spec.model.trust_remote_code)
-    if cfg.loss.advantage == "gae" and cfg.critic.model is not None:  # a bad critic.model fails here, in one line
-        resolve_model(str(cfg.critic.model), spec.model.trust_remote_code)
+    if spec.critic.enabled and spec.critic.model is not None:  # a bad critic.model fails here, in one line
+        resolve_model(spec.critic.model, spec.model.trust_remote_code, config_key="critic.model")
     tokenizer = load_tokenizer(model_path, spec.model.trust_remote_code)
     fit_lengths(spec, model_path, tokenizer, (task, turns), eval_task)
     return Inputs(spec, state, task, turns, eval_task, model_path, tokenizer)
@@ -325,7 +320,7 @@ def with_sleep(spec: RunSpec) -> RunSpec:
         busy = f"inference_model.backend={engine.backend} samples with the trained policy itself"
     elif spec.actors is not None:
         busy = "grpo-async.py's rollout actors generate while the trainer trains"
-    elif not spec.config["train"]["sync_iter"]:
+    elif not spec.train.sync_iter:
         busy = "with train.sync_iter=false the engine generates the next batch while this one trains"
     else:
         busy = None
@@ -372,7 +367,7 @@ class Common:
     evaluator: Evaluator | None
 
 
-def build_common(cfg: DictConfig, i: Inputs, parallel: DataParallel | None = None) -> Common:
+def build_common(i: Inputs, parallel: DataParallel | None = None) -> Common:
     """From the checked inputs (:func:`read_inputs`): the batch plan printed, the evaluator and the trainer."""
     plan = i.spec.plan
     print(f"batch plan:\n{plan.table()}\nplacement: {i.spec.placement.describe()}\nallocator: "
@@ -381,20 +376,20 @@ def build_common(cfg: DictConfig, i: Inputs, parallel: DataParallel | None = Non
     if i.eval_task is not None:
         eval_task, eval_turns = i.eval_task
         evaluator = Evaluator(eval_task, i.tokenizer, i.spec.eval, plan.total_steps, eval_turns)
-    trainer = build_trainer(cfg, i.spec, i.model_path, i.state.resume_from, parallel)
+    trainer = build_trainer(i.spec, i.model_path, i.state.resume_from, parallel)
     return Common(i.spec, i.state, i.task, i.turns, i.tokenizer, i.model_path, trainer, evaluator)
 
 
 def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = None) -> Run:
     """The sync run: the common pieces and a collector over an engine holding the policy's weights (seeded
     with the step a resume starts after); ``parallel``: this is rank 0 of data-parallel ranks."""
-    c = build_common(cfg, inputs, parallel)
+    c = build_common(inputs, parallel)
     print(f"precision: {c.spec.precision.describe(cfg)}", flush=True)
-    engine = build_engine(cfg, c.spec, c.model_path, c.trainer.policy, c.tokenizer,
+    engine = build_engine(c.spec, c.model_path, c.trainer.policy, c.tokenizer,
                           seed=c.spec.train.seed + c.state.step,
                           engine_process="own" if parallel is not None else None, parallel=parallel)
     weights = EngineSync(c.trainer, engine, None if samples_with_policy(c.trainer, engine) else (
-        build_weight_check(cfg, c.trainer, c.tokenizer, c.spec.precision.engine)),
+        build_weight_check(c.spec.train, c.trainer, c.tokenizer, c.spec.precision.engine)),
         adapter=c.spec.engine.lora_rank is not None)
     if c.state.resume_from is not None:
         weights.resume()
@@ -402,17 +397,17 @@ def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = 
         print(line, flush=True)
     collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), c.spec.collect.prompt_seed),
                           c.spec.collect, c.turns)
-    source = LocalSource(collector, weights, overlap=not cfg.train.sync_iter)
+    source = LocalSource(collector, weights, overlap=not c.spec.train.sync_iter)
     return Run(source, c.trainer, c.state, c.spec, c.evaluator)
 
 
 def build_async(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = None) -> Run:
     """The async run: the common pieces; the Ray actors (with their engines and collectors) start in the loop.
     ``parallel``: this is rank 0 of data-parallel ranks."""
-    c = build_common(cfg, inputs, parallel)
+    c = build_common(inputs, parallel)
     print(f"precision: {c.spec.precision.describe(cfg)}", flush=True)
     engine_dtype = c.spec.precision.engine
-    weights = ActorSync(c.trainer, build_weight_check(cfg, c.trainer, c.tokenizer, engine_dtype), engine_dtype,
+    weights = ActorSync(c.trainer, build_weight_check(c.spec.train, c.trainer, c.tokenizer, engine_dtype), engine_dtype,
                         adapter=c.spec.engine.lora_rank is not None)
     source = ActorSource(c.spec, weights, c.tokenizer, c.task.reward_names)
     return Run(source, c.trainer, c.state, c.spec, c.evaluator)

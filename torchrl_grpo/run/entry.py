@@ -136,7 +136,7 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> None:
         metrics, records = score_responses(task, *read_responses(cfg.eval.responses, task))
         source = str(cfg.eval.responses)
     else:
-        engine, tokenizer = build_eval_engine(cfg, spec, task, turns)
+        engine, tokenizer = build_eval_engine(spec, task, turns)
         try:
             metrics, records = evaluate_with_engine(engine, task, tokenizer, spec.eval, turns)
         finally:

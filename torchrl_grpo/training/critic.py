@@ -12,24 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from omegaconf import DictConfig
 
-
-@dataclass(frozen=True)
-class CriticSettings:
-    """The ``critic.*`` keys the trainer reads."""
-
-    gamma: float                    # critic.gamma: the discount per token
-    lmbda: float                    # critic.lmbda: GAE's lambda
-    value_clip: float | None        # critic.value_clip: V within V_old +- it in the value loss; None: unclipped
-    whiten_advantages: bool         # critic.whiten_advantages: advantages normalised over the batch's tokens
-
-    @classmethod
-    def from_config(cls, cfg: DictConfig) -> CriticSettings:
-        c = cfg.critic
-        return cls(gamma=float(c.gamma), lmbda=float(c.lmbda),
-                   value_clip=None if c.value_clip is None else float(c.value_clip),
-                   whiten_advantages=bool(c.whiten_advantages))
+from torchrl_grpo.config.settings import CriticSettings
 
 
 @dataclass
