@@ -32,7 +32,6 @@ from pathlib import Path
 import torch
 
 from torchrl_grpo.collect.actor_weights import actor_transport, from_arrays
-from torchrl_grpo.config.precision import dtype_name
 from torchrl_grpo.config.settings import ActorSettings
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.console import quiet_libraries
@@ -58,7 +57,7 @@ class RolloutActor:
     def __init__(self, spec: RunSpec, index: int, engine_seed: int, sampler_state: dict | None = None,
                  log_file: str | None = None):
         from torchrl_grpo.collect.collector import Collector
-        from torchrl_grpo.engines.factory import engine_options, make_engine
+        from torchrl_grpo.engines.factory import run_engine
         from torchrl_grpo.episodes.lengths import fit_prompts
         from torchrl_grpo.episodes.setup import build_episode_task
         from torchrl_grpo.episodes.trajectories import PromptSampler
@@ -76,14 +75,10 @@ class RolloutActor:
         # the rows the trainer kept, found again (the same check on the same rows; the trainer printed the warning)
         fit_prompts(task, tokenizer, collect.max_tokens, collect.max_model_len, collect.overlong_prompts,
                     max_turns=turns.max_turns)
-        dtype = dtype_name(spec.precision.engine)
-        # the vLLM-only options: make_engine drops them for the transformers backend
-        kwargs = {"dtype": dtype, "device": actor_devices(spec.actors), "seed": engine_seed,
-                  **engine_options(spec.engine)}
         sampler = PromptSampler(len(task.rows), collect.prompt_seed + index)
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
-        engine = make_engine(spec.engine.backend, model_path, **kwargs)
+        engine = run_engine(spec.engine, spec.precision.engine, model_path, actor_devices(spec.actors), engine_seed)
         self.collector = Collector(task, tokenizer, engine, sampler, collect, turns)
 
     def collect(self):

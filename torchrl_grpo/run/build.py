@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.placement import adopt_torchrun_ranks, torchrun_launch
-from torchrl_grpo.config.precision import dtype_name, native_bf16
+from torchrl_grpo.config.precision import native_bf16
 from torchrl_grpo.config.settings import LossSettings, ModelSettings, OptimizerSettings, TrainSettings
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
@@ -106,16 +106,12 @@ def build_engine(spec: RunSpec, model_path: str, policy, tokenizer, seed: int,
     """The rollout engine: vLLM on its device(s) (in the process ``engine_process`` says, default
     ``inference_model.engine_process``), or the transformers fallback sharing the trained policy (with
     ``parallel``, sharded over the ranks, which sample together)."""
-    from torchrl_grpo.engines.factory import engine_options, make_engine, policy_engine
+    from torchrl_grpo.engines.factory import policy_engine, run_engine
 
-    backend = spec.engine.backend
-    if backend == "transformers":
+    if spec.engine.backend == "transformers":
         return policy_engine(policy, tokenizer, seed=seed, parallel=parallel)
-    options = engine_options(spec.engine)
-    if engine_process:
-        options["engine_process"] = engine_process
-    return make_engine(backend, model_path, dtype=dtype_name(spec.precision.engine),
-                       device=spec.placement.inference, seed=seed, **options)
+    return run_engine(spec.engine, spec.precision.engine, model_path, spec.placement.inference, seed,
+                      **({"engine_process": engine_process} if engine_process else {}))
 
 
 def build_weight_check(settings: TrainSettings, trainer: Trainer, tokenizer, dtype: torch.dtype) -> WeightCheck | None:
