@@ -31,6 +31,22 @@ OPTIMIZER_SHARDS = "optimizer_shards"  # a data-parallel run's optimizer state, 
 CRITIC_DIR = "critic"  # an actor-critic run's value model (HF format), and its optimizer shards data-parallel
 
 
+class Key:
+    """The keys of ``trainer_state.pt``, written and read through these names only."""
+
+    STEP = "step"  # the last finished step
+    OPTIMIZER = "optimizer"  # the policy's optimizer state (None data-parallel: its shards are files)
+    WORLD_SIZE = "world_size"  # data-parallel ranks that wrote it (absent: one process)
+    SCHEDULER = "scheduler"  # the learning-rate schedule
+    SHUFFLE_RNG = "shuffle_rng"  # the micro-batch shuffle's generator
+    CRITIC_OPTIMIZER = "critic_optimizer"
+    CRITIC_SCHEDULER = "critic_scheduler"
+    SAMPLER = "sampler"  # the data position (a prompt sampler's, or the async loop's progress)
+    RNG = "rng"  # the global python, numpy and torch RNG states
+    ENGINE_RNG = "engine_rng"  # the engine's sampling state (None: nothing samples exactly)
+    CONFIG = "config"  # the run's config, secrets masked
+
+
 def rng_state() -> dict:
     """The global RNGs' states in types ``torch.load(weights_only=True)`` reads back: numpy's key array as a
     list of ints (an ndarray would need the pickle of arbitrary objects)."""
@@ -149,7 +165,7 @@ def damage(checkpoint: Path) -> str | None:
         state = torch.load(checkpoint / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
     except Exception as err:
         return f"{STATE_FILE}: {one_line(err)}"
-    if state.get("world_size", 1) > 1 and not (checkpoint / OPTIMIZER_SHARDS / ".metadata").is_file():
+    if state.get(Key.WORLD_SIZE, 1) > 1 and not (checkpoint / OPTIMIZER_SHARDS / ".metadata").is_file():
         return f"{OPTIMIZER_SHARDS}/.metadata is missing"
     broken = weights_damage(checkpoint)
     if broken:

@@ -3,7 +3,8 @@ async loop's :class:`AsyncProgress`), the global RNG states, the trainer's optim
 :meth:`Trainer.state_dict`) and the config. The weights are the checkpoint's HF-format policy, which the
 builder loads before the trainer exists (:attr:`RunState.resume_from`).
 
-``trainer_state.pt`` holds ``step``, ``optimizer``, ``sampler`` (the data position), ``rng``, ``shuffle_rng``,
+``trainer_state.pt`` holds (its keys: :class:`~torchrl_grpo.core.checkpoint.Key`) ``step``, ``optimizer``, ``sampler``
+(the data position), ``rng``, ``shuffle_rng``,
 ``engine_rng`` (the engine's sampling state) and ``config``; a data-parallel run's, ``world_size``
 instead of ``optimizer``, whose shards are in the checkpoint's ``optimizer_shards/``; an actor-critic run's, the
 critic's optimizer and schedule too (its weights in ``critic/``). The files and their atomic
@@ -22,6 +23,7 @@ from pathlib import Path
 from torchrl_grpo.config.settings import CheckpointSettings
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core import checkpoint
+from torchrl_grpo.core.checkpoint import Key
 from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.core.secrets import masker
 
@@ -38,7 +40,7 @@ class RunState:
         self._saved = checkpoint.load_state(self.resume_from) if self.resume_from is not None else None
         if self._saved is not None:
             check_world_size(settings, self._saved, self.resume_from)
-        self.step = int(self._saved["step"]) if self._saved is not None else 0  # the last finished step
+        self.step = int(self._saved[Key.STEP]) if self._saved is not None else 0  # the last finished step
 
     def restore(self, trainer, data, engine=None) -> None:
         """Continue where the checkpoint left off: the trainer's state, ``data``'s position (anything with
@@ -48,10 +50,10 @@ class RunState:
         if self._saved is None:
             return
         trainer.load_state_dict(self._saved, self.resume_from)
-        data.load_state_dict(self._saved["sampler"])
-        checkpoint.set_rng_state(self._saved["rng"])
-        if engine is not None and self._saved.get("engine_rng") is not None:
-            engine.load_sampling_state(self._saved["engine_rng"])
+        data.load_state_dict(self._saved[Key.SAMPLER])
+        checkpoint.set_rng_state(self._saved[Key.RNG])
+        if engine is not None and self._saved.get(Key.ENGINE_RNG) is not None:
+            engine.load_sampling_state(self._saved[Key.ENGINE_RNG])
         print(f"resumed from {self.resume_from} (step {self.step})", flush=True)
 
     def due(self, step: int, total_steps: int) -> bool:
@@ -63,9 +65,10 @@ class RunState:
         with ``state_dict``; ``engine``: an engine whose sampling state to keep, when nothing samples from it
         meanwhile)."""
         self.step = step
-        state = {"step": step, **trainer.state_dict(), "sampler": data.state_dict(), "rng": checkpoint.rng_state(),
-                 "engine_rng": engine.sampling_state() if engine is not None else None,
-                 "config": masker().tree(self.config)}
+        state = {Key.STEP: step, **trainer.state_dict(), Key.SAMPLER: data.state_dict(),
+                 Key.RNG: checkpoint.rng_state(),
+                 Key.ENGINE_RNG: engine.sampling_state() if engine is not None else None,
+                 Key.CONFIG: masker().tree(self.config)}
         weights = sum(p.numel() * p.element_size() for p in trainer.policy.parameters())
         return checkpoint.save(self.directory, step, trainer, tokenizer, state, keep=self.keep, weights_bytes=weights)
 
@@ -111,7 +114,7 @@ class RunState:
 def check_world_size(settings: CheckpointSettings, saved: dict, resume_from: Path) -> None:
     """A checkpoint resumes with the data-parallel ranks that wrote it (its optimizer state is in their shards;
     a one-process one holds it whole): else a one-line ConfigError, before anything heavy starts."""
-    written, ranks = int(saved.get("world_size", 1)), settings.ranks
+    written, ranks = int(saved.get(Key.WORLD_SIZE, 1)), settings.ranks
     if written != ranks:
         raise ConfigError(f"train.resume={settings.resume}: {resume_from} was trained by {_ranks(written)} and "
                           f"this run has {_ranks(ranks)}; resume with train_model.num_devices={written}"

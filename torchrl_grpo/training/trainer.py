@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from torchrl_grpo.config.settings import TrainSettings
-from torchrl_grpo.core.checkpoint import CRITIC_DIR, OPTIMIZER_SHARDS
+from torchrl_grpo.core.checkpoint import CRITIC_DIR, OPTIMIZER_SHARDS, Key
 from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.engines.weight_stream import StreamedWeights
 from torchrl_grpo.models.adapter import Adapter, adapter_config, adapter_weights
@@ -396,13 +396,13 @@ class Trainer:
     def state_dict(self) -> dict:
         """The optimizers and the micro-batch shuffle: what a checkpoint needs besides the weights. Data-parallel:
         the world size instead of the optimizers, whose shards :meth:`save_pretrained` writes."""
-        common = {"shuffle_rng": self.shuffle.get_state(), "scheduler": _state(self.scheduler)}
+        common = {Key.SHUFFLE_RNG: self.shuffle.get_state(), Key.SCHEDULER: _state(self.scheduler)}
         if self.critic is not None:
-            common["critic_scheduler"] = _state(self.critic.scheduler)
-            common["critic_optimizer"] = None if self.parallel else self.critic.optimizer.state_dict()
+            common[Key.CRITIC_SCHEDULER] = _state(self.critic.scheduler)
+            common[Key.CRITIC_OPTIMIZER] = None if self.parallel else self.critic.optimizer.state_dict()
         if self.parallel is None:
-            return {"optimizer": self.optimizer.state_dict(), **common}
-        return {"optimizer": None, "world_size": self.parallel.world_size, **common}
+            return {Key.OPTIMIZER: self.optimizer.state_dict(), **common}
+        return {Key.OPTIMIZER: None, Key.WORLD_SIZE: self.parallel.world_size, **common}
 
     @collective
     def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
@@ -410,18 +410,18 @@ class Trainer:
         ``checkpoint_dir`` (the same world size: :class:`torchrl_grpo.run.state.RunState` checks it). A checkpoint
         without a critic's state (a run without one) leaves the critic's optimizer fresh."""
         if self.parallel is None:
-            self.optimizer.load_state_dict(state["optimizer"])
+            self.optimizer.load_state_dict(state[Key.OPTIMIZER])
         else:
             load_optimizer(self.policy, self.optimizer, Path(checkpoint_dir) / OPTIMIZER_SHARDS)
-        self.shuffle.set_state(state["shuffle_rng"])
-        _load_state(self.scheduler, state.get("scheduler"))  # older checkpoints have none
-        if self.critic is not None and "critic_scheduler" in state:
+        self.shuffle.set_state(state[Key.SHUFFLE_RNG])
+        _load_state(self.scheduler, state.get(Key.SCHEDULER))  # older checkpoints have none
+        if self.critic is not None and Key.CRITIC_SCHEDULER in state:
             if self.parallel is None:
-                self.critic.optimizer.load_state_dict(state["critic_optimizer"])
+                self.critic.optimizer.load_state_dict(state[Key.CRITIC_OPTIMIZER])
             else:
                 load_optimizer(self.critic.model, self.critic.optimizer,
                                Path(checkpoint_dir) / CRITIC_DIR / OPTIMIZER_SHARDS)
-            _load_state(self.critic.scheduler, state["critic_scheduler"])
+            _load_state(self.critic.scheduler, state[Key.CRITIC_SCHEDULER])
 
 
 def _state(scheduler) -> dict | None:
