@@ -61,9 +61,13 @@ class WeightSync:
         if not self._due():
             return {}
         started = time.perf_counter()
+        self._sync(version)
+        return {"weight_push_time": time.perf_counter() - started, **self._verify()}
+
+    def _sync(self, version: int) -> None:
+        """Send the trainer's weights as policy ``version``; the engines then hold its current update."""
         self._send(version)
         self.pushed = self.trainer.updates
-        return {"weight_push_time": time.perf_counter() - started, **self._verify()}
 
     def _send(self, version: int) -> None:
         raise NotImplementedError
@@ -82,8 +86,7 @@ class EngineSync(WeightSync):
         self.engine, self.adapter = engine, adapter
 
     def resume(self) -> None:
-        self._send(0)
-        self.pushed = self.trainer.updates
+        self._sync(0)
 
     def startup(self) -> str | None:
         """The engine as started against the trainer: the line to print (None without a check)."""
@@ -130,8 +133,7 @@ class ActorSync(WeightSync):
 
     def resume(self) -> None:
         """The checkpoint's weights to the actors, landed before their first collect."""
-        self._send(self.pool.version)
-        self.pushed = self.trainer.updates
+        self._sync(self.pool.version)
         self.pool.settle_pushes()
 
     def startup(self) -> str | None:
