@@ -108,7 +108,7 @@ def measure(shape: str, tokens: int, steps: int, overrides: list[str],
     seed_everything(0)
     with tempfile.TemporaryDirectory() as tmp:
         random_model(shape, Path(tmp))
-        trainer = build_trainer(resolve_run(cfg), tmp, None)
+        trainer = build_trainer(resolve_run(cfg), tmp)
     vocab = trainer.policy.config.vocab_size
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(trainer.device)

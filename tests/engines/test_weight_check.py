@@ -145,7 +145,7 @@ def test_a_run_whose_engine_ignores_pushes_stops_with_one_line_and_a_checkpoint(
                                        "answer": ["0"] * 16})
     task = Task("digits", rows, system_prompt=None, rewards=[Reward("digits", digit_share)])
     spec = resolve_run(cfg)
-    policy = build_policy(spec.model, tiny_model_path, ["cpu"], None, torch.float32)
+    policy = build_policy(spec.model, tiny_model_path, ["cpu"], torch.float32)
     trainer = Trainer(policy, None, build_loss(spec.loss, policy), build_optimizer(spec.optimizer, policy), spec.train,
                       torch.device("cpu"), None)
     engine = IgnoresPushes(copy.deepcopy(policy), tokenizer, seed=0)
@@ -196,7 +196,7 @@ def test_the_loop_lets_its_engine_sleep_from_its_last_generation_to_the_next_pus
     rows = datasets.Dataset.from_dict({"question": [f"Say some numbers, {i}." for i in range(4)], "answer": ["0"] * 4})
     task = Task("length", rows, system_prompt=None, rewards=[Reward("length", lambda c, row: float(len(c)))])
     spec = resolve_run(cfg)
-    policy = build_policy(spec.model, tiny_model_path, ["cpu"], None, torch.float32)
+    policy = build_policy(spec.model, tiny_model_path, ["cpu"], torch.float32)
     trainer = Trainer(policy, None, build_loss(spec.loss, policy), build_optimizer(spec.optimizer, policy), spec.train,
                       torch.device("cpu"), None)
     engine = Recording(copy.deepcopy(policy), tokenizer, seed=0)

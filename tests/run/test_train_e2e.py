@@ -158,12 +158,15 @@ def _assert_adapter_restores(saved: Path, config_file: Path):
     from peft import get_peft_model_state_dict
     from safetensors.torch import load_file
 
-    from torchrl_grpo.config.settings import ModelSettings
+    from torchrl_grpo.config.spec import resolve_run
     from torchrl_grpo.models.sources import resolve_model
     from torchrl_grpo.run.build import build_policy
+    from torchrl_grpo.run.state import RunState
 
-    model = ModelSettings.from_config(OmegaConf.load(config_file))
-    policy = build_policy(model, resolve_model("tiny"), ["cpu"], saved, torch.float32)
+    cfg = OmegaConf.load(config_file)
+    cfg.train.resume = str(saved)
+    spec = resolve_run(cfg)
+    policy = build_policy(spec.model, resolve_model("tiny"), ["cpu"], torch.float32, RunState(spec, saved.parent))
     restored = get_peft_model_state_dict(policy)
     on_disk = load_file(str(saved / "adapter_model.safetensors"))
     assert on_disk.keys() == restored.keys()

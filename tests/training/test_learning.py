@@ -32,7 +32,7 @@ def _train(cfg, task, tiny_model_path, vllm_engine, tmp_path, turns=None, check=
     torch.manual_seed(0)
     spec = resolve_run(cfg)
     tokenizer = load_tokenizer(tiny_model_path)
-    trainer = build_trainer(spec, tiny_model_path, None)
+    trainer = build_trainer(spec, tiny_model_path)
     original = {k: v.clone() for k, v in merged_state_dict(trainer.policy).items()}
     collector = Collector(task, tokenizer, vllm_engine, PromptSampler(len(task.rows), 0), spec.collect,
                           *(() if turns is None else (turns,)))

@@ -78,16 +78,16 @@ def test_a_cpu_without_native_bf16_is_warned_once(tiny_model_path, monkeypatch, 
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # a CPU trainer, on a machine with GPUs too
     cfg = cfg_with("model=tiny", "train.mixed_precision=true")
-    build_trainer(resolve_run(cfg), tiny_model_path, None)
+    build_trainer(resolve_run(cfg), tiny_model_path)
     assert "without native bf16" not in capsys.readouterr().err
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    trainer = build_trainer(resolve_run(cfg), tiny_model_path, None)
+    trainer = build_trainer(resolve_run(cfg), tiny_model_path)
     err = capsys.readouterr().err
     assert err.count("warning: train.mixed_precision=true on a CPU without native bf16") == 1
     assert "set train.mixed_precision=false" in err and trainer.settings.mixed_precision is True
     for default_or_off in ("train.mixed_precision=auto", "train.mixed_precision=false"):
         other = cfg_with("model=tiny", default_or_off)
-        build_trainer(resolve_run(other), tiny_model_path, None)
+        build_trainer(resolve_run(other), tiny_model_path)
         assert "without native bf16" not in capsys.readouterr().err
 
 

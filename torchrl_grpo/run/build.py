@@ -22,7 +22,6 @@ from torchrl_grpo.config.precision import native_bf16
 from torchrl_grpo.config.settings import LossSettings, ModelSettings, OptimizerSettings, TrainSettings
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
-from torchrl_grpo.core.checkpoint import CRITIC_DIR
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.vllm_releases import choose_sleep, choose_weight_transfer
 from torchrl_grpo.engines.weight_check import WeightCheck
@@ -48,16 +47,16 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_policy(model: ModelSettings, model_path: str, devices: list[str], resume_from: Path | None,
-                 dtype: torch.dtype):
-    """The trained policy, its weights in ``dtype``: base weights (or a full checkpoint's), LoRA if enabled,
-    dropout off (so that the ratio is exactly 1 on fresh data), in eval mode outside optimisation."""
+def build_policy(model: ModelSettings, model_path: str, devices: list[str], dtype: torch.dtype,
+                 state: RunState | None = None):
+    """The trained policy, its weights in ``dtype``: base weights (or, resuming, the checkpoint's: ``state`` says
+    which), LoRA if enabled, dropout off (so that the ratio is exactly 1 on fresh data), in eval mode outside
+    optimisation."""
     from torchrl_grpo.models.loading import load_policy, without_dropout
 
     lora = model.lora
-    full_checkpoint = resume_from is not None and lora is None
     policy = load_policy(
-        str(resume_from) if full_checkpoint else model_path,
+        state.policy_folder(model_path, lora is not None) if state is not None else model_path,
         dtype=dtype,
         device=devices,
         gradient_checkpointing=model.gradient_checkpointing,
@@ -65,19 +64,16 @@ def build_policy(model: ModelSettings, model_path: str, devices: list[str], resu
         attn_implementation=model.attn_implementation,
         trust_remote_code=model.trust_remote_code,
     )
-    if resume_from is not None and lora is not None:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        set_peft_model_state_dict(policy, load_file(str(resume_from / "adapter_model.safetensors")))
+    if state is not None and lora is not None:
+        state.restore_adapter(policy)
     without_dropout(policy)
     if model.compile:
         policy.forward = torch.compile(policy.forward)
     return policy.eval()
 
 
-def build_critic(spec: RunSpec, model_path: str, resume_from: Path | None, devices: list[str],
-                 parallel: DataParallel | None) -> Critic:
+def build_critic(spec: RunSpec, model_path: str, devices: list[str], parallel: DataParallel | None,
+                 state: RunState | None = None) -> Critic:
     """The value model of an actor-critic run (``loss.advantage=gae``): from the checkpoint's ``critic/`` when
     resuming one that has it, else ``critic.model`` (null: the policy's starting model) under a fresh value head; in
     the trained weights' precision on the policy's devices, sharded like it; its own optimizer (``critic.lr``) and
@@ -86,8 +82,8 @@ def build_critic(spec: RunSpec, model_path: str, resume_from: Path | None, devic
     from torchrl_grpo.models.sources import resolve_model
 
     trust, critic = spec.model.trust_remote_code, spec.critic
-    saved = None if resume_from is None else Path(resume_from) / CRITIC_DIR
-    if saved is not None and saved.is_dir():
+    saved = None if state is None else state.critic_folder()
+    if saved is not None:
         source = str(saved)
     else:
         source = model_path if critic.model is None else resolve_model(critic.model, trust, "critic.model")
@@ -179,10 +175,10 @@ def build_eval_engine(spec: RunSpec, task: Task, turns: Turns):
     return build_engine(spec, model_path, policy, tokenizer, seed=spec.train.seed), tokenizer
 
 
-def build_trainer(spec: RunSpec, model_path: str, resume_from: Path | None,
-                  parallel: DataParallel | None = None) -> Trainer:
-    """Policy (from the checkpoint when resuming), reference when a KL to it is on (with LoRA, the policy with its
-    adapter off: :class:`~torchrl_grpo.models.adapter.AdapterOff`), loss and optimizer; with
+def build_trainer(spec: RunSpec, model_path: str, parallel: DataParallel | None = None,
+                  state: RunState | None = None) -> Trainer:
+    """Policy (from ``state``'s checkpoint when resuming), reference when a KL to it is on (with LoRA, the policy
+    with its adapter off: :class:`~torchrl_grpo.models.adapter.AdapterOff`), loss and optimizer; with
     ``parallel`` both models on the rank's own device (its GPU, or the CPU) and sharded over the ranks (FSDP2,
     with its bf16 policy under mixed precision) before the optimizer is built."""
     from torchrl_grpo.models.adapter import AdapterOff, is_lora
@@ -191,7 +187,7 @@ def build_trainer(spec: RunSpec, model_path: str, resume_from: Path | None,
     train_on, ref_on, precision = spec.placement.train, spec.placement.ref, spec.precision
     if parallel is not None:
         train_on = ref_on = [str(parallel.device)]
-    policy = build_policy(spec.model, model_path, train_on, resume_from, precision.train_weights)
+    policy = build_policy(spec.model, model_path, train_on, precision.train_weights, state)
     ref_policy, free_reference = None, spec.train.reference and is_lora(policy)
     if spec.train.reference and not free_reference:
         ref_policy = load_policy(model_path, dtype=precision.reference, device=ref_on, trainable=False,
@@ -208,7 +204,7 @@ def build_trainer(spec: RunSpec, model_path: str, resume_from: Path | None,
     optimizer = build_optimizer(spec.optimizer, policy)
     critic = None
     if spec.critic.enabled:
-        critic = build_critic(spec, model_path, resume_from, train_on, parallel)
+        critic = build_critic(spec, model_path, train_on, parallel, state)
     if spec.train.micro_batch_tokens is not None:
         from torchrl_grpo.models.packed_attention import attend_by_row
         from torchrl_grpo.objective.critic import token_values
@@ -252,7 +248,7 @@ def build_follower(spec: RunSpec, parallel: DataParallel) -> tuple[Trainer, obje
     seed_everything(spec.train.seed)
     trust = spec.model.trust_remote_code
     model_path = resolve_model(spec.model.name, trust)
-    trainer = build_trainer(spec, model_path, None, parallel)
+    trainer = build_trainer(spec, model_path, parallel)
     return trainer, policy_engine(trainer.policy, load_tokenizer(model_path, trust), parallel=parallel)
 
 
@@ -372,7 +368,7 @@ def build_common(i: Inputs, parallel: DataParallel | None = None) -> Common:
     if i.eval_task is not None:
         eval_task, eval_turns = i.eval_task
         evaluator = Evaluator(eval_task, i.tokenizer, i.spec.eval, plan.total_steps, eval_turns)
-    trainer = build_trainer(i.spec, i.model_path, i.state.resume_from, parallel)
+    trainer = build_trainer(i.spec, i.model_path, parallel, i.state)
     return Common(i.spec, i.state, i.task, i.turns, i.tokenizer, i.model_path, trainer, evaluator)
 
 
@@ -387,8 +383,7 @@ def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = 
     weights = EngineSync(c.trainer, engine, None if samples_with_policy(c.trainer, engine) else (
         build_weight_check(c.spec.train, c.trainer, c.tokenizer, c.spec.precision.engine)),
         adapter=c.spec.engine.lora_rank is not None)
-    if c.state.resume_from is not None:
-        weights.resume()
+    c.state.resume_engines(weights)
     if (line := weights.startup()) is not None:
         print(line, flush=True)
     collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), c.spec.collect.prompt_seed),

@@ -131,8 +131,7 @@ class ActorSource:
                        log_dir=state.run_dir) as pool:
             self.pool = pool
             self.weights.attach(pool)
-            if state.resume_from is not None:  # the actors start from the base weights: give them the checkpoint's
-                self.weights.resume()
+            state.resume_engines(self.weights)
             pool.start_collecting()
             print(f"async: {self.num_actors} rollout actor(s) started in Ray ({pool.startup_time:.1f} s); weights "
                   f"pushed every {self.weight_update_frequency} step(s) {pool.transport.name}, batches older than "

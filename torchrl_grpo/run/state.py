@@ -1,14 +1,15 @@
-"""Where a run stands, saved and resumed here only: the step, the data position (a prompt sampler, or the
-async loop's :class:`AsyncProgress`), the global RNG states, the trainer's optimizer and shuffle (through
-:meth:`Trainer.state_dict`) and the config. The weights are the checkpoint's HF-format policy, which the
-builder loads before the trainer exists (:attr:`RunState.resume_from`).
+"""Where a run stands: everything a checkpoint saves, and everything a resume restores, here only.
 
-``trainer_state.pt`` holds (its keys: :class:`~torchrl_grpo.core.checkpoint.Key`) ``step``, ``optimizer``, ``sampler``
-(the data position), ``rng``, ``shuffle_rng``,
-``engine_rng`` (the engine's sampling state) and ``config``; a data-parallel run's, ``world_size``
-instead of ``optimizer``, whose shards are in the checkpoint's ``optimizer_shards/``; an actor-critic run's, the
-critic's optimizer and schedule too (its weights in ``critic/``). The files and their atomic
-write are :mod:`torchrl_grpo.core.checkpoint`'s.
+Saved (:meth:`RunState.save`): the policy in HF format (the adapter with LoRA) and an actor-critic run's value
+model, the optimizers (data-parallel: each rank's shards) and schedules, the micro-batch shuffle, the step, the data
+position (a prompt sampler, or the async loop's :class:`AsyncProgress`), the global RNG states, the engine's sampling
+state and the config. ``trainer_state.pt``'s keys are :class:`~torchrl_grpo.core.checkpoint.Key`; the files and their
+atomic write are :mod:`torchrl_grpo.core.checkpoint`'s.
+
+Restored, in the order a run starts: the models' weights as the builder loads them (:meth:`RunState.policy_folder`,
+:meth:`RunState.restore_adapter`, :meth:`RunState.critic_folder`: read from the checkpoint, not loaded twice), the
+trainer's state, the data position and the RNGs when the loop starts (:meth:`RunState.restore`), then the
+checkpoint's weights pushed to the engines, which start from the base model (:meth:`RunState.resume_engines`).
 
 What resumes exactly: a sync run (``train.sync_iter=true``) gives, step for step, the metrics of the
 uninterrupted run, its engine in this process or its own. Not exactly: with ``train.sync_iter=false`` the
@@ -42,6 +43,32 @@ class RunState:
             check_world_size(settings, self._saved, self.resume_from)
         self.step = int(self._saved[Key.STEP]) if self._saved is not None else 0  # the last finished step
 
+    @property
+    def resuming(self) -> bool:
+        return self.resume_from is not None
+
+    def policy_folder(self, model_path: str, lora: bool) -> str:
+        """Where the policy's weights load from: the checkpoint when it holds the whole model, else ``model_path``
+        (a LoRA run's checkpoint holds only the adapter: :meth:`restore_adapter` puts it back after the base loads)."""
+        return str(self.resume_from) if self.resuming and not lora else model_path
+
+    def restore_adapter(self, policy) -> None:
+        """A resumed LoRA run's adapter weights into ``policy`` (a PEFT model over the base); a fresh run keeps its
+        own."""
+        if not self.resuming:
+            return
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        from torchrl_grpo.models.adapter import WEIGHTS_FILE
+
+        set_peft_model_state_dict(policy, load_file(str(self.resume_from / WEIGHTS_FILE)))
+
+    def critic_folder(self) -> Path | None:
+        """The value model's folder in the checkpoint, when resuming an actor-critic run (None: build a fresh one)."""
+        saved = None if self.resume_from is None else self.resume_from / checkpoint.CRITIC_DIR
+        return saved if saved is not None and saved.is_dir() else None
+
     def restore(self, trainer, data, engine=None) -> None:
         """Continue where the checkpoint left off: the trainer's state, ``data``'s position (anything with
         ``load_state_dict``), the global RNGs and, when both the checkpoint and ``engine`` have one, the
@@ -55,6 +82,12 @@ class RunState:
         if engine is not None and self._saved.get(Key.ENGINE_RNG) is not None:
             engine.load_sampling_state(self._saved[Key.ENGINE_RNG])
         print(f"resumed from {self.resume_from} (step {self.step})", flush=True)
+
+    def resume_engines(self, weights) -> None:
+        """The engines start from the base weights: a resumed run gives them the checkpoint's (``weights``: the run's
+        :class:`~torchrl_grpo.training.weight_sync.WeightSync`) before their first generation."""
+        if self.resuming:
+            weights.resume()
 
     def due(self, step: int, total_steps: int) -> bool:
         """A checkpoint every ``logging.checkpoint_frequency`` steps (0: never) and after the last step."""
