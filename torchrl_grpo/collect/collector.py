@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from torchrl_grpo.config.settings import CollectSettings
+from torchrl_grpo.core.batch import Batch
 from torchrl_grpo.episodes.play import Played, play, turn_metrics
 from torchrl_grpo.episodes.trajectories import PromptSampler, build_batch, reward_tensors
 from torchrl_grpo.episodes.turn_envs import Turns
@@ -91,18 +92,18 @@ class Collector:
         batch.update(reward_tensors(self.task, components))
         if self.settings.soft_overlong:
             penalty = self._overlong(played)
-            batch["reward"] = batch["reward"] + penalty
+            batch[Batch.REWARD] = batch[Batch.REWARD] + penalty
             metrics["overlong_penalty_mean"] = penalty.mean().item()
-        batch["old_log_probs"] = batch["sample_log_probs"]
+        batch[Batch.OLD_LOG_PROBS] = batch[Batch.SAMPLE_LOG_PROBS]
         if self.task.reward_errors == "zero":
             metrics["reward_errors"] = self.task.reward_error_count  # so far in this process
-        lengths = batch["completion_mask"].sum(-1).float()
+        lengths = batch[Batch.COMPLETION_MASK].sum(-1).float()
         metrics.update({
             **{f"reward/{k}": v.float().nanmean().item()
-               for k, v in batch["rewards"].items()},  # over those it applies to
+               for k, v in batch[Batch.REWARDS].items()},  # over those it applies to
             "completion_length": lengths.mean().item(),
             "completion_length_max": lengths.max().item(),
-            "truncated_fraction": batch["truncated"].float().mean().item(),
+            "truncated_fraction": batch[Batch.TRUNCATED].float().mean().item(),
             "generation_tokens_per_s": lengths.sum().item() / max(metrics["generation_time"], 1e-9),
             **per_task_means([g.row for g in groups for _ in g.episodes], components,
                              [self.task.total(c) for c in components]),

@@ -1,15 +1,13 @@
 """From prompts to a scored TensorDict of trajectories: what one collection step produces.
 
-Layout of the batch ``[prompts * G]`` (group-major: the G completions of a prompt are consecutive):
-``tokens`` [N, L] prompt + completion, right-padded; ``attention_mask`` and ``completion_mask`` [N, L];
-``sample_log_probs`` [N, L] the engine's log-probs at completion positions (0 elsewhere); ``reward`` [N]
-and each component under ``("rewards", name)``; ``truncated`` [N]; ``policy_version`` [N].
+The batch's keys, shapes and dtypes: :class:`torchrl_grpo.core.batch.Batch`.
 """
 from __future__ import annotations
 
 import torch
 from tensordict import TensorDict
 
+from torchrl_grpo.core.batch import Batch
 from torchrl_grpo.tasks import Task
 
 
@@ -68,13 +66,13 @@ def build_batch(played, group_size: int, pad_id: int, version: int) -> TensorDic
         log_probs[i, :size] = torch.tensor(p.episode.log_probs, dtype=torch.float32)
     return TensorDict(
         {
-            "tokens": tokens,
-            "attention_mask": attention,
-            "completion_mask": completion_mask,
-            "sample_log_probs": log_probs,
-            "truncated": torch.tensor([p.finish_reason == "length" for p in played]),
-            "group": torch.arange(n) // group_size,
-            "policy_version": torch.full((n,), version, dtype=torch.long),
+            Batch.TOKENS: tokens,
+            Batch.ATTENTION_MASK: attention,
+            Batch.COMPLETION_MASK: completion_mask,
+            Batch.SAMPLE_LOG_PROBS: log_probs,
+            Batch.TRUNCATED: torch.tensor([p.finish_reason == "length" for p in played]),
+            Batch.GROUP: torch.arange(n) // group_size,
+            Batch.POLICY_VERSION: torch.full((n,), version, dtype=torch.long),
         },
         batch_size=[n],
     )
@@ -85,5 +83,5 @@ def reward_tensors(task: Task, components: list[dict]) -> TensorDict:
     from ``task.score`` outputs in batch order."""
     per_name = {name: torch.tensor([c[name] for c in components]) for name in task.reward_names}
     total = torch.tensor([task.total(c) for c in components])
-    return TensorDict({"reward": total, "rewards": TensorDict(per_name, batch_size=[len(components)])},
+    return TensorDict({Batch.REWARD: total, Batch.REWARDS: TensorDict(per_name, batch_size=[len(components)])},
                       batch_size=[len(components)])

@@ -20,7 +20,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from tensordict import TensorDict
+
 from torchrl_grpo.config.spec import RunSpec
+from torchrl_grpo.core.batch import Batch
 from torchrl_grpo.core.files import NotWritten
 from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.state import RunState
@@ -34,8 +37,8 @@ def scored_samples(delivery: Delivery) -> list[dict]:
     """Each completion of the step for the samples file: its prompt and completion texts, total reward, advantage
     and each reward component (NaN where it did not apply)."""
     batch = delivery.batch
-    columns = {"reward": batch["reward"].tolist(), "advantage": batch["advantage"].tolist(),
-               **{f"reward/{name}": values.tolist() for name, values in batch["rewards"].items()}}
+    columns = {"reward": batch[Batch.REWARD].tolist(), "advantage": batch[Batch.ADVANTAGE].tolist(),
+               **{f"reward/{name}": values.tolist() for name, values in batch[Batch.REWARDS].items()}}
     return [{**sample, **{key: values[i] for key, values in columns.items()}}
             for i, sample in enumerate(delivery.samples)]
 
@@ -46,7 +49,7 @@ class Delivery:
     texts, the policy version that sampled it, when the step's clock started, and what the source keeps for
     :meth:`finish`."""
 
-    batch: object
+    batch: TensorDict  # keys: torchrl_grpo.core.batch.Batch
     metrics: dict
     samples: list[dict]
     version: int

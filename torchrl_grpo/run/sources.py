@@ -29,6 +29,7 @@ from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.collect.prefetch import Prefetch
 from torchrl_grpo.collect.rollout_actors import ActorFault, ActorPool
 from torchrl_grpo.config.spec import RunSpec
+from torchrl_grpo.core.batch import Batch
 from torchrl_grpo.core.errors import RunError
 from torchrl_grpo.run.loop import Delivery
 from torchrl_grpo.run.state import AsyncProgress, RunState
@@ -155,7 +156,7 @@ class ActorSource:
         while True:
             actor, (batch, metrics, samples, sampler_state), wait_time = self.pool.next_batch()
             progress.actor_samplers[actor] = sampler_state
-            version = int(batch["policy_version"][0])
+            version = int(batch[Batch.POLICY_VERSION][0])
             staleness = progress.policy_version - version
             if staleness <= self.max_staleness:
                 return Delivery(batch, metrics, samples, version, time.perf_counter(),

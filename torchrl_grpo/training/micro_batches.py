@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from torchrl_grpo.core.batch import Batch
 from torchrl_grpo.core.errors import RunError
 
 
@@ -86,5 +87,5 @@ def rows_to_train(window: torch.Tensor, moving: torch.Tensor, micro_batch: int) 
 
 def trim_padding(batch):
     """Drop the padding columns no row of this micro-batch uses."""
-    used = int(batch["attention_mask"].any(0).nonzero().max()) + 1
+    used = int(batch[Batch.ATTENTION_MASK].any(0).nonzero().max()) + 1
     return batch.apply(lambda t: t[:, :used] if t.dim() == 2 else t)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from torchrl_grpo.config.settings import TrainSettings
+from torchrl_grpo.core.batch import Batch
 from torchrl_grpo.core.checkpoint import CRITIC_DIR, OPTIMIZER_SHARDS, Key
 from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.engines.weight_stream import StreamedWeights
@@ -106,30 +107,30 @@ class Trainer:
         takes its forward's own, detached (a ratio of exactly 1), saving that forward."""
         s, metrics, started = self.settings, {}, time.perf_counter()
         if s.recompute_old_log_probs and self.single_update(len(batch)):
-            batch.pop("old_log_probs", None)
+            batch.pop(Batch.OLD_LOG_PROBS, None)
         elif s.recompute_old_log_probs:
-            batch["old_log_probs"] = self.log_probs(self.policy, self.device, batch)
-            gap = (batch["old_log_probs"] - batch["sample_log_probs"]).abs()[batch["completion_mask"]]
+            batch[Batch.OLD_LOG_PROBS] = self.log_probs(self.policy, self.device, batch)
+            gap = (batch[Batch.OLD_LOG_PROBS] - batch[Batch.SAMPLE_LOG_PROBS]).abs()[batch[Batch.COMPLETION_MASK]]
             metrics["engine_trainer_logp_gap_max"] = gap.max().item()
-        task_reward, kl_tokens = batch["reward"], None
+        task_reward, kl_tokens = batch[Batch.REWARD], None
         if self.ref_policy is not None:
-            batch["ref_log_probs"] = self.log_probs(self.ref_policy, self.ref_device, batch)
+            batch[Batch.REF_LOG_PROBS] = self.log_probs(self.ref_policy, self.ref_device, batch)
             if s.kl_in_reward_coeff > 0:
-                kl_tokens = (batch["sample_log_probs"] - batch["ref_log_probs"]) * batch["completion_mask"]
+                kl_tokens = (batch[Batch.SAMPLE_LOG_PROBS] - batch[Batch.REF_LOG_PROBS]) * batch[Batch.COMPLETION_MASK]
                 kl = kl_tokens.sum(-1)
-                batch["reward"] = batch["reward"] - s.kl_in_reward_coeff * kl
+                batch[Batch.REWARD] = batch[Batch.REWARD] - s.kl_in_reward_coeff * kl
                 metrics["kl_penalty_in_reward"] = kl.mean().item()
         loss_mask = self.loss.token_mask(batch)
         if self.critic is None:
-            advantage, tied = group_advantages(batch["reward"], s.group_size, s.reward_scale)
+            advantage, tied = group_advantages(batch[Batch.REWARD], s.group_size, s.reward_scale)
             metrics["tied_group_fraction"] = tied.float().mean().item()
         else:
             advantage = self.critic_advantages(batch, task_reward, kl_tokens, loss_mask, metrics)
-        batch["advantage"] = advantage
+        batch[Batch.ADVANTAGE] = advantage
         metrics.update({
             "signal_fraction": self.loss.signal_rows(batch).float().mean().item(),
-            "reward": batch["reward"].mean().item(),
-            "reward_std": batch["reward"].std().item() if len(batch) > 1 else 0.0,
+            "reward": batch[Batch.REWARD].mean().item(),
+            "reward_std": batch[Batch.REWARD].std().item() if len(batch) > 1 else 0.0,
             "advantage_abs_mean": (advantage.abs().mean() if advantage.dim() == 1
                                    else advantage.abs()[loss_mask].mean()).item(),
             "prepare_time": time.perf_counter() - started,
@@ -143,13 +144,13 @@ class Trainer:
         and the returns as ``return``, the value loss's targets. Returns the advantages [N, L], whitened over the
         batch's loss tokens (``loss_mask``) when ``critic.whiten_advantages``; adds the critic's metrics
         (``explained_variance`` of the returns by the values before the update, their means)."""
-        c, mask = self.critic.settings, batch["completion_mask"]
+        c, mask = self.critic.settings, batch[Batch.COMPLETION_MASK]
         packed = self.settings.micro_batch_tokens is not None
-        values = self._per_row(lambda mb: token_values(self.critic.model, mb["tokens"], mb["attention_mask"],
-                                                       mb["completion_mask"], packed), self.device, batch)
+        values = self._per_row(lambda mb: token_values(self.critic.model, mb[Batch.TOKENS], mb[Batch.ATTENTION_MASK],
+                                                       mb[Batch.COMPLETION_MASK], packed), self.device, batch)
         rewards = token_rewards(task_reward, mask, kl_tokens, self.settings.kl_in_reward_coeff)
         advantage, returns = gae(rewards, values, mask, c.gamma, c.lmbda)
-        batch["value_old"], batch["return"] = values, returns.float()
+        batch[Batch.VALUE_OLD], batch[Batch.RETURN] = values, returns.float()
         metrics.update({"explained_variance": explained_variance(values, returns, mask),
                         "value_mean": values[mask].mean().item() if mask.any() else 0.0,
                         "return_mean": returns[mask].mean().item() if mask.any() else 0.0})
@@ -164,8 +165,8 @@ class Trainer:
         update), in the training's micro-batches; 0 outside completions. Data-parallel: each rank its shares of
         them, then put together."""
         packed = self.settings.micro_batch_tokens is not None
-        return self._per_row(lambda mb: token_log_probs(model, mb["tokens"], mb["attention_mask"],
-                                                        self.settings.temperature, wanted=mb["completion_mask"],
+        return self._per_row(lambda mb: token_log_probs(model, mb[Batch.TOKENS], mb[Batch.ATTENTION_MASK],
+                                                        self.settings.temperature, wanted=mb[Batch.COMPLETION_MASK],
                                                         packed=packed)[0],
                              device, batch)
 
@@ -174,8 +175,8 @@ class Trainer:
         """``compute(micro-batch)`` -> [n, l] per token over ``batch``, in the training's micro-batches
         (:meth:`_micro_batches`) on ``device``, as float32 [N, L] on the CPU. Data-parallel: each rank its shares,
         then every rank's rows put together."""
-        out = torch.zeros_like(batch["sample_log_probs"])
-        for idx in self._micro_batches(torch.arange(len(batch)), batch["attention_mask"]):
+        out = torch.zeros_like(batch[Batch.SAMPLE_LOG_PROBS])
+        for idx in self._micro_batches(torch.arange(len(batch)), batch[Batch.ATTENTION_MASK]):
             mb = trim_padding(batch[idx]).to(device)
             with self._autocast(device):
                 values = compute(mb)
@@ -237,13 +238,13 @@ class Trainer:
         moves = bool(moving.any())
         rows = rows_to_train(window, moving, self._rows_per_micro_batch) if moves else window
         tally.trained_rows += len(rows) if moves else 0
-        order = self._micro_batches(rows, batch["attention_mask"])
+        order = self._micro_batches(rows, batch[Batch.ATTENTION_MASK])
         micro = [trim_padding(batch[idx]).to(self.device) for idx in order]
         weights = [self.loss.accumulation_weight(mb) for mb in micro]
         total = self.loss.accumulation_weight(batch[window])  # every row of the window counts
         tally.share_weights += weights
         for mb, weight, idx in zip(micro, weights, order):
-            lengths = batch["attention_mask"][idx].sum(-1).tolist()  # from the batch as collected: no sync
+            lengths = batch[Batch.ATTENTION_MASK][idx].sum(-1).tolist()  # from the batch as collected: no sync
             self._forward_backward(mb, weight / max(total, 1e-9), moves, lengths, tally)
         if not moves:
             tally.still += 1
@@ -319,9 +320,10 @@ class Trainer:
         """The critic's clipped value loss on a micro-batch (:func:`clipped_value_loss`), aggregated over its loss
         tokens like the policy's loss, and the share of them whose clipped branch was taken."""
         mask = self.loss.token_mask(mb)
-        values = token_values(self.critic.model, mb["tokens"], mb["attention_mask"], mb["completion_mask"],
+        values = token_values(self.critic.model, mb[Batch.TOKENS], mb[Batch.ATTENTION_MASK], mb[Batch.COMPLETION_MASK],
                               self.settings.micro_batch_tokens is not None)
-        loss, clipped = clipped_value_loss(values, mb["value_old"], mb["return"], self.critic.settings.value_clip)
+        loss, clipped = clipped_value_loss(values, mb[Batch.VALUE_OLD], mb[Batch.RETURN],
+                                           self.critic.settings.value_clip)
         return {"value_loss": aggregate(loss, mask, self.loss.aggregation, self.loss.aggregation_constant),
                 "value_clip_fraction": (clipped & mask).sum() / mask.sum().clamp(min=1)}
 
