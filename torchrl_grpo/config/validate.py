@@ -22,12 +22,9 @@ from omegaconf import DictConfig
 from torchrl_grpo.config.placement import train_strategy
 from torchrl_grpo.config.schema import LORA_SYNCS, check_schema, require
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.objective.terms import (
-    COMPLETION_LEVELS,
-    GROUP_FREE_SCALES,
-    MISMATCH_CORRECTIONS,
-    TOKEN_ADVANTAGE_LEVELS,
-)
+from torchrl_grpo.objective.advantages import GROUP_FREE_SCALES
+from torchrl_grpo.objective.registry import MISMATCH_CORRECTIONS
+from torchrl_grpo.objective.surrogates import COMPLETION_LEVELS, TOKEN_ADVANTAGE_LEVELS
 
 
 @dataclass(frozen=True)

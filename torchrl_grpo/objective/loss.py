@@ -1,5 +1,5 @@
 """The GRPO objective as one TorchRL ``LossModule``: the policy forward pass, and the registered terms of
-:mod:`torchrl_grpo.objective.terms` put together as the ``loss:`` config section selects them.
+each family's module (:mod:`torchrl_grpo.objective.registry`) put together as the ``loss:`` config section selects them.
 
 :class:`GRPOLoss` knows no variant by name: it looks up ``loss.aggregation``, ``loss.kl_estimator``,
 ``loss.importance_level`` and ``loss.overlong`` in their registries and applies every surrogate modifier
@@ -14,22 +14,13 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
+from torchrl_grpo.objective.aggregation import accumulation_weight, aggregate, per_token
+from torchrl_grpo.objective.kl import KL_ESTIMATORS, kl_estimate
 from torchrl_grpo.objective.log_probs import token_log_probs
-from torchrl_grpo.objective.terms import (
-    COMPLETION_LEVELS,
-    KL_ESTIMATORS,
-    MISMATCH_CORRECTIONS,
-    MODIFIER_FLOORS,
-    SURROGATE_MODIFIERS,
-    SurrogateInputs,
-    accumulation_weight,
-    aggregate,
-    kl_estimate,
-    loss_token_mask,
-    per_token,
-    term,
-    token_advantages,
-)
+from torchrl_grpo.objective.modifiers import SURROGATE_MODIFIERS
+from torchrl_grpo.objective.overlong import loss_token_mask
+from torchrl_grpo.objective.registry import MISMATCH_CORRECTIONS, MODIFIER_FLOORS, term
+from torchrl_grpo.objective.surrogates import COMPLETION_LEVELS, SurrogateInputs, token_advantages
 
 # the registered families that GRPOLoss takes by the name of their config key (loss.<family>)
 LOSS_CHOICES = ("aggregation", "kl_estimator", "importance_level", "overlong")
