@@ -4,7 +4,7 @@ each family's module (:mod:`torchrl_grpo.objective.registry`) put together as th
 :class:`GRPOLoss` knows no variant by name: it looks up ``loss.aggregation``, ``loss.kl_estimator``,
 ``loss.importance_level`` and ``loss.overlong`` in their registries and applies every surrogate modifier
 whose key is set, so a new variant is a registered function, a preset line and a row of
-``docs/objective.md``.
+``docs/objective.md``. Its default loss reads top to bottom in :func:`torchrl_grpo.objective.grpo.grpo_objective`.
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Importance levels (``loss.importance_level``): the policy-gradient surrogate of each variant, from the
-ratio of the trained policy to ``logp_old`` (per token, per completion, or a weight) and its clip or gate."""
+ratio of the trained policy to ``logp_old`` (per token, per completion, or a weight) and its clip or gate.
+The default, GRPO's clipped token ratio, reads top to bottom in :func:`torchrl_grpo.objective.grpo.grpo_objective`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
