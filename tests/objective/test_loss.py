@@ -5,11 +5,9 @@ import pytest
 import torch
 
 from loss_cases import TableLM, hand_logp, loss_batch
+from torchrl_grpo.objective.advantages import group_advantages
 from torchrl_grpo.objective.log_probs import token_log_probs
 from torchrl_grpo.objective.loss import GRPOLoss, total_loss
-from torchrl_grpo.objective.terms import (
-    group_advantages,
-)
 
 
 def test_token_log_probs_shift_and_temperature():

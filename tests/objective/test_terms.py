@@ -1,4 +1,4 @@
-"""The objective's registered terms (torchrl_grpo/objective/terms.py: advantages, surrogates, KL estimators,
+"""The objective's registered terms (torchrl_grpo/objective/: advantages, surrogates, KL estimators,
 aggregations) against values computed independently, element by element, in float64 plain Python."""
 import math
 
@@ -6,18 +6,11 @@ import pytest
 import torch
 
 from loss_cases import mean, unbiased_std
-from torchrl_grpo.objective.terms import (
-    accumulation_weight,
-    aggregate,
-    clipped_surrogate,
-    geometric_mean_surrogate,
-    group_advantages,
-    kl_estimate,
-    loss_token_mask,
-    overlong_buffer_tokens,
-    overlong_penalty,
-    sapo_surrogate,
-)
+from torchrl_grpo.objective.advantages import group_advantages
+from torchrl_grpo.objective.aggregation import accumulation_weight, aggregate
+from torchrl_grpo.objective.kl import kl_estimate
+from torchrl_grpo.objective.overlong import loss_token_mask, overlong_buffer_tokens, overlong_penalty
+from torchrl_grpo.objective.surrogates import clipped_surrogate, geometric_mean_surrogate, sapo_surrogate
 
 
 def test_group_advantages_match_hand_formula():
@@ -118,7 +111,7 @@ def test_gmpo_clips_each_log_ratio_on_its_advantages_side_and_keeps_the_others_g
 def test_cispo_keeps_the_gradient_of_every_token_the_ppo_clip_drops():
     """Ratios past the range on both sides: the PPO clip zeroes those tokens' gradient, CISPO keeps
     ``-clip(w) A`` for each (a float64 computation by hand)."""
-    from torchrl_grpo.objective.terms import cispo_surrogate
+    from torchrl_grpo.objective.surrogates import cispo_surrogate
 
     base = torch.tensor([[-1.0, -2.0, -0.5, -3.0]], dtype=torch.float64)
     old = base - torch.tensor([[0.5, -0.5, 0.01, 2.0]], dtype=torch.float64)  # ratios e^0.5, e^-0.5, e^0.01, e^2

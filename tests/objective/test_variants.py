@@ -6,19 +6,13 @@ import pytest
 import torch
 
 from loss_cases import TableLM, hand_logp, loss_batch, mean
+from torchrl_grpo.objective.advantages import group_advantages
+from torchrl_grpo.objective.aggregation import aggregate, completion_mean
+from torchrl_grpo.objective.kl import kl_estimate
 from torchrl_grpo.objective.loss import GRPOLoss, total_loss
-from torchrl_grpo.objective.terms import (
-    aggregate,
-    clipped_surrogate,
-    completion_mean,
-    group_advantages,
-    kl_estimate,
-    loss_token_mask,
-    mis_weights,
-    off_policy_keep,
-    sequence_clipped_surrogate,
-    tis_weights,
-)
+from torchrl_grpo.objective.modifiers import mis_weights, off_policy_keep, tis_weights
+from torchrl_grpo.objective.overlong import loss_token_mask
+from torchrl_grpo.objective.surrogates import clipped_surrogate, sequence_clipped_surrogate
 
 # ---------------------------------------------------------------------------------------------------
 # the variants (GSPO, TIS, off-policy mask, overlong) against plain-Python computations

@@ -49,8 +49,8 @@ from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.models.adapter import AdapterOff
 from torchrl_grpo.models.loading import load_policy, merged_weights
 from torchrl_grpo.objective import log_probs
+from torchrl_grpo.objective.aggregation import AGGREGATIONS
 from torchrl_grpo.objective.loss import GRPOLoss
-from torchrl_grpo.objective.terms import AGGREGATIONS
 from torchrl_grpo.parallel.ranks import DataParallel, gathered, process_group, shard_model
 from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.trainer import Trainer

@@ -16,7 +16,7 @@ from torchrl_grpo.core.batch import Batch
 from torchrl_grpo.episodes.play import Played, play, turn_metrics
 from torchrl_grpo.episodes.trajectories import PromptSampler, build_batch, reward_tensors
 from torchrl_grpo.episodes.turn_envs import Turns
-from torchrl_grpo.objective.terms import overlong_penalty
+from torchrl_grpo.objective.overlong import overlong_penalty
 from torchrl_grpo.tasks import Task, per_task_means
 
 

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig
 
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.objective.terms import MISMATCH_CORRECTIONS
+from torchrl_grpo.objective.registry import MISMATCH_CORRECTIONS
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 

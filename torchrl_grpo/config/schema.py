@@ -16,15 +16,12 @@ from typing import Any
 from omegaconf import DictConfig
 
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.objective.terms import (
-    AGGREGATIONS,
-    IMPORTANCE_LEVELS,
-    KL_ESTIMATORS,
-    MODIFIER_FLOORS,
-    MODIFIER_HINTS,
-    OVERLONG,
-    REWARD_SCALES,
-)
+from torchrl_grpo.objective.advantages import REWARD_SCALES
+from torchrl_grpo.objective.aggregation import AGGREGATIONS
+from torchrl_grpo.objective.kl import KL_ESTIMATORS
+from torchrl_grpo.objective.overlong import OVERLONG
+from torchrl_grpo.objective.registry import MODIFIER_FLOORS, MODIFIER_HINTS
+from torchrl_grpo.objective.surrogates import IMPORTANCE_LEVELS
 
 ENGINE_PROCESSES = ("auto", "same", "own")  # inference_model.engine_process
 WEIGHT_TRANSFERS = ("auto", "collective", "shm")  # inference_model.weight_transfer
@@ -240,7 +237,7 @@ class Eval:
 @dataclass
 class Loss:
     """docs/objective.md gives each variant's equation; config/loss/*.yaml the presets. Besides these keys,
-    each registered surrogate modifier (``objective_terms``: ``tis_cap``, ``off_policy_mask_threshold``, ...)
+    each registered surrogate modifier (``objective/modifiers.py``: ``tis_cap``, ``off_policy_mask_threshold``, ...)
     is a key of its own, a number > 0 or null (off): see :func:`section_keys`."""
 
     clip_epsilon_low: float = key("num>=0", "ratio clipped below at 1 - eps_low (gmpo: log-ratio at -eps_low)")

@@ -22,12 +22,9 @@ from omegaconf import DictConfig
 from torchrl_grpo.config.placement import train_strategy
 from torchrl_grpo.config.schema import LORA_SYNCS, check_schema, require
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.objective.terms import (
-    COMPLETION_LEVELS,
-    GROUP_FREE_SCALES,
-    MISMATCH_CORRECTIONS,
-    TOKEN_ADVANTAGE_LEVELS,
-)
+from torchrl_grpo.objective.advantages import GROUP_FREE_SCALES
+from torchrl_grpo.objective.rules import combination_problem
+from torchrl_grpo.objective.surrogates import TOKEN_ADVANTAGE_LEVELS
 
 
 @dataclass(frozen=True)
@@ -203,23 +200,15 @@ def validate(cfg: DictConfig) -> BatchPlan:
         raise ConfigError(f"ray.actor_num_gpus={actor_gpus}: an actor's engine takes a share of one GPU (at most 1) "
                           f"or runs tensor parallel over whole GPUs; use {int(actor_gpus)} or {int(actor_gpus) + 1}")
     # loss variants (docs/objective.md): the combinations that need each other
-    aggregation, level = _get(cfg, "loss.aggregation"), _get(cfg, "loss.importance_level")
-    if level in COMPLETION_LEVELS and aggregation != "sequence_mean":
-        raise ConfigError(
-            f"loss.aggregation={aggregation} with loss.importance_level={level}: that term gives one loss per "
-            "completion, averaged per completion; set loss.aggregation=sequence_mean"
-        )
+    problem = combination_problem(cfg.loss, prefix="loss.")
+    if problem:
+        raise ConfigError(problem)
     scale = _get(cfg, "loss.reward_scale")
     if _get(cfg, "loss.advantage") == "gae":
-        _check_critic(cfg, level, scale)
+        _check_critic(cfg, _get(cfg, "loss.importance_level"), scale)
     elif plan.group_size == 1 and scale not in GROUP_FREE_SCALES:
         raise ConfigError(f"env.repeats=1 with loss.reward_scale={scale}: a group of one has advantage 0, so nothing "
                           "is learned; set env.repeats to 2 or more (GRPO's G), or loss.reward_scale=reinforce_pp")
-    corrections = [f"loss.{key}={_get(cfg, f'loss.{key}')}" for key in MISMATCH_CORRECTIONS
-                   if _get(cfg, f"loss.{key}") is not None]
-    if len(corrections) > 1:
-        raise ConfigError(f"{' with '.join(corrections)}: both weigh the loss by the engine/trainer ratio; keep one "
-                          "and set the other to null")
     buffer = _get(cfg, "loss.overlong_buffer")
     if _get(cfg, "loss.overlong") == "soft" and buffer is not None and buffer >= plan.max_tokens:
         raise ConfigError(

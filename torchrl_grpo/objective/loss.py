@@ -1,10 +1,10 @@
 """The GRPO objective as one TorchRL ``LossModule``: the policy forward pass, and the registered terms of
-:mod:`torchrl_grpo.objective.terms` put together as the ``loss:`` config section selects them.
+each family's module (:mod:`torchrl_grpo.objective.registry`) put together as the ``loss:`` config section selects them.
 
 :class:`GRPOLoss` knows no variant by name: it looks up ``loss.aggregation``, ``loss.kl_estimator``,
 ``loss.importance_level`` and ``loss.overlong`` in their registries and applies every surrogate modifier
 whose key is set, so a new variant is a registered function, a preset line and a row of
-``docs/objective.md``.
+``docs/objective.md``. Its default loss reads top to bottom in :func:`torchrl_grpo.objective.grpo.grpo_objective`.
 """
 from __future__ import annotations
 
@@ -14,22 +14,14 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
+from torchrl_grpo.objective.aggregation import accumulation_weight, aggregate, per_token
+from torchrl_grpo.objective.kl import KL_ESTIMATORS, kl_estimate
 from torchrl_grpo.objective.log_probs import token_log_probs
-from torchrl_grpo.objective.terms import (
-    COMPLETION_LEVELS,
-    KL_ESTIMATORS,
-    MISMATCH_CORRECTIONS,
-    MODIFIER_FLOORS,
-    SURROGATE_MODIFIERS,
-    SurrogateInputs,
-    accumulation_weight,
-    aggregate,
-    kl_estimate,
-    loss_token_mask,
-    per_token,
-    term,
-    token_advantages,
-)
+from torchrl_grpo.objective.modifiers import SURROGATE_MODIFIERS
+from torchrl_grpo.objective.overlong import loss_token_mask
+from torchrl_grpo.objective.registry import MODIFIER_FLOORS, term
+from torchrl_grpo.objective.rules import combination_problem
+from torchrl_grpo.objective.surrogates import SurrogateInputs, token_advantages
 
 # the registered families that GRPOLoss takes by the name of their config key (loss.<family>)
 LOSS_CHOICES = ("aggregation", "kl_estimator", "importance_level", "overlong")
@@ -95,16 +87,13 @@ class GRPOLoss(LossModule):
             raise TypeError(f"GRPOLoss got unknown options {unknown}; surrogate modifiers: {SURROGATE_MODIFIERS}")
         for family, name in zip(LOSS_CHOICES, (aggregation, kl_estimator, importance_level, overlong)):
             term(family, name)
-        if importance_level in COMPLETION_LEVELS and aggregation != "sequence_mean":
-            raise ValueError(f"importance_level={importance_level!r} averages one loss per completion: "
-                             f"aggregation must be 'sequence_mean', not {aggregation!r}")
         for key in SURROGATE_MODIFIERS:
             value = modifiers.get(key)
             if value is not None and not value > MODIFIER_FLOORS[key]:
                 raise ValueError(f"{key}={value!r} must be > {MODIFIER_FLOORS[key]:g} (or None)")
-        corrections = [key for key in MISMATCH_CORRECTIONS if modifiers.get(key) is not None]
-        if len(corrections) > 1:
-            raise ValueError(f"{' and '.join(corrections)} both weigh by exp(logp_old - logp_sample): set one")
+        problem = combination_problem({"aggregation": aggregation, "importance_level": importance_level, **modifiers})
+        if problem:
+            raise ValueError(problem)
         if not (tau_pos > 0 and tau_neg > 0):
             raise ValueError(f"tau_pos={tau_pos!r} and tau_neg={tau_neg!r} must be > 0")
         self.policy = policy

@@ -30,6 +30,8 @@ from torchrl_grpo.engines.weight_stream import StreamedWeights
 from torchrl_grpo.models.adapter import Adapter, adapter_config, adapter_weights
 from torchrl_grpo.models.flops import bf16_peak_flops, model_shape, update_flops
 from torchrl_grpo.models.loading import merged_state_dict, merged_weights
+from torchrl_grpo.objective.advantages import group_advantages
+from torchrl_grpo.objective.aggregation import aggregate
 from torchrl_grpo.objective.critic import (
     clipped_value_loss,
     explained_variance,
@@ -40,7 +42,6 @@ from torchrl_grpo.objective.critic import (
 )
 from torchrl_grpo.objective.log_probs import token_log_probs
 from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, total_loss
-from torchrl_grpo.objective.terms import aggregate, group_advantages
 from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, gathered, load_optimizer, save_optimizer
 from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.micro_batches import by_length, packed_micro_batches, rows_to_train, trim_padding
