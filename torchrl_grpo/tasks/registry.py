@@ -44,7 +44,7 @@ def register_task(*names: str, settings: type) -> Callable:
 def chosen_builder(env: Mapping[str, Any], default: str) -> tuple[str, Callable]:
     """(how the config names it, the builder): ``env._target_``'s import path, or ``env.dataset``'s name (``default``
     where there is neither)."""
-    if env.get("_target_") is not None:
+    if env.get("_target_") is not None or ("_target_" in env and env.get("dataset") is None):  # env=custom's
         fn = import_target(env, "env", "task builder", "mypkg.tasks.build_my_task")
         label = f"env._target_={env['_target_']}"
     else:
@@ -90,8 +90,10 @@ def task_settings(env: Mapping[str, Any], label: str, settings: type, shared: Co
             if key not in known:
                 close = difflib.get_close_matches(str(key), sorted(declared | TASK_KEYS), n=1)
                 guess = f" (did you mean {prefix}.{close[0]}?)" if close else ""
+                fix = " (your own task: start from env=custom)" if label.startswith("env._target_") else ""
                 raise ConfigError(f"{prefix}.{key}: {label} reads no such key{guess}; its own: "
-                                  f"{', '.join(sorted(declared)) or 'none'}; drop it or fix its name (docs/tasks.md)")
+                                  f"{', '.join(sorted(declared)) or 'none'}; drop it{fix} or fix its name "
+                                  "(docs/tasks.md)")
     values = {}
     for key in declared & set(env):
         value = env[key]
