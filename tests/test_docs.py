@@ -6,8 +6,14 @@ import shlex
 import subprocess
 import sys
 
-from helpers import FIRST_COMMAND, ROOT, metric_rows, needs_vllm, run
+import pytest
+
+from helpers import FIRST_COMMAND, ROOT, cfg_with, metric_rows, needs_vllm, run
+from torchrl_grpo.config.spec import resolve_run
+from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.episodes.setup import build_episode_task
+from torchrl_grpo.run.build import check_task_keys
+from torchrl_grpo.tasks import build_task
 
 TEST_COMMAND = ".venv/bin/python -m pytest -q tests"  # .ci/run runs it
 
@@ -67,6 +73,29 @@ def test_the_environment_example_of_the_tasks_page_plugs_in_by_import_path(tmp_p
     from mypkg.envs import calculator
 
     assert with_tool.transforms and isinstance(calculator(), Transform)
+
+
+def test_the_own_task_example_of_the_tasks_page_is_chosen_by_its_command_line(tmp_path, monkeypatch):
+    """docs/tasks.md's mypkg/tasks.py as written, chosen by the page's env._target_ command line: its keys are
+    checked against its settings class, and it builds its rows and reward."""
+    [example] = [b for b in blocks("docs/tasks.md", "python") if "mypkg/tasks.py" in b]
+    (tmp_path / "mypkg").mkdir()
+    (tmp_path / "mypkg" / "__init__.py").write_text("")
+    (tmp_path / "mypkg" / "tasks.py").write_text(example)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("mypkg", "mypkg.tasks"):  # another test's mypkg
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    [command] = [c for c in commands("docs/tasks.md") if "env._target_=mypkg.tasks.build_sums" in c]
+    args = ["model=tiny", *shlex.split(command.removeprefix("python grpo.py "))]
+    spec = resolve_run(cfg_with(*args))
+    check_task_keys(spec)
+    task = build_task(spec.task)
+    row = task.rows[0]
+    assert task.name == "sums" and len(task.rows) == 500 and len(row["question"]) == len("1 + 2 = ?")
+    assert task.score(f"It is {row['answer']}", row) == {"exact": 1.0}
+    with pytest.raises(ConfigError, match=r"^env.digts: env._target_=mypkg.tasks.build_sums reads no such key "
+                                          r"\(did you mean env.digits\?\)"):
+        check_task_keys(resolve_run(cfg_with(*args, "+env.digts=2")))
 
 
 def test_every_test_the_reliability_page_names_exists():

@@ -138,6 +138,16 @@ ROWS = [
     (["+env.rewards=[{_target_: os.path.no_such_function}]"],
      r"env.rewards\[0\]._target_=os.path.no_such_function: cannot import"),
     (["+env.rewards=[{weight: 1}]"], r"env.rewards\[0\]: give the reward function's import path as _target_"),
+    # the task's own env keys (its settings class) and the builder env._target_ names
+    (["+env.tasks=[products]"], r"env.tasks: env.dataset=gsm_symbolic reads no such key; its own: data_path, "),
+    (["+env.reasonning=true"], r"env.reasonning: env.dataset=gsm_symbolic reads no such key \(did you mean "
+                                r"env.reasoning\?\)"),
+    (["env.size=many"], r"env.size='many': must be an integer \(null: the default\)"),
+    (["+env.eval.sise=5"], r"env.eval.sise: env.dataset=gsm_symbolic reads no such key \(did you mean env.eval.size"),
+    (["env=custom"], r"env: give the task builder's import path as _target_ \(e.g. mypkg.tasks.build_my_task\)"),
+    (["env=custom", "env._target_=no_such_pkg.tasks.build"],
+     r"env._target_=no_such_pkg.tasks.build: cannot import it; check the module is on PYTHONPATH"),
+    (["env=custom", "env._target_=os.path.join"], r"env._target_=os.path.join: 'join' is no task builder; decorate it"),
     # checkpoints to resume from
     (["train.resume={F}/no_such_run"], r"train.resume={F}/no_such_run: no checkpoint there"),
     (["train.resume={F}/run/checkpoints/step_000001"],
@@ -185,6 +195,7 @@ def _refused(done) -> str:
     (["train.resume={F}/run/checkpoints/step_000001"], "error: train.resume={F}/run/checkpoints/step_000001: that "
                                                       "checkpoint does not load"),
     (["inference_model.max_model_len=8"], "error: no env row fits inference_model.max_model_len=8: "),
+    (["+env.reasonning=true"], "error: env.reasonning: env.dataset=gsm_symbolic reads no such key (did you mean "),
 ])
 def test_grpo_py_refuses_it_in_one_line_before_the_batch_plan(overrides, expected, files, tmp_path):
     done = run([*args(overrides, files), f"hydra.run.dir={tmp_path}/run"], tmp_path, timeout=120)

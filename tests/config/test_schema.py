@@ -19,7 +19,7 @@ def test_yaml_and_schema_name_the_same_keys(mode):
     for section, schema in SECTIONS + (ASYNC_SECTIONS if mode == "async" else ()):
         declared, present = {name for name, _ in section_keys(section, schema)}, set(cfg[section].keys())
         assert declared <= present, (section, declared - present)
-        if section not in ("env", "train"):  # env is open (each task reads its own keys); train has mode keys
+        if section not in ("env", "train"):  # env has its task's keys too (tasks.check_env); train has mode keys
             assert present == declared, (section, present - declared)
     train_keys = {f.name for s, schema in SECTIONS + ASYNC_SECTIONS if s == "train" for f in fields(schema)}
     assert set(composed("mode=async").train.keys()) == train_keys

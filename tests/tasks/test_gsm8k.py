@@ -1,4 +1,5 @@
 """GSM8K task: answer extraction on the real data, rewards, loading (local, hub offline, gsm_symbolic), build_task."""
+import dataclasses
 import json
 import re
 import time
@@ -317,16 +318,20 @@ def test_custom_reward_and_task_plug_in():
     comps = task.score(f"#### {row['answer']}", row)
     assert comps["brevity"] == 1.0 and task.total(comps) == pytest.approx(1.6)
 
-    def build_toy(env_cfg):
+    @dataclasses.dataclass(frozen=True)
+    class ToySettings:
+        question: str = "2+2?"
+
+    @register_task("toy", settings=ToySettings)
+    def build_toy(settings: ToySettings):
         import datasets
 
-        rows = datasets.Dataset.from_dict({"question": ["2+2?"], "answer": ["4"]})
+        rows = datasets.Dataset.from_dict({"question": [settings.question], "answer": ["4"]})
         return Task("toy", rows, None, []).add_reward("accuracy", accuracy)
 
-    register_task("toy", build_toy)
     try:
-        toy = build_task({"dataset": "toy"})
-        assert toy.messages(toy.rows[0]) == [{"role": "user", "content": "2+2?"}]
+        toy = build_task({"dataset": "toy", "question": "1+3?"})
+        assert toy.messages(toy.rows[0]) == [{"role": "user", "content": "1+3?"}]
         assert toy.total(toy.score("4", toy.rows[0])) == 1.0
     finally:
         TASK_BUILDERS.pop("toy")

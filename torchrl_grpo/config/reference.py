@@ -27,8 +27,9 @@ Every key the trainer reads, section by section: what it may hold, its default i
 (the `ray` section and the async `train` keys: `config/mode/async.yaml`, which `grpo-async.py` adds) and what it
 means. Other shipped configs (`--config-name grpo_arithmetic`, `grpo_python_tool`, `grpo_ifeval`, `grpo_openr1`,
 `grpo_math`, `grpo_countdown`) and the groups under `config/` (`model=`, `env=`, `loss=`) change defaults, never
-the keys. A bad value, a missing key or an unknown one is a one-line error naming it (exit code 2). `env` is
-open: besides the keys below, each task reads its own ([tasks](tasks.md)).
+the keys. A bad value, a missing key or an unknown one is a one-line error naming it (exit code 2). Besides the
+`env` keys below, each task reads its own, declared by its settings class and checked the same way
+([tasks](tasks.md#add-your-own-task)).
 
 This page is generated from `torchrl_grpo/config/schema.py`:
 `python -m torchrl_grpo.config.reference > docs/config-reference.md`.

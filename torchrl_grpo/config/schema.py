@@ -5,8 +5,8 @@ config against it, once, before anything heavy starts, and fails in one line nam
 through ``errors.exit_with_one_line``). The values of the defaults live in ``config/*.yaml``, where
 users read and override them; ``tests/config/test_config.py`` checks that the YAML and this schema name the same
 keys. Checks that involve several keys (the batch arithmetic, combinations of loss variants) are
-:mod:`torchrl_grpo.config.validate`'s. ``env`` is open: each task reads its own keys (``tasks/``), the schema holds
-the keys every task shares.
+:mod:`torchrl_grpo.config.validate`'s. ``env`` holds the keys every task shares; each task's own are its settings
+class's, checked by :func:`torchrl_grpo.tasks.check_env` when the run reads its inputs.
 """
 from __future__ import annotations
 
@@ -330,8 +330,8 @@ def check_schema(cfg: DictConfig) -> None:
 
 
 def _no_unknown_keys(cfg: DictConfig, sections: tuple[tuple[str, type], ...]) -> None:
-    """A key the schema does not know (added with ``+key=...``) would be silently ignored: refuse it. ``env``
-    is open (each task reads its own keys)."""
+    """A key the schema does not know (added with ``+key=...``) would be silently ignored: refuse it. ``env``'s
+    are checked against its task (:func:`torchrl_grpo.tasks.check_env`)."""
     known: dict[str, set[str]] = {"mode": set()}
     for section, schema in sections:
         known.setdefault(section, set()).update(name for name, _ in section_keys(section, schema))

@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.placement import adopt_torchrun_ranks, torchrun_launch
 from torchrl_grpo.config.precision import native_bf16
+from torchrl_grpo.config.schema import Env
 from torchrl_grpo.config.settings import LossSettings, ModelSettings, OptimizerSettings, TrainSettings
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
@@ -35,7 +36,7 @@ from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.loop import Run
 from torchrl_grpo.run.sources import ActorSource, LocalSource
 from torchrl_grpo.run.state import RunState
-from torchrl_grpo.tasks import Task, eval_env_config
+from torchrl_grpo.tasks import Task, check_env, eval_env_config
 from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.trainer import Trainer
 from torchrl_grpo.training.weight_sync import ActorSync, EngineSync, samples_with_policy
@@ -150,6 +151,12 @@ def build_loss(settings: LossSettings, policy) -> GRPOLoss:
         kl_to_ref_coeff=settings.kl_to_ref_coeff, kl_to_inference_coeff=settings.kl_to_inference_coeff,
         entropy_coeff=settings.entropy_coeff, packed=settings.packed,
     )
+
+
+def check_task_keys(spec: RunSpec) -> None:
+    """The ``env`` keys, ``env.eval``'s too, against the chosen task's settings and the keys the rest of the run reads
+    (:class:`~torchrl_grpo.config.schema.Env`): one line naming a key no one reads, before anything is loaded."""
+    check_env(spec.task, [field.name for field in dataclasses.fields(Env)])
 
 
 def build_eval_task(spec: RunSpec) -> tuple[Task, Turns]:
@@ -268,14 +275,16 @@ class Inputs:
 
 def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     """Take torchrun's ranks as the train devices, resolve the run spec (:func:`resolve_run`: every key checked, devices
-    placed, precisions resolved), seed the global RNG (before any model is built), find the checkpoint to resume from,
-    then build the task and the evaluation task (``logging.eval_frequency > 0``) and resolve the model and its
-    tokenizer: every input is read here, so that a bad one fails in one line before the batch plan is printed and before
-    any model or engine is built. Rank 0 reads them before any other rank starts (or, under torchrun, before it lets
-    them join): a model built into the cache is built once, and the other ranks find it there."""
+    placed, precisions resolved) and check the task's ``env`` keys (:func:`check_task_keys`), seed the global RNG
+    (before any model is built), find the checkpoint to resume from, then build the task and the evaluation task
+    (``logging.eval_frequency > 0``) and resolve the model and its tokenizer: every input is read here, so that a bad
+    one fails in one line before the batch plan is printed and before any model or engine is built. Rank 0 reads them
+    before any other rank starts (or, under torchrun, before it lets them join): a model built into the cache is built
+    once, and the other ranks find it there."""
     if (launch := torchrun_launch()) is not None:
         adopt_torchrun_ranks(cfg, launch)
     spec = with_sleep(with_weight_transfer(resolve_run(cfg)))
+    check_task_keys(spec)
     seed_everything(spec.train.seed)
     state = RunState(spec, run_dir)
     task, turns = build_episode_task(spec.task)

@@ -128,9 +128,10 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> None:
     from torchrl_grpo.config.spec import resolve_run
 
     spec = resolve_run(cfg, training=False)  # before the heavy imports: a bad key is refused at once
-    from torchrl_grpo.run.build import build_eval_engine, build_eval_task
+    from torchrl_grpo.run.build import build_eval_engine, build_eval_task, check_task_keys
     from torchrl_grpo.run.evaluation import evaluate_with_engine, format_table, read_responses, score_responses
 
+    check_task_keys(spec)
     task, turns = build_eval_task(spec)
     if cfg.eval.responses:
         metrics, records = score_responses(task, *read_responses(cfg.eval.responses, task))

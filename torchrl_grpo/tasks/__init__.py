@@ -1,59 +1,42 @@
 """Tasks: datasets and their reward functions."""
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from torchrl_grpo.core.errors import ConfigError, import_target, one_line
-from torchrl_grpo.tasks.arithmetic import build_arithmetic_task
-from torchrl_grpo.tasks.base import Reward, RewardFn, Task, per_task_means
-from torchrl_grpo.tasks.competition_math import HUB_DATASET as MATH_HUB
-from torchrl_grpo.tasks.competition_math import build_math_task
-from torchrl_grpo.tasks.gsm8k import build_gsm8k_task
-from torchrl_grpo.tasks.ifeval import build_ifeval_task
-from torchrl_grpo.tasks.openenv import build_openenv_task
-from torchrl_grpo.tasks.prompts import build_prompts_task
-from torchrl_grpo.tasks.reasoning_gym_tasks import build_reasoning_gym_task
-from torchrl_grpo.tasks.verifiers_tasks import build_verifiers_task
 
-# env.dataset -> builder(env_cfg) -> Task. New tasks add themselves with register_task.
-TASK_BUILDERS: dict[str, Callable[[Any], Task]] = {
-    "openai/gsm8k": build_gsm8k_task,
-    "gsm8k": build_gsm8k_task,
-    "gsm_symbolic": build_gsm8k_task,
-    "google/IFEval": build_ifeval_task,
-    "ifeval": build_ifeval_task,
-    "reasoning_gym": build_reasoning_gym_task,
-    "arithmetic": build_arithmetic_task,
-    "math": build_math_task,
-    MATH_HUB: build_math_task,
-    "HuggingFaceH4/MATH-500": build_math_task,
-    "prompts": build_prompts_task,
-    "openenv": build_openenv_task,
-    "verifiers": build_verifiers_task,
-}
+# the built-in tasks: importing each module registers its builder (@register_task)
+from torchrl_grpo.tasks import (  # noqa: F401
+    arithmetic,
+    competition_math,
+    gsm8k,
+    ifeval,
+    openenv,
+    prompts,
+    reasoning_gym_tasks,
+    verifiers_tasks,
+)
+from torchrl_grpo.tasks.base import Reward, RewardFn, Task, per_task_means
+from torchrl_grpo.tasks.registry import TASK_BUILDERS, chosen_builder, register_task, task_settings
+
 DEFAULT_DATASET = "openai/gsm8k"
 # reward callables handed over as Python objects (the Python API's reward_funcs), by their env.rewards _target_
 REGISTERED_REWARDS: dict[str, RewardFn] = {}
 
 
-def register_task(dataset: str, builder: Callable[[Any], Task]) -> None:
-    """Make ``env.dataset=<dataset>`` build its Task with ``builder(env_cfg)``."""
-    TASK_BUILDERS[dataset] = builder
-
-
 def build_task(env_cfg: Any) -> Task:
-    """The Task named by ``env_cfg.dataset`` (an omegaconf DictConfig or a plain dict; default openai/gsm8k): its
-    data and rewards. Its episodes' turns are :func:`torchrl_grpo.episodes.setup.build_episode_task`'s."""
-    dataset = env_cfg.get("dataset") if env_cfg is not None else None
-    dataset = DEFAULT_DATASET if dataset is None else dataset
-    builder = TASK_BUILDERS.get(dataset) if isinstance(dataset, str) else None
-    if builder is None:
-        raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(TASK_BUILDERS)}")
-    task = add_custom_rewards(builder(env_cfg), env_cfg.get("rewards") or [])
+    """The Task ``env_cfg`` asks for (an omegaconf DictConfig or a plain dict): its builder's (``env.dataset``,
+    default openai/gsm8k, or ``env._target_``: :mod:`torchrl_grpo.tasks.registry`) from its settings, with the
+    rewards and prompt keys every task shares. Its episodes' turns are
+    :func:`torchrl_grpo.episodes.setup.build_episode_task`'s."""
+    env_cfg = {} if env_cfg is None else env_cfg
+    label, builder = chosen_builder(env_cfg, DEFAULT_DATASET)
+    task = builder(task_settings(env_cfg, label, builder.task_settings)).set_weights(env_cfg.get("reward_weights"))
+    task = add_custom_rewards(task, env_cfg.get("rewards") or [])
     add_scorers(task, env_cfg)
     if not task.rewards:
-        raise ConfigError(f"env.rewards: env.dataset={dataset} has no reward of its own; list yours, e.g. "
+        raise ConfigError(f"env.rewards: {label} has no reward of its own; list yours, e.g. "
                           "env.rewards=[{_target_: mypkg.rewards.reward_len}] (docs/tasks.md)")
     task.reward_errors = env_cfg.get("reward_errors") or "raise"
     template_kwargs = env_cfg.get("chat_template_kwargs") or {}
@@ -63,6 +46,21 @@ def build_task(env_cfg: Any) -> Task:
     task.chat_template_kwargs = dict(template_kwargs)
     task.examples = worked_examples(env_cfg.get("examples"))
     return task
+
+
+def check_env(env: Mapping[str, Any], shared: Collection[str]) -> None:
+    """Every key of ``env`` and of ``env.eval``: one its task's settings declare, of its type, one every task reads,
+    or one of ``shared`` (what the rest of the run reads); else a one-line ConfigError naming it. Nothing is
+    loaded: the entry points call it before any heavy work."""
+    own = {key: value for key, value in env.items() if key != "eval"}
+    label, builder = chosen_builder(own, DEFAULT_DATASET)
+    task_settings(own, label, builder.task_settings, shared)
+    overrides = env.get("eval") or {}
+    if not isinstance(overrides, Mapping):
+        raise ConfigError(f"env.eval={overrides!r}: give the env keys of the evaluation split, e.g. {{split: test}}")
+    if overrides:
+        label, builder = chosen_builder({**own, **overrides}, DEFAULT_DATASET)
+        task_settings(overrides, label, builder.task_settings, shared, prefix="env.eval")
 
 
 EXAMPLE_ROLES = ("user", "assistant", "tool")
@@ -167,4 +165,4 @@ def add_custom_rewards(task: Task, entries) -> Task:
 
 
 __all__ = ["REGISTERED_REWARDS", "Reward", "RewardFn", "Task", "TASK_BUILDERS", "add_custom_rewards", "build_task",
-           "eval_env_config", "per_task_means", "register_reward", "register_task"]
+           "check_env", "eval_env_config", "per_task_means", "register_reward", "register_task"]

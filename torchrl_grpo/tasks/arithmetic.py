@@ -18,7 +18,7 @@ holds each of its questions once.
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from dataclasses import dataclass
 
 import datasets
 
@@ -26,7 +26,7 @@ from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Task
 from torchrl_grpo.tasks.gsm8k import SYSTEM_PROMPT, gold_answer, gsm8k_rewards
 from torchrl_grpo.tasks.reasoning_gym_tasks import generate, interleaved
-from torchrl_grpo.tasks.sources import env_value
+from torchrl_grpo.tasks.registry import register_task
 
 SPLITS = ("train", "test")
 TEST_SHARE = 4  # one question in 4 is a test question
@@ -37,21 +37,31 @@ def split_of(question: str) -> str:
     return "test" if zlib.crc32(question.encode()) % TEST_SHARE == 0 else "train"
 
 
-def build_arithmetic_task(env_cfg: Any) -> Task:
-    """The arithmetic task from the env config (keys: tasks, size, seed, split, system_prompt, reward_weights)."""
-    specs = list(env_value(env_cfg, "tasks") or [])
+@dataclass(frozen=True)
+class ArithmeticSettings:
+    """The ``env`` keys of the arithmetic task."""
+
+    tasks: list | None = None         # env.tasks: reasoning-gym datasets with a numeric answer, by name or {name, ...}
+    size: int = 1000                  # env.size: problems generated per task
+    seed: int = 0                     # env.seed: the generation seed
+    split: str = "train"              # env.split: train | test (a question's split is fixed by its text)
+    system_prompt: str | None = None  # env.system_prompt (None: GSM8K's; "": none)
+
+
+@register_task("arithmetic", settings=ArithmeticSettings)
+def build_arithmetic_task(s: ArithmeticSettings) -> Task:
+    """The arithmetic task."""
+    specs = list(s.tasks or [])
     if not specs:
         raise ConfigError("env.tasks is empty: list reasoning-gym datasets with a numeric answer, e.g. "
                           "env.tasks='[{name: products, min_digits: 1, max_digits: 1}]'")
-    split = env_value(env_cfg, "split", "train")
-    if split not in SPLITS:
-        raise ConfigError(f"env.split={split!r}: choose train or test")
-    size = env_value(env_cfg, "size", 1000)
-    generated = generate(specs, size, env_value(env_cfg, "seed", 0))
+    if s.split not in SPLITS:
+        raise ConfigError(f"env.split={s.split!r}: choose train or test")
+    generated = generate(specs, s.size, s.seed)
     questions, answers, names, seen = [], [], [], set()
     for name, _, entry in interleaved(generated):
         question = entry["question"]
-        if split_of(question) != split or question in seen:
+        if split_of(question) != s.split or question in seen:
             continue
         seen.add(question)
         try:
@@ -62,13 +72,8 @@ def build_arithmetic_task(env_cfg: Any) -> Task:
         questions.append(question)
         names.append(name)
     if not questions:
-        raise ConfigError(f"env.size={size}: no {split} question among the generated ones; raise env.size")
+        raise ConfigError(f"env.size={s.size}: no {s.split} question among the generated ones; raise env.size")
     rows = datasets.Dataset.from_dict({"question": questions, "answer": answers, "task": names})
-    system_prompt = env_value(env_cfg, "system_prompt")
-    if system_prompt is None:
-        system_prompt = SYSTEM_PROMPT
-    elif not isinstance(system_prompt, str):
-        raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for the default")
-    task = Task(name="arithmetic:" + "+".join(generated), rows=rows, system_prompt=system_prompt or None,
+    system_prompt = SYSTEM_PROMPT if s.system_prompt is None else s.system_prompt
+    return Task(name="arithmetic:" + "+".join(generated), rows=rows, system_prompt=system_prompt or None,
                 rewards=gsm8k_rewards(False), success="accuracy")
-    return task.set_weights(env_value(env_cfg, "reward_weights"))

@@ -20,18 +20,22 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import datasets
 
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
-from torchrl_grpo.tasks.sources import env_value, load_rows
+from torchrl_grpo.tasks.registry import register_task
+from torchrl_grpo.tasks.sources import load_rows
 from torchrl_grpo.tasks.symbolic import math_verify_equal, require_math_verify
 
 HUB_DATASET = "DigitalLearningGmbH/MATH-lighteval"  # the 12,500 problems, train/test, with subject and level
 HUB_SPLITS = ("train", "test")
+MATH_500 = "HuggingFaceH4/MATH-500"  # its test subset
 SYSTEM_PROMPT = "Solve the problem step by step. Put the final answer in \\boxed{}."
 DEFAULT_WEIGHTS = {"accuracy": 1.0, "answer_format": 0.2, "math_verify": 0.0}
 
@@ -176,19 +180,23 @@ def load_math(dataset: str = HUB_DATASET, data_path: str | None = None, split: s
     return _prepare(raw, where)
 
 
-def build_math_task(env_cfg: Any) -> Task:
-    """The MATH task from the env config (keys: dataset, data_path, split, system_prompt, reward_weights)."""
-    dataset = env_value(env_cfg, "dataset", HUB_DATASET)
-    require_math_verify(f"env.dataset={dataset}")
-    hub = HUB_DATASET if dataset == "math" else str(dataset)
-    rows = load_math(hub, env_value(env_cfg, "data_path"), str(env_value(env_cfg, "split", "train")))
-    system_prompt = env_cfg.get("system_prompt") if env_cfg is not None else None
-    if system_prompt is None:
-        system_prompt = SYSTEM_PROMPT
-    elif not isinstance(system_prompt, str):
-        raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for the default")
+@dataclass(frozen=True)
+class MathSettings:
+    """The ``env`` keys of the MATH task."""
+
+    dataset: str = HUB_DATASET           # env.dataset: math (= the hub's MATH-lighteval) | a hub id of MATH's rows
+    data_path: str | Path | None = None  # env.data_path: a local folder or file instead of the hub
+    split: str = "train"                 # env.split: train | test
+    system_prompt: str | None = None     # env.system_prompt (None: ask for \boxed{}; "": none)
+
+
+@register_task("math", HUB_DATASET, MATH_500, settings=MathSettings)
+def build_math_task(s: MathSettings) -> Task:
+    """The MATH task."""
+    require_math_verify(f"env.dataset={s.dataset}")
+    rows = load_math(HUB_DATASET if s.dataset == "math" else s.dataset, s.data_path, s.split)
+    system_prompt = SYSTEM_PROMPT if s.system_prompt is None else s.system_prompt
     rewards = [Reward("accuracy", accuracy, DEFAULT_WEIGHTS["accuracy"]),
                Reward("answer_format", answer_format, DEFAULT_WEIGHTS["answer_format"]),
                Reward("math_verify", decided_by_math_verify, DEFAULT_WEIGHTS["math_verify"])]
-    task = Task(name="math", rows=rows, system_prompt=system_prompt or None, rewards=rewards, success="accuracy")
-    return task.set_weights(env_value(env_cfg, "reward_weights"))
+    return Task(name="math", rows=rows, system_prompt=system_prompt or None, rewards=rewards, success="accuracy")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,8 @@ import datasets
 
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
-from torchrl_grpo.tasks.sources import env_value, load_rows
+from torchrl_grpo.tasks.registry import register_task
+from torchrl_grpo.tasks.sources import load_rows
 
 HUB_DATASET = "openai/gsm8k"
 GSM8K_NAMES = (HUB_DATASET, "gsm8k")
@@ -160,18 +162,17 @@ def load_gsm_symbolic(size: int = 2000, seed: int = 0) -> datasets.Dataset:
 
 
 # ------------------------------------------------------------------------------------------------- task
-def _bool(cfg: Any, key: str) -> bool:
-    value = env_value(cfg, key, False)
-    if isinstance(value, bool) or value in (0, 1):
-        return bool(value)
-    raise ConfigError(f"env.{key}={value!r}: must be true or false")
+@dataclass(frozen=True)
+class GSM8KSettings:
+    """The ``env`` keys of GSM8K and gsm_symbolic."""
 
-
-def _positive_int(cfg: Any, key: str, default: int) -> int:
-    value = env_value(cfg, key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"env.{key}={value!r}: must be a positive integer")
-    return value
+    dataset: str = HUB_DATASET           # env.dataset: openai/gsm8k (gsm8k) | gsm_symbolic (generated offline)
+    data_path: str | Path | None = None  # env.data_path: GSM8K from a local folder or file instead of the hub
+    split: str = "train"                 # env.split: GSM8K's train | test
+    reasoning: bool = False              # env.reasoning: ask for <think>...</think> before the answer, reward it
+    system_prompt: str | None = None     # env.system_prompt (None: the task's own; "": none)
+    size: int = 2000                     # env.size: gsm_symbolic's problems generated
+    seed: int = 0                        # env.seed: gsm_symbolic's generation seed
 
 
 def gsm8k_rewards(reasoning: bool) -> list[Reward]:
@@ -184,32 +185,19 @@ def gsm8k_rewards(reasoning: bool) -> list[Reward]:
     return rewards
 
 
-def build_gsm8k_task(env_cfg: Any) -> Task:
-    """The GSM8K task from the env config (keys: dataset, data_path, split, reasoning, system_prompt,
-    reward_weights, size, seed); see :func:`torchrl_grpo.tasks.build_task`."""
-    dataset = env_value(env_cfg, "dataset", HUB_DATASET)
-    reasoning = _bool(env_cfg, "reasoning")
-    if dataset == GSM_SYMBOLIC:
-        seed = env_value(env_cfg, "seed", 0)
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ConfigError(f"env.seed={seed!r}: must be an integer")
-        rows = load_gsm_symbolic(size=_positive_int(env_cfg, "size", 2000), seed=seed)
+@register_task(*GSM8K_NAMES, GSM_SYMBOLIC, settings=GSM8KSettings)
+def build_gsm8k_task(s: GSM8KSettings) -> Task:
+    """The GSM8K task; see :func:`torchrl_grpo.tasks.build_task`."""
+    if s.dataset == GSM_SYMBOLIC:
+        if s.size <= 0:
+            raise ConfigError(f"env.size={s.size!r}: must be a positive integer")
+        rows = load_gsm_symbolic(size=s.size, seed=s.seed)
         name = GSM_SYMBOLIC
-    elif dataset in GSM8K_NAMES:
-        rows = load_gsm8k(HUB_DATASET, env_value(env_cfg, "data_path"), str(env_value(env_cfg, "split", "train")))
-        name = "gsm8k"
     else:
-        raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(GSM8K_NAMES + (GSM_SYMBOLIC,))}")
-
-    system_prompt = env_cfg.get("system_prompt") if env_cfg is not None else None
+        rows = load_gsm8k(HUB_DATASET, s.data_path, s.split)
+        name = "gsm8k"
+    system_prompt = s.system_prompt
     if system_prompt is None:
-        system_prompt = REASONING_SYSTEM_PROMPT if reasoning else SYSTEM_PROMPT
-    elif not isinstance(system_prompt, str):
-        raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for the default")
-    task = Task(name=name, rows=rows, system_prompt=system_prompt or None, rewards=gsm8k_rewards(reasoning),
+        system_prompt = REASONING_SYSTEM_PROMPT if s.reasoning else SYSTEM_PROMPT
+    return Task(name=name, rows=rows, system_prompt=system_prompt or None, rewards=gsm8k_rewards(s.reasoning),
                 success="accuracy")
-
-    overrides = env_value(env_cfg, "reward_weights")
-    if overrides and not reasoning and "think_format" in overrides:
-        raise ConfigError("env.reward_weights.think_format: think_format is only scored with env.reasoning=true")
-    return task.set_weights(overrides)

@@ -28,6 +28,7 @@ import shutil
 import tempfile
 import zlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,8 @@ import datasets
 
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
-from torchrl_grpo.tasks.sources import env_value, load_rows
+from torchrl_grpo.tasks.registry import register_task
+from torchrl_grpo.tasks.sources import load_rows
 
 HUB_DATASET = "google/IFEval"
 IFEVAL_NAMES = (HUB_DATASET, "ifeval")
@@ -339,18 +341,23 @@ def instruction_count(row: Mapping[str, Any]) -> int:
     return len(row["instruction_id_list"])
 
 
-def build_ifeval_task(env_cfg: Any) -> Task:
-    """The IFEval task from the env config (keys: dataset, data_path, split, reward, system_prompt,
-    reward_weights); see :func:`torchrl_grpo.tasks.build_task`."""
-    dataset = env_value(env_cfg, "dataset", HUB_DATASET)
-    if dataset not in IFEVAL_NAMES:
-        raise ConfigError(f"env.dataset={dataset!r}: choose one of {', '.join(IFEVAL_NAMES)}")
-    rewards = ifeval_rewards(env_value(env_cfg, "reward", DEFAULT_REWARD))
-    system_prompt = env_cfg.get("system_prompt") if env_cfg is not None else None
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for none")
+@dataclass(frozen=True)
+class IFEvalSettings:
+    """The ``env`` keys of IFEval."""
+
+    dataset: str = HUB_DATASET           # env.dataset: google/IFEval (ifeval)
+    data_path: str | Path | None = None  # env.data_path: a local JSONL (IFEval's input_data.jsonl) instead of the hub
+    split: str = "train"                 # env.split: the hub's one split
+    reward: str = DEFAULT_REWARD         # env.reward: the component of weight 1 (the others are logged, weight 0)
+    system_prompt: str | None = None     # env.system_prompt (None: none)
+
+
+@register_task(*IFEVAL_NAMES, settings=IFEvalSettings)
+def build_ifeval_task(s: IFEvalSettings) -> Task:
+    """The IFEval task; see :func:`torchrl_grpo.tasks.build_task`."""
+    rewards = ifeval_rewards(s.reward)
     _checkers()  # fails fast (one line) when the checkers are missing; writes the NLTK data once
-    rows = load_ifeval(HUB_DATASET, env_value(env_cfg, "data_path"), str(env_value(env_cfg, "split", "train")))
-    task = Task(name="ifeval", rows=rows, system_prompt=system_prompt or None, rewards=rewards, success="prompt_strict",
+    rows = load_ifeval(HUB_DATASET, s.data_path, s.split)
+    return Task(name="ifeval", rows=rows, system_prompt=s.system_prompt or None, rewards=rewards,
+                success="prompt_strict",
                 pooled={name: instruction_count for name in ("instruction_strict", "instruction_loose")})
-    return task.set_weights(env_value(env_cfg, "reward_weights"))

@@ -26,7 +26,7 @@ import datasets
 from torchrl_grpo.core.background_loop import BackgroundLoop
 from torchrl_grpo.core.errors import ConfigError, one_line
 from torchrl_grpo.tasks.base import Reward, Task
-from torchrl_grpo.tasks.sources import env_value
+from torchrl_grpo.tasks.registry import register_task
 
 REWARD = "env_reward"
 
@@ -175,44 +175,45 @@ def _episode_reward(server: OpenEnvServer):
     return env_reward
 
 
-def build_openenv_task(env_cfg: Any) -> Task:
-    """The OpenEnv task from the env config (keys: url, action_field, observation_field, reset, first_seed, size,
-    timeout_s, system_prompt)."""
+@dataclass(frozen=True)
+class OpenEnvSettings:
+    """The ``env`` keys of an OpenEnv environment."""
+
+    url: str | None = None               # env.url: the server's address, e.g. http://localhost:8000
+    action_field: str = "message"        # env.action_field: the action's field that carries the model's turn
+    observation_field: str = "prompt"    # env.observation_field: the observation's field the model reads
+    reset: dict | None = None            # env.reset: keyword arguments of every reset, beside its seed
+    first_seed: int = 0                  # env.first_seed: the prompts are the openings of seeds first_seed ...
+    size: int = 64                       # env.size: ... first_seed + size - 1
+    timeout_s: float = 30                # env.timeout_s: per connection, reset and step
+    system_prompt: str | None = None     # env.system_prompt (None: none)
+
+
+@register_task("openenv", settings=OpenEnvSettings)
+def build_openenv_task(s: OpenEnvSettings) -> Task:
+    """The OpenEnv task."""
     import importlib.util
 
     if importlib.util.find_spec("openenv") is None:
         raise ConfigError("env.dataset=openenv: the OpenEnv client (openenv-core) is not installed; "
                           "pip install -e \".[openenv]\" (beside vLLM 0.33, whose pillow pin its web UI's gradio "
                           "refuses: pip install --no-deps openenv-core==0.3.0 && pip install fastmcp websockets)")
-    url = env_value(env_cfg, "url")
-    if not isinstance(url, str) or not url.startswith(("http://", "https://", "ws://", "wss://")):
-        raise ConfigError(f"env.url={url!r}: give the OpenEnv server's address, e.g. http://localhost:8000")
-    fields = {k: env_value(env_cfg, k, default) for k, default in (("action_field", "message"),
-                                                                   ("observation_field", "prompt"))}
-    for key, value in fields.items():
-        if not isinstance(value, str) or not value:
-            raise ConfigError(f"env.{key}={value!r}: give the field's name")
-    size, first_seed, timeout_s = (env_value(env_cfg, "size", 64), env_value(env_cfg, "first_seed", 0),
-                                   env_value(env_cfg, "timeout_s", 30))
-    for key, value, least in (("size", size, 1), ("first_seed", first_seed, 0)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+    if s.url is None or not s.url.startswith(("http://", "https://", "ws://", "wss://")):
+        raise ConfigError(f"env.url={s.url!r}: give the OpenEnv server's address, e.g. http://localhost:8000")
+    for key in ("action_field", "observation_field"):
+        if not getattr(s, key):
+            raise ConfigError(f"env.{key}='': give the field's name")
+    for key, value, least in (("size", s.size, 1), ("first_seed", s.first_seed, 0)):
+        if value < least:
             raise ConfigError(f"env.{key}={value!r}: must be an integer >= {least}")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ConfigError(f"env.timeout_s={timeout_s!r}: must be a number of seconds > 0")
-    reset_kwargs = env_value(env_cfg, "reset", {})
-    if not hasattr(reset_kwargs, "items"):
-        raise ConfigError(f"env.reset={reset_kwargs!r}: give the reset's keyword arguments as a mapping")
-    server = OpenEnvServer(url, fields["action_field"], fields["observation_field"], float(timeout_s),
-                           dict(reset_kwargs))
-    seeds = list(range(first_seed, first_seed + size))
+    if s.timeout_s <= 0:
+        raise ConfigError(f"env.timeout_s={s.timeout_s!r}: must be a number of seconds > 0")
+    server = OpenEnvServer(s.url, s.action_field, s.observation_field, float(s.timeout_s), dict(s.reset or {}))
+    seeds = list(range(s.first_seed, s.first_seed + s.size))
     try:
         openings = [server.opening(seed) for seed in seeds]
     except ServerError as err:
-        raise ConfigError(f"env.url={url}: {err}; start the server, or point env.url at it") from None
-    rows = datasets.Dataset.from_dict({"seed": seeds, "question": openings, "answer": [""] * size})
-    system_prompt = env_value(env_cfg, "system_prompt")
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for none")
-    task = OpenEnvTask(name=f"openenv:{url}", rows=rows, system_prompt=system_prompt or None,
+        raise ConfigError(f"env.url={s.url}: {err}; start the server, or point env.url at it") from None
+    rows = datasets.Dataset.from_dict({"seed": seeds, "question": openings, "answer": [""] * s.size})
+    return OpenEnvTask(name=f"openenv:{s.url}", rows=rows, system_prompt=s.system_prompt or None,
                        rewards=[Reward(REWARD, _episode_reward(server))], success=REWARD, server=server)
-    return task.set_weights(env_value(env_cfg, "reward_weights"))

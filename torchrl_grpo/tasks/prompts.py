@@ -17,7 +17,8 @@ from typing import Any
 
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Task
-from torchrl_grpo.tasks.sources import env_value, load_rows
+from torchrl_grpo.tasks.registry import register_task
+from torchrl_grpo.tasks.sources import load_rows
 
 FOLDER_PATTERNS = (("json", "*.jsonl"), ("parquet", "*.parquet"), ("csv", "*.csv"))
 PARTS = ("train", "holdout", "all")
@@ -43,28 +44,36 @@ class PromptsTask(Task):
         return next((m["content"] for m in reversed(prompt) if m["role"] == "user"), prompt[-1]["content"])
 
 
-def build_prompts_task(env_cfg: Any) -> Task:
-    """The task from the env config (keys: data_path, prompt_column, split, holdout, part, system_prompt)."""
-    source = env_value(env_cfg, "data_path")
+@dataclass(frozen=True)
+class PromptsSettings:
+    """The ``env`` keys of your own prompts."""
+
+    data_path: str | Path | None = None  # env.data_path: a .jsonl/.parquet/.csv file or folder, or a hub dataset id
+    prompt_column: str = "prompt"        # env.prompt_column: text, or chat messages [{role, content}, ...]
+    split: str = "train"                 # env.split: a hub dataset's split
+    holdout: float = 0.0                 # env.holdout: share of prompts held out of training (by a hash of each)
+    part: str = "train"                  # env.part: train | holdout | all
+    system_prompt: str | None = None     # env.system_prompt (None: none; text prompts only)
+
+
+@register_task("prompts", settings=PromptsSettings)
+def build_prompts_task(s: PromptsSettings) -> Task:
+    """Your prompts: the task has no reward of its own (``env.rewards`` gives them)."""
+    source, column, holdout, part = s.data_path, s.prompt_column, s.holdout, s.part
     if not source:
         raise ConfigError("env.data_path: env=prompts needs your prompts: a .jsonl/.parquet/.csv file or folder, "
                           "or a hub dataset id")
-    rows, where = _load(str(source), str(env_value(env_cfg, "split", "train")))
-    column = env_value(env_cfg, "prompt_column", "prompt")
+    rows, where = _load(str(source), s.split)
     if column not in rows.column_names:
         raise ConfigError(f"env.prompt_column={column}: {where} has no such column; its columns are "
                           f"{', '.join(rows.column_names)}")
     conversational = _check_prompts(rows[column], column, where)
-    holdout, part = env_value(env_cfg, "holdout", 0.0), env_value(env_cfg, "part", "train")
-    if isinstance(holdout, bool) or not isinstance(holdout, (int, float)) or not 0 <= holdout < 1:
+    if not 0 <= holdout < 1:
         raise ConfigError(f"env.holdout={holdout!r}: the share of prompts held out for evaluation, in [0, 1)")
     if part not in PARTS:
         raise ConfigError(f"env.part={part!r}: choose one of {', '.join(PARTS)}")
-    system_prompt = env_cfg.get("system_prompt")
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for none")
     task = PromptsTask(name=Path(str(source)).stem if Path(str(source)).exists() else str(source), rows=rows,
-                       system_prompt=system_prompt or None, conversational=conversational, prompt_column=column)
+                       system_prompt=s.system_prompt or None, conversational=conversational, prompt_column=column)
     if part != "all":
         keep = [i for i, row in enumerate(rows) if (_held_out(task.prompt_text(row), holdout)) == (part == "holdout")]
         if not keep:

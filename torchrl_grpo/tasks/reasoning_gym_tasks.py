@@ -27,6 +27,7 @@ import datasets
 
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
+from torchrl_grpo.tasks.registry import register_task
 
 DATASET = "reasoning_gym"
 DEFAULT_WEIGHTS = {"accuracy": 1.0, "answer_format": 0.5}
@@ -119,14 +120,25 @@ def make_accuracy(generated: dict[str, Generated]) -> Callable[[str, Mapping[str
     return accuracy
 
 
-def build_reasoning_gym_task(env_cfg: Any) -> Task:
-    """The reasoning-gym task from the env config (keys: tasks, size, seed, system_prompt, reward_weights)."""
+@dataclass(frozen=True)
+class ReasoningGymSettings:
+    """The ``env`` keys of the reasoning-gym task."""
+
+    tasks: list | None = None         # env.tasks: reasoning-gym datasets, by name or {name: maze, size: 100, ...}
+    size: int = 200                   # env.size: rows generated per task (unless an entry gives its own)
+    seed: int = 0                     # env.seed: the generation seed
+    system_prompt: str | None = None  # env.system_prompt (None: reasoning-gym's default; "": none)
+
+
+@register_task(DATASET, settings=ReasoningGymSettings)
+def build_reasoning_gym_task(s: ReasoningGymSettings) -> Task:
+    """The reasoning-gym task."""
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
-    specs = list(env_cfg.get("tasks") or [])
+    specs = list(s.tasks or [])
     if not specs:
         raise ConfigError("env.tasks is empty: list reasoning-gym datasets, e.g. env.tasks='[syllogism,maze]'")
-    generated = generate(specs, env_cfg.get("size", 200), env_cfg.get("seed", 0))
+    generated = generate(specs, s.size, s.seed)
     pooled = list(interleaved(generated))
     rows = datasets.Dataset.from_dict({
         "question": [e["question"] for _, _, e in pooled],
@@ -134,13 +146,8 @@ def build_reasoning_gym_task(env_cfg: Any) -> Task:
         "task": [name for name, _, _ in pooled],
         "index": [j for _, j, _ in pooled],
     })
-    system_prompt = env_cfg.get("system_prompt")
-    if system_prompt is None:
-        system_prompt = SYSTEM_PROMPTS["default"]
-    elif not isinstance(system_prompt, str):
-        raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for reasoning-gym's default")
+    system_prompt = SYSTEM_PROMPTS["default"] if s.system_prompt is None else s.system_prompt
     rewards = [Reward("accuracy", make_accuracy(generated), DEFAULT_WEIGHTS["accuracy"]),
                Reward("answer_format", answer_format, DEFAULT_WEIGHTS["answer_format"])]
-    task = Task(name="reasoning_gym:" + "+".join(generated), rows=rows, system_prompt=system_prompt or None,
+    return Task(name="reasoning_gym:" + "+".join(generated), rows=rows, system_prompt=system_prompt or None,
                 rewards=rewards, success="accuracy")
-    return task.set_weights(env_cfg.get("reward_weights"))

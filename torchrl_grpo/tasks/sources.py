@@ -6,17 +6,10 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import datasets
 
 from torchrl_grpo.core.errors import ConfigError, one_line
-
-
-def env_value(cfg: Any, key: str, default: Any = None) -> Any:
-    """``cfg[key]``, with ``default`` where the env config is missing or the key is absent or null."""
-    value = cfg.get(key, default) if cfg is not None else default
-    return default if value is None else value
 
 
 def _local_files(path: Path, folder_patterns: Sequence[tuple[str, str]], expected: str) -> tuple[str, list[str]]:

@@ -31,7 +31,7 @@ import datasets
 from torchrl_grpo.core.background_loop import BackgroundLoop
 from torchrl_grpo.core.errors import ConfigError, one_line
 from torchrl_grpo.tasks.base import Reward, Task
-from torchrl_grpo.tasks.sources import env_value
+from torchrl_grpo.tasks.registry import register_task
 
 INSTALL = ('pip install -e ".[verifiers]" (on the CPU stack: beside vLLM 0.33 pip finds no versions for both, '
            "see docs/installation.md)")
@@ -322,45 +322,49 @@ def _columns(tasks: list) -> dict[str, list]:
     return columns
 
 
-def build_verifiers_task(env_cfg: Any) -> Task:
-    """The verifiers task from the env config (keys: id, taskset, size, timeout_s, system_prompt, max_steps,
-    success, reward_weights)."""
+@dataclass(frozen=True)
+class VerifiersSettings:
+    """The ``env`` keys of a verifiers environment."""
+
+    id: str | None = None             # env.id: the environment's taskset package, e.g. my_env
+    taskset: dict | None = None       # env.taskset: its taskset config's fields (None: its defaults)
+    size: int | None = None           # env.size: the first `size` tasks (None: all)
+    timeout_s: float = 60             # env.timeout_s: per scoring and per tool call
+    max_steps: int = 1                # env.max_steps: more than 1 gives the model the task's tools
+    system_prompt: str | None = None  # env.system_prompt (None: the task's own)
+    success: str | None = None        # env.success: the reward that says solved (None: the heaviest)
+
+
+@register_task("verifiers", settings=VerifiersSettings)
+def build_verifiers_task(s: VerifiersSettings) -> Task:
+    """The verifiers task."""
     import importlib.util
 
     if importlib.util.find_spec("verifiers") is None:
         raise ConfigError(f"env.dataset=verifiers: the verifiers package is not installed; {INSTALL}")
-    taskset_id = env_value(env_cfg, "id")
-    if not isinstance(taskset_id, str) or not taskset_id:
-        raise ConfigError(f"env.id={taskset_id!r}: name the verifiers environment (its taskset package), e.g. "
+    if not s.id:
+        raise ConfigError(f"env.id={s.id!r}: name the verifiers environment (its taskset package), e.g. "
                           "env.id=my_env")
-    taskset_args, size, timeout_s = (env_value(env_cfg, "taskset", {}), env_cfg.get("size"),
-                                     env_value(env_cfg, "timeout_s", 60))
-    if not hasattr(taskset_args, "items"):
-        raise ConfigError(f"env.taskset={taskset_args!r}: give the taskset's config fields as a mapping")
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-        raise ConfigError(f"env.size={size!r}: must be an integer >= 1, or null for every task")
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or timeout_s <= 0:
-        raise ConfigError(f"env.timeout_s={timeout_s!r}: must be a number of seconds > 0")
-    system_prompt = env_value(env_cfg, "system_prompt")
-    if system_prompt is not None and not isinstance(system_prompt, str):
-        raise ConfigError(f"env.system_prompt={system_prompt!r}: must be a string, or null for the task's own")
-    tasks = _load_tasks(taskset_id, dict(taskset_args.items()), size)
-    weights, metric_names = _check_task(taskset_id, tasks[0])
+    if s.size is not None and s.size < 1:
+        raise ConfigError(f"env.size={s.size!r}: must be an integer >= 1, or null for every task")
+    if s.timeout_s <= 0:
+        raise ConfigError(f"env.timeout_s={s.timeout_s!r}: must be a number of seconds > 0")
+    tasks = _load_tasks(s.id, dict((s.taskset or {}).items()), s.size)
+    weights, metric_names = _check_task(s.id, tasks[0])
     reward_names = list(weights)
-    success = env_value(env_cfg, "success", max(reward_names, key=weights.get))
+    success = max(reward_names, key=weights.get) if s.success is None else s.success
     if success not in reward_names:
         raise ConfigError(f"env.success={success!r}: not one of the task's rewards ({', '.join(reward_names)})")
-    env = VerifiersEnv(tasks, float(timeout_s))
+    env = VerifiersEnv(tasks, float(s.timeout_s))
     tools = None
-    if int(env_value(env_cfg, "max_steps", 1)) > 1 and type(tasks[0]).toolsets(tasks[0].config):
+    if s.max_steps > 1 and type(tasks[0]).toolsets(tasks[0].config):
         try:
             tools = _tool_prompt(env.toolbox(0).schemas)
         except Exception as err:
-            raise ConfigError(f"env.id={taskset_id}: starting its tool servers failed ({one_line(err)})") from None
-    env.prompts = [_prompt(t, system_prompt, tools) for t in tasks]
+            raise ConfigError(f"env.id={s.id}: starting its tool servers failed ({one_line(err)})") from None
+    env.prompts = [_prompt(t, s.system_prompt, tools) for t in tasks]
     names = [*reward_names, *metric_names]
-    task = VerifiersTask(
-        name=f"verifiers:{taskset_id}", rows=datasets.Dataset.from_dict(_columns(tasks)), system_prompt=None,
+    return VerifiersTask(
+        name=f"verifiers:{s.id}", rows=datasets.Dataset.from_dict(_columns(tasks)), system_prompt=None,
         rewards=[Reward(n, _component_fn(env, n, len(names)), weights.get(n, 0.0)) for n in names],
         success=success, env=env)
-    return task.set_weights(env_value(env_cfg, "reward_weights"))
