@@ -14,6 +14,7 @@ import torch
 from tensordict import TensorDict, TensorDictBase
 from torchrl.objectives import LossModule
 
+from torchrl_grpo.core.batch import Batch
 from torchrl_grpo.objective.aggregation import accumulation_weight, aggregate, per_token
 from torchrl_grpo.objective.kl import KL_ESTIMATORS, kl_estimate
 from torchrl_grpo.objective.log_probs import token_log_probs
@@ -143,13 +144,13 @@ class GRPOLoss(LossModule):
 
     def token_mask(self, batch: TensorDictBase) -> torch.Tensor:
         """The tokens that enter the loss: see :func:`loss_token_mask`."""
-        truncated = batch["truncated"] if "truncated" in batch.keys() else None
-        return loss_token_mask(batch["completion_mask"], truncated, self.overlong)
+        truncated = batch[Batch.TRUNCATED] if Batch.TRUNCATED in batch.keys() else None
+        return loss_token_mask(batch[Batch.COMPLETION_MASK], truncated, self.overlong)
 
     def signal_rows(self, batch: TensorDictBase) -> torch.Tensor:
         """[N] bool: the rows the reward teaches from: a nonzero advantage on one of their loss tokens (the advantage
         per completion [N], or per token [N, L])."""
-        mask, advantage = self.token_mask(batch), batch["advantage"]
+        mask, advantage = self.token_mask(batch), batch[Batch.ADVANTAGE]
         return (mask & (token_advantages(advantage) != 0)).any(-1)
 
     def moving_rows(self, batch: TensorDictBase) -> torch.Tensor:
@@ -166,20 +167,20 @@ class GRPOLoss(LossModule):
         return accumulation_weight(self.aggregation, self.token_mask(batch))
 
     def forward(self, batch: TensorDictBase) -> TensorDict:
-        completion = batch["completion_mask"]
+        completion = batch[Batch.COMPLETION_MASK]
         mask = self.token_mask(batch)
         logp, entropy = token_log_probs(
-            self.policy, batch["tokens"], batch["attention_mask"], self.temperature, with_entropy=True,
+            self.policy, batch[Batch.TOKENS], batch[Batch.ATTENTION_MASK], self.temperature, with_entropy=True,
             wanted=completion, entropy_grad=self.entropy_coeff > 0, packed=self.packed,
         )
         logp = _inside(logp, completion)
-        sample = _inside(batch["sample_log_probs"], completion)
+        sample = _inside(batch[Batch.SAMPLE_LOG_PROBS], completion)
         # no old log-probs: this forward's own are the policy's before its update (Trainer.prepare)
         own_old = "old_log_probs" not in batch.keys()
         inputs = SurrogateInputs(
-            logp=logp, logp_old=logp.detach() if own_old else _inside(batch["old_log_probs"], completion),
+            logp=logp, logp_old=logp.detach() if own_old else _inside(batch[Batch.OLD_LOG_PROBS], completion),
             logp_sample=sample,
-            advantages=batch["advantage"].to(logp.dtype), mask=mask, importance_level=self.importance_level,
+            advantages=batch[Batch.ADVANTAGE].to(logp.dtype), mask=mask, importance_level=self.importance_level,
             eps_low=self.clip_epsilon_low, eps_high=self.clip_epsilon_high, tau_pos=self.tau_pos, tau_neg=self.tau_neg,
         )
         loss, ratio, clipped_low, clipped_high = term("importance_level", self.importance_level)(inputs)
@@ -195,7 +196,7 @@ class GRPOLoss(LossModule):
             "loss_kl_to_inference": self.kl_to_inference_coeff * self._mean(kl_inference, mask),
             "loss_entropy": -self.entropy_coeff * self._mean(entropy, mask),
         }
-        ref = _inside(batch["ref_log_probs"], completion) if "ref_log_probs" in batch.keys() else None
+        ref = _inside(batch[Batch.REF_LOG_PROBS], completion) if Batch.REF_LOG_PROBS in batch.keys() else None
         if self.kl_to_ref_coeff > 0:
             kl_ref = kl_estimate(logp, ref, self.kl_estimator)
             out["loss_kl_to_ref"] = self.kl_to_ref_coeff * self._mean(kl_ref, mask)
