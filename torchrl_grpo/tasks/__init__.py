@@ -1,4 +1,6 @@
-"""Tasks: datasets and their reward functions."""
+"""Tasks: datasets and their reward functions, the task an ``env`` section asks for (:func:`build_task`), the
+registry of task builders (``env.dataset``, entry points, ``env._target_``) with their typed settings, reward
+models and LLM judges. Imports core."""
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping
