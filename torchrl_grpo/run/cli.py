@@ -3,6 +3,7 @@
     torchrl-grpo train model=tiny env=gsm_symbolic     # = python grpo.py ...       (Hydra overrides as there)
     torchrl-grpo train-async env=gsm_symbolic          # = python grpo-async.py ...
     torchrl-grpo eval env=gsm_symbolic                 # = python evaluate.py ...
+    torchrl-grpo plan model=tiny                       # the memory each device would hold (train's overrides)
     torchrl-grpo plot outputs/<run>                    # = python plot.py ...
     torchrl-grpo export outputs/<run> my-model         # the trained policy as a Hugging Face folder, model card
     torchrl-grpo config grpo_gsm8k my_config           # copy the shipped config tree to edit, then
@@ -39,6 +40,12 @@ def _eval(args: list[str]) -> None:
     from torchrl_grpo.run.entry import evaluate, hydra_command
 
     hydra_command("evaluate", evaluate, args, follow_torchrun=False)
+
+
+def _plan(args: list[str]) -> None:
+    from torchrl_grpo.run.memory import plan_command
+
+    plan_command(args)
 
 
 def _plot(args: list[str]) -> None:
@@ -97,8 +104,8 @@ def _env(args: list[str]) -> None:
     print(report())
 
 
-COMMANDS = {"train": _train, "train-async": _train_async, "eval": _eval, "plot": _plot, "export": _export,
-            "config": _config, "env": _env}
+COMMANDS = {"train": _train, "train-async": _train_async, "eval": _eval, "plan": _plan, "plot": _plot,
+            "export": _export, "config": _config, "env": _env}
 MEMORY_HUNGRY = {"train", "train-async", "eval"}  # run with tcmalloc and bounded kernel caches
 
 
