@@ -134,3 +134,20 @@ def test_the_plan_command_prints_each_device_total_and_refuses_a_bad_override_in
                          env=env)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
     assert "train.optim_batch_size=3" in bad.stderr and not bad.stdout
+
+
+def test_a_run_that_cannot_fit_even_with_short_prompts_is_refused_in_one_line_naming_the_keys(
+        tiny_model_path, monkeypatch, capsys):
+    from torchrl_grpo.core.errors import ConfigError
+    from torchrl_grpo.run import memory
+
+    monkeypatch.setattr(memory, "device_memory", lambda device, given=None: GiB // 4)  # below the process alone
+    with pytest.raises(ConfigError, match=r"^memory plan: cpu needs 0\.\d GiB .* has 0\.2 GiB; to fit: .*"
+                                          r"train_model\.gradient_checkpointing=true.*train\.check_memory=false"):
+        memory.check_memory(spec_of(), tiny_model_path)
+    memory.check_memory(spec_of("train.check_memory=false"), tiny_model_path)
+    assert "warning: the memory plan does not fit" in capsys.readouterr().out
+    monkeypatch.undo()
+    memory.check_memory(spec_of(), tiny_model_path)  # the machine holds it
+    assert re.fullmatch(r"memory plan: cpu 0\.\d of [\d.]+ GiB \(process 0\.6, trainer 0\.\d, engine 0\.0\) "
+                        r"\(torchrl-grpo plan shows the parts\)\n", capsys.readouterr().out)

@@ -3,7 +3,7 @@
     torchrl-grpo train model=tiny env=gsm_symbolic     # = python grpo.py ...       (Hydra overrides as there)
     torchrl-grpo train-async env=gsm_symbolic          # = python grpo-async.py ...
     torchrl-grpo eval env=gsm_symbolic                 # = python evaluate.py ...
-    torchrl-grpo plan model=tiny                       # the memory each device would hold (train's overrides)
+    torchrl-grpo plan model=tiny                       # each device's memory the run would take (train's args)
     torchrl-grpo plot outputs/<run>                    # = python plot.py ...
     torchrl-grpo export outputs/<run> my-model         # the trained policy as a Hugging Face folder, model card
     torchrl-grpo config grpo_gsm8k my_config           # copy the shipped config tree to edit, then
@@ -43,9 +43,24 @@ def _eval(args: list[str]) -> None:
 
 
 def _plan(args: list[str]) -> None:
-    from torchrl_grpo.run.memory import plan_command
+    """The train command's config and overrides, composed as it composes them; nothing written (Hydra's run
+    directory is a temporary one). Exit code 1 when a device cannot hold its roles."""
+    import shutil
+    import tempfile
 
-    plan_command(args)
+    from torchrl_grpo.run.entry import hydra_command
+    from torchrl_grpo.run.memory import plan_options, print_plan
+
+    prompt, device_gib, overrides = plan_options(args)
+    status = []
+    scratch = tempfile.mkdtemp(prefix="torchrl-grpo-plan-")
+    try:
+        hydra_command("plan", lambda cfg, run_dir: status.append(print_plan(cfg, prompt, device_gib)),
+                      [f"hydra.run.dir={scratch}", "hydra.output_subdir=null", *overrides], follow_torchrun=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if status and status[0]:
+        raise SystemExit(status[0])
 
 
 def _plot(args: list[str]) -> None:

@@ -3,9 +3,9 @@ before any weight is loaded (:mod:`torchrl_grpo.config.memory_plan` does the ari
 needs from this machine: the model's shape, each device's memory, the engine's KV cache)."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from omegaconf import DictConfig
@@ -34,15 +34,17 @@ def longest_prompt(spec: RunSpec) -> int:
     return max(1, spec.collect.max_model_len - spec.plan.max_tokens)
 
 
-def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None,
-                    device_gib: float | None = None) -> tuple[list[Device], int]:
+def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None, device_gib: float | None = None,
+                    model_path: str | None = None) -> tuple[list[Device], int]:
     """The plan's devices for ``spec`` with prompts of ``prompt_tokens`` (default :func:`longest_prompt`), GPUs of
-    ``device_gib`` GiB where given; and the prompt length used."""
+    ``device_gib`` GiB where given, the model's shape from ``model_path`` (resolved) or ``model.name``; and the
+    prompt length used."""
     from torchrl_grpo.engines.factory import kv_cache_tokens
     from torchrl_grpo.models.sources import model_config
 
     trust = spec.model.trust_remote_code
-    shape = ModelShape.from_config(model_config(spec.model.name, trust))
+    config = json.loads((Path(model_path) / "config.json").read_text()) if model_path else None
+    shape = ModelShape.from_config(config or model_config(spec.model.name, trust))
     critic = None
     if spec.critic.enabled and spec.critic.model is not None:
         critic = ModelShape.from_config(model_config(spec.critic.model, trust))
@@ -57,9 +59,7 @@ def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None,
 
 def print_plan(cfg: DictConfig, prompt_tokens: int | None, device_gib: float | None) -> int:
     """Print the plan of ``cfg``; 1 when a device cannot hold its roles, else 0."""
-    from torchrl_grpo.run.build import with_sleep
-
-    spec = with_sleep(resolve_run(cfg))
+    spec = with_sleep_level(resolve_run(cfg))
     devices, prompt = run_memory_plan(spec, prompt_tokens, device_gib)
     print(f"memory plan of model.name={spec.model.name}, micro-batches of prompts up to {prompt} tokens + "
           f"{spec.plan.max_tokens} completion tokens (--prompt-tokens N for your prompts' length):")
@@ -67,31 +67,62 @@ def print_plan(cfg: DictConfig, prompt_tokens: int | None, device_gib: float | N
     return 0 if all(d.fits for d in devices) else 1
 
 
-def plan_command(args: list[str]) -> None:
-    """``torchrl-grpo plan [--prompt-tokens N] [--device-memory GIB] <overrides>``: the train command's config and
-    overrides, composed as it composes them; nothing written (Hydra's run directory is a temporary one)."""
-    from torchrl_grpo.run.entry import hydra_command
+def check_memory(spec: RunSpec, model_path: str) -> None:
+    """At a run's start: each device's planned total in one line; a one-line ConfigError naming the keys that would
+    make it fit when a device cannot hold its roles even with the shortest prompts (``train.check_memory=false``
+    starts anyway), a warning when it may not with the longest prompts ``inference_model.max_model_len`` admits."""
+    try:
+        devices, prompt = run_memory_plan(spec, model_path=model_path)
+    except ConfigError as err:  # a model whose config.json the plan cannot read: the run goes on without it
+        print(f"memory plan: not available ({err})", flush=True)
+        return
+    print("memory plan: " + "; ".join(summary(d) for d in devices) + " (torchrl-grpo plan shows the parts)",
+          flush=True)
+    if all(d.fits for d in devices):
+        return
+    short = [d for d in run_memory_plan(spec, prompt_tokens=1, model_path=model_path)[0] if not d.fits]
+    if short and spec.train.check_memory:
+        d = short[0]
+        raise ConfigError(f"memory plan: {d.name} needs {d.total / GiB:.1f} GiB even with 1-token prompts but has "
+                          f"{d.capacity / GiB:.1f} GiB; {FIXES}; or train.check_memory=false to start anyway")
+    print(f"warning: the memory plan does not fit with prompts of {prompt} tokens (the longest "
+          "inference_model.max_model_len admits); shorter ones may fit", flush=True)
 
-    options = {"--prompt-tokens": None, "--device-memory": None}
+
+def summary(device: Device) -> str:
+    """``cpu 2.9 of 23.5 GiB (process 0.6, trainer 2.0, engine 0.3)``."""
+    capacity = "" if device.capacity is None else f" of {device.capacity / GiB:.1f}"
+    parts = ", ".join(f"{r.name} {r.bytes / GiB:.1f}" for r in device.roles)
+    return f"{device.name} {device.total / GiB:.1f}{capacity} GiB ({parts})"
+
+
+def with_sleep_level(spec: RunSpec) -> RunSpec:
+    """``inference_model.sleep`` as a level, as a run resolves it (:func:`choose_sleep`): whether the engine frees
+    its GPU memory while the trainer trains beside it."""
+    from torchrl_grpo.engines.vllm_releases import choose_sleep
+
+    engine = spec.engine
+    busy = engine.backend != "vllm" or spec.actors is not None or not spec.train.sync_iter
+    why = "it generates while the trainer trains" if busy else None
+    level = choose_sleep(engine.sleep, spec.placement.inference, [*spec.placement.train, *spec.placement.ref], why,
+                         adapter=engine.lora_rank is not None)
+    return dataclasses.replace(spec, engine=dataclasses.replace(engine, sleep=level))
+
+
+def plan_options(args: list[str]) -> tuple[int | None, float | None, list[str]]:
+    """``torchrl-grpo plan``'s own options out of its arguments: (``--prompt-tokens N``, ``--device-memory GIB``,
+    the Hydra overrides)."""
+    options: dict[str, float | None] = {"--prompt-tokens": None, "--device-memory": None}
     rest, it = [], iter(args)
     for arg in it:
         name, _, value = arg.partition("=")
-        if name in options:
-            value = value or next(it, "")
-            try:
-                options[name] = float(value)
-            except ValueError:
-                raise ConfigError(f"{name} {value!r}: give a number") from None
-        else:
+        if name not in options:
             rest.append(arg)
+            continue
+        value = value or next(it, "")
+        try:
+            options[name] = float(value)
+        except ValueError:
+            raise ConfigError(f"{name} {value!r}: give a number") from None
     prompt = options["--prompt-tokens"]
-    status = []
-    scratch = tempfile.mkdtemp(prefix="torchrl-grpo-plan-")
-    try:
-        hydra_command("plan", lambda cfg, run_dir: status.append(print_plan(
-            cfg, None if prompt is None else int(prompt), options["--device-memory"])),
-            [f"hydra.run.dir={scratch}", "hydra.output_subdir=null", *rest], follow_torchrun=False)
-    finally:
-        shutil.rmtree(Path(scratch), ignore_errors=True)
-    if status and status[0]:
-        raise SystemExit(status[0])
+    return None if prompt is None else int(prompt), options["--device-memory"], rest
