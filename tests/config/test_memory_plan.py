@@ -118,10 +118,15 @@ def test_the_cpu_total_adds_the_process_the_trainer_and_the_engine():
     assert engine == {"weights": PARAMS * 4, "KV cache": 1000 * 2 * 2 * 4 * 4}  # K and V, 2 layers, 1 KV head of 4
     assert cpu.total == CPU_PROCESS_BASELINE + cpu.roles[1].bytes + sum(engine.values())
     assert cpu.fits and not plan_memory(shape, spec, Batch(64, 16, ""), {"cpu": GiB // 2}, Engine(1000))[0].fits
+    # data-parallel ranks: each is a process, and the engine runs in a process of its own
+    [cpu] = plan_memory(shape, spec_of("train_model.num_devices=2"), Batch(64, 16, ""), {"cpu": 8 * GiB}, Engine(1000))
+    assert [r.processes for r in cpu.roles] == [2, 2, 1]
+    assert role_items(cpu.roles[2])["its process"] == CPU_PROCESS_BASELINE
 
 
 def test_the_plan_command_prints_each_device_total_and_refuses_a_bad_override_in_one_line(tmp_path):
-    command = [sys.executable, "-m", "torchrl_grpo", "plan", "model=tiny", "--prompt-tokens", "100"]
+    command = [sys.executable, "-m", "torchrl_grpo", "plan", "--config-name", "grpo_arithmetic", "model=tiny",
+               "--prompt-tokens", "100"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -129,7 +134,7 @@ def test_the_plan_command_prints_each_device_total_and_refuses_a_bad_override_in
     total = float(re.search(r"^  total\s+(\d+\.\d\d) GiB of [\d.]+ GiB: fits", out.stdout, re.M).group(1))
     assert abs(total - sum(sizes)) <= 0.01 * len(sizes)  # the items, each rounded
     assert total == pytest.approx(CPU_PROCESS_BASELINE / GiB, abs=0.05)  # the tiny model weighs nothing
-    assert "4 rows x 124 tokens" in out.stdout and not list(tmp_path.iterdir())  # nothing written
+    assert "4 rows x 116 tokens" in out.stdout and not list(tmp_path.iterdir())  # nothing written
     bad = subprocess.run([*command[:4], "train.optim_batch_size=3"], cwd=tmp_path, capture_output=True, text=True,
                          env=env)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -229,11 +229,9 @@ def logits_bytes(shape: ModelShape, batch: Batch, device: str, capacity: int | N
 @dataclass(frozen=True)
 class Engine:
     """What the run's engine holds, as the caller resolved it: ``kv_tokens`` for a CPU engine
-    (:func:`torchrl_grpo.engines.factory.kv_cache_tokens`), ``runtime`` the engine's own libraries when it is in
-    the trainer's process (vLLM's, bytes)."""
+    (:func:`torchrl_grpo.engines.factory.kv_cache_tokens`)."""
 
     kv_tokens: int
-    runtime: int = 0
 
 
 def trainer_role(shape: ModelShape, spec: RunSpec, batch: Batch, capacity: int | None,
@@ -292,7 +290,7 @@ def plan_memory(shape: ModelShape, spec: RunSpec, batch: Batch, capacities: Mapp
                  processes=placement.ranks if placement.ref[0] == "cpu" else 1))
     if spec.critic.enabled:
         add(critic_role(critic or shape, spec, batch))
-    add(engine_role(shape, spec, engine, capacities.get(placement.inference[0])))
+    add(engine_role(shape, spec, engine, capacities.get(placement.inference[0]), baseline))
     return list(devices.values())
 
 
@@ -309,10 +307,12 @@ def critic_role(shape: ModelShape, spec: RunSpec, batch: Batch) -> Role:
     return Role("critic", device, items, processes=ranks if device == "cpu" else 1)
 
 
-def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, capacity: int | None) -> Role:
+def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, capacity: int | None,
+                baseline: int = CPU_PROCESS_BASELINE) -> Role:
     """The rollout engine: the transformers backend samples with the trained policy (its KV cache only); vLLM on a
     GPU reserves ``inference_model.gpu_memory_utilization`` of it (weights, KV cache, its activations) and frees
-    it while the trainer trains when asleep; vLLM on the CPU holds its weights and a KV cache of ``kv_tokens``."""
+    it while the trainer trains when asleep; vLLM on the CPU holds its weights and a KV cache of ``kv_tokens``, in a
+    process of its own (``baseline`` more) beside data-parallel ranks or with ``inference_model.engine_process=own``."""
     settings, device = spec.engine, spec.placement.inference[0]
     dtype = spec.precision.engine
     kv_token = shape.kv_bytes_per_token(dtype)
@@ -332,8 +332,8 @@ def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, capacity: int 
                           f"{engine.kv_tokens * kv_token / GiB:.2f} GiB of KV cache")), released=released)
     items = [Item("weights", weights, f"vLLM, {dtype_name(dtype)}"),
              Item("KV cache", engine.kv_tokens * kv_token, f"{engine.kv_tokens} tokens")]
-    if engine.runtime:
-        items.append(Item("vLLM runtime", engine.runtime, "its libraries in this process, measured"))
+    if spec.placement.ranks > 1 or settings.engine_process == "own":
+        items.append(Item("its process", baseline, "python, torch, vLLM"))
     return Role("engine", device, tuple(items))
 
 
