@@ -156,3 +156,27 @@ def test_a_run_that_cannot_fit_even_with_short_prompts_is_refused_in_one_line_na
     memory.check_memory(spec_of(), tiny_model_path)  # the machine holds it
     assert re.fullmatch(r"memory plan: cpu 0\.\d of [\d.]+ GiB \(process 0\.6, trainer 0\.\d, engine 0\.0\) "
                         r"\(torchrl-grpo plan shows the parts\)\n", capsys.readouterr().out)
+
+
+def test_on_a_shared_gpu_a_sleeping_engine_frees_its_share_while_the_trainer_trains():
+    import dataclasses
+
+    from torchrl_grpo.config.placement import Placement
+
+    shape, spec = ModelShape.from_config(SMALL), spec_of("train_model.torch_dtype=bfloat16")
+    gpu = Placement(["cuda:0"], ["cuda:0"], ["cuda:0"], shared=True)
+    capacity = 80 * GiB
+
+    def plan(sleep):
+        engine = dataclasses.replace(spec.engine, sleep=sleep, gpu_memory_utilization=0.5)
+        [device] = plan_memory(shape, dataclasses.replace(spec, placement=gpu, engine=engine), Batch(64, 16, ""),
+                               {"cuda:0": capacity}, Engine(1000))
+        return device
+
+    awake, asleep = plan(0), plan(2)
+    assert [r.name for r in awake.roles] == ["trainer", "engine"]  # no process baseline on a GPU
+    trainer, reserved = awake.roles[0].bytes, 40 * GiB
+    assert role_items(awake.roles[1]) == {"weights": PARAMS * 2, "KV cache and activations": reserved - PARAMS * 2}
+    assert awake.total == trainer + reserved
+    assert asleep.total == max(trainer, reserved) == reserved  # the engine's share is the larger here
+    assert plan(1).total == asleep.total  # level 1 moves the weights to the CPU's memory: the GPU is as free

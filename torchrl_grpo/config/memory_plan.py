@@ -27,7 +27,7 @@ FLOAT32 = 4
 # imported (measured on CPU: docs/memory-plan.md); each data-parallel rank on the CPU is a process of its own
 CPU_PROCESS_BASELINE = int(0.6 * GiB)
 LOGITS_CHUNKS_LIVE = 4  # a chunk's float32 logits, their log-softmax, its gradient and the logits' gradient
-ADAM_STATES = {"AdamW": 2, "Adam": 2, "SGD": 0}  # tensors of state per trained parameter (SGD: no momentum key)
+OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "SGD": 0}  # tensors of state per trained parameter (SGD: no momentum key)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT's all-linear
 
 
@@ -234,25 +234,24 @@ class Engine:
     kv_tokens: int
 
 
-def trainer_role(shape: ModelShape, spec: RunSpec, batch: Batch, capacity: int | None,
-                 checkpointing: bool | None = None) -> Role:
+def trainer_role(shape: ModelShape, spec: RunSpec, batch: Batch, capacity: int | None) -> Role:
     """The trained policy's bytes per process: weights, gradients and optimizer state (sharded over the FSDP2
     ranks, each with one layer and the root's parameters gathered), activations and the logits chunk."""
     precision, ranks = spec.precision, spec.placement.ranks
     device = spec.placement.train[0]
-    checkpointing = spec.model.gradient_checkpointing if checkpointing is None else checkpointing
+    checkpointing = spec.model.gradient_checkpointing
     weight = precision.train_weights.itemsize
     total = shape.parameters
     trained = total if spec.model.lora is None else shape.lora_parameters(spec.model.lora)
     adapter = 0 if spec.model.lora is None else trained * FLOAT32  # PEFT keeps adapters in float32
     weights = total * weight + adapter
     grad_bytes = trained * (FLOAT32 if spec.model.lora is not None else weight)
-    states = ADAM_STATES.get(spec.optimizer.name, 2) * grad_bytes
+    states = OPTIMIZER_STATES[spec.optimizer.name] * grad_bytes
     items = [Item("weights", weights // ranks, f"{total / 1e6:.1f}M x {dtype_name(precision.train_weights)}"
                   + (f" + LoRA {trained / 1e6:.2f}M float32" if spec.model.lora is not None else "")),
              Item("gradients", grad_bytes // ranks, f"{trained / 1e6:.2f}M trained"),
              Item("optimizer state", states // ranks, f"{spec.optimizer.name}: "
-                  f"{ADAM_STATES.get(spec.optimizer.name, 2)} per trained parameter")]
+                  f"{OPTIMIZER_STATES[spec.optimizer.name]} per trained parameter")]
     if ranks > 1:
         gathered = (shape.layer_parameters() + shape.embedding * (1 if shape.tied else 2))
         gathered_bytes = gathered * (2 if precision.autocast_bf16 else weight) * 2
@@ -301,7 +300,7 @@ def critic_role(shape: ModelShape, spec: RunSpec, batch: Batch) -> Role:
     weight = precision.train_weights.itemsize
     items = (Item("weights", params * weight // ranks, f"{params / 1e6:.1f}M x {dtype_name(precision.train_weights)}"),
              Item("gradients", params * weight // ranks),
-             Item("optimizer state", ADAM_STATES.get(spec.optimizer.name, 2) * params * weight // ranks),
+             Item("optimizer state", OPTIMIZER_STATES[spec.optimizer.name] * params * weight // ranks),
              Item("activations", activation_bytes(shape, spec, batch, spec.model.gradient_checkpointing)))
     device = spec.placement.train[0]
     return Role("critic", device, items, processes=ranks if device == "cpu" else 1)
@@ -311,8 +310,9 @@ def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, capacity: int 
                 baseline: int = CPU_PROCESS_BASELINE) -> Role:
     """The rollout engine: the transformers backend samples with the trained policy (its KV cache only); vLLM on a
     GPU reserves ``inference_model.gpu_memory_utilization`` of it (weights, KV cache, its activations) and frees
-    it while the trainer trains when asleep; vLLM on the CPU holds its weights and a KV cache of ``kv_tokens``, in a
-    process of its own (``baseline`` more) beside data-parallel ranks or with ``inference_model.engine_process=own``."""
+    all of it while the trainer trains when asleep (``inference_model.sleep`` 1 or 2); vLLM on the CPU holds its
+    weights and a KV cache of ``kv_tokens``, in a process of its own (``baseline`` more) beside data-parallel ranks
+    or with ``inference_model.engine_process=own``."""
     settings, device = spec.engine, spec.placement.inference[0]
     dtype = spec.precision.engine
     kv_token = shape.kv_bytes_per_token(dtype)
@@ -324,7 +324,7 @@ def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, capacity: int 
     if device.startswith("cuda"):
         reserved = int(settings.gpu_memory_utilization * capacity) if capacity else weights
         level = settings.sleep if isinstance(settings.sleep, int) else 0
-        released = reserved if level == 2 else reserved - weights if level == 1 else 0
+        released = reserved if level else 0  # level 1 moves its weights to the CPU's memory, 2 drops them
         return Role("engine", device,
                     (Item("weights", weights, f"vLLM, {dtype_name(dtype)}"),
                      Item("KV cache and activations", max(reserved - weights, 0),
