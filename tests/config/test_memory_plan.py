@@ -12,6 +12,7 @@ from helpers import ROOT, cfg_with
 from torchrl_grpo.config.memory_plan import (
     CHUNK_BYTES,
     CPU_PROCESS_BASELINE,
+    VLLM_CPU_WORKING,
     Batch,
     Engine,
     ModelShape,
@@ -52,6 +53,15 @@ def test_the_parameter_count_is_by_hand_and_is_what_transformers_builds():
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         assert ModelShape.from_config(config.to_dict()).parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_a_config_without_a_decoders_shape_is_one_line():
+    from torchrl_grpo.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^model.name: its config.json has no intermediate_size;"):
+        ModelShape.from_config({k: v for k, v in SMALL.items() if k != "intermediate_size"})
+    with pytest.raises(ConfigError, match="^model.name: its config.json gives a decoder's shape"):
+        ModelShape.from_config({**SMALL, "hidden_size": None})
 
 
 def test_lora_trains_r_times_in_plus_out_per_linear_layer_as_peft_builds_it():
@@ -115,7 +125,8 @@ def test_the_cpu_total_adds_the_process_the_trainer_and_the_engine():
     [cpu] = plan_memory(shape, spec, Batch(64, 16, ""), {"cpu": 8 * GiB}, Engine(kv_tokens=1000))
     assert [r.name for r in cpu.roles] == ["process", "trainer", "engine"]
     engine = role_items(cpu.roles[2])
-    assert engine == {"weights": PARAMS * 4, "KV cache": 1000 * 2 * 2 * 4 * 4}  # K and V, 2 layers, 1 KV head of 4
+    assert engine == {"weights": PARAMS * 4, "KV cache": 1000 * 2 * 2 * 4 * 4,  # K and V, 2 layers, 1 KV head of 4
+                      "working memory": VLLM_CPU_WORKING + PARAMS * 4}
     assert cpu.total == CPU_PROCESS_BASELINE + cpu.roles[1].bytes + sum(engine.values())
     assert cpu.fits and not plan_memory(shape, spec, Batch(64, 16, ""), {"cpu": GiB // 2}, Engine(1000))[0].fits
     # data-parallel ranks: each is a process, and the engine runs in a process of its own
@@ -133,7 +144,7 @@ def test_the_plan_command_prints_each_device_total_and_refuses_a_bad_override_in
     sizes = [float(v) for v in re.findall(r"^    \S.*?(\d+\.\d\d) GiB", out.stdout, re.M)]
     total = float(re.search(r"^  total\s+(\d+\.\d\d) GiB of [\d.]+ GiB: fits", out.stdout, re.M).group(1))
     assert abs(total - sum(sizes)) <= 0.01 * len(sizes)  # the items, each rounded
-    assert total == pytest.approx(CPU_PROCESS_BASELINE / GiB, abs=0.05)  # the tiny model weighs nothing
+    assert total == pytest.approx((CPU_PROCESS_BASELINE + VLLM_CPU_WORKING) / GiB, abs=0.05)  # tiny weighs nothing
     assert "4 rows x 116 tokens" in out.stdout and not list(tmp_path.iterdir())  # nothing written
     bad = subprocess.run([*command[:4], "train.optim_batch_size=3"], cwd=tmp_path, capture_output=True, text=True,
                          env=env)
@@ -154,7 +165,7 @@ def test_a_run_that_cannot_fit_even_with_short_prompts_is_refused_in_one_line_na
     assert "warning: the memory plan does not fit" in capsys.readouterr().out
     monkeypatch.undo()
     memory.check_memory(spec_of(), tiny_model_path)  # the machine holds it
-    assert re.fullmatch(r"memory plan: cpu 0\.\d of [\d.]+ GiB \(process 0\.6, trainer 0\.\d, engine 0\.0\) "
+    assert re.fullmatch(r"memory plan: cpu \d\.\d of [\d.]+ GiB \(process 0\.6, trainer 0\.\d, engine 0\.3\) "
                         r"\(torchrl-grpo plan shows the parts\)\n", capsys.readouterr().out)
 
 

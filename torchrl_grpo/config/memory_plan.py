@@ -26,6 +26,9 @@ FLOAT32 = 4
 # a process's resident set before it holds any tensor: python, torch, transformers, tokenizers and this package
 # imported (measured on CPU: docs/memory-plan.md); each data-parallel rank on the CPU is a process of its own
 CPU_PROCESS_BASELINE = int(0.6 * GiB)
+# a vLLM CPU engine's memory beyond its weights and KV cache: this much, and its weights' size once more (two whole
+# runs' peaks against the plan, docs/memory-plan.md: the tiny model's gives the constant, SmolLM2's the rest)
+VLLM_CPU_WORKING = int(0.3 * GiB)
 LOGITS_CHUNKS_LIVE = 4  # a chunk's float32 logits, their log-softmax, its gradient and the logits' gradient
 OPTIMIZER_STATES = {"AdamW": 2, "Adam": 2, "SGD": 0}  # tensors of state per trained parameter (SGD: no momentum key)
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT's all-linear
@@ -67,7 +70,10 @@ class ModelShape:
                        model_type=model_type)
         except KeyError as missing:
             raise ConfigError(f"model.name: its config.json has no {missing.args[0]}; the memory plan needs a "
-                              "decoder's shape (set train.check_memory=false to start without it)") from None
+                              "decoder's shape (hidden_size, num_hidden_layers, ...)") from None
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"model.name: its config.json gives a decoder's shape the memory plan cannot read "
+                              f"({err})") from None
 
     @property
     def attention(self) -> int:
@@ -311,8 +317,8 @@ def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, capacity: int 
     """The rollout engine: the transformers backend samples with the trained policy (its KV cache only); vLLM on a
     GPU reserves ``inference_model.gpu_memory_utilization`` of it (weights, KV cache, its activations) and frees
     all of it while the trainer trains when asleep (``inference_model.sleep`` 1 or 2); vLLM on the CPU holds its
-    weights and a KV cache of ``kv_tokens``, in a process of its own (``baseline`` more) beside data-parallel ranks
-    or with ``inference_model.engine_process=own``."""
+    weights, a KV cache of ``kv_tokens`` and its working memory (:data:`VLLM_CPU_WORKING`), in a process of its own
+    (``baseline`` more) beside data-parallel ranks or with ``inference_model.engine_process=own``."""
     settings, device = spec.engine, spec.placement.inference[0]
     dtype = spec.precision.engine
     kv_token = shape.kv_bytes_per_token(dtype)
@@ -331,7 +337,8 @@ def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, capacity: int 
                           f"inference_model.gpu_memory_utilization={settings.gpu_memory_utilization}; a step needs "
                           f"{engine.kv_tokens * kv_token / GiB:.2f} GiB of KV cache")), released=released)
     items = [Item("weights", weights, f"vLLM, {dtype_name(dtype)}"),
-             Item("KV cache", engine.kv_tokens * kv_token, f"{engine.kv_tokens} tokens")]
+             Item("KV cache", engine.kv_tokens * kv_token, f"{engine.kv_tokens} tokens"),
+             Item("working memory", VLLM_CPU_WORKING + weights, "measured: 0.3 GiB and its weights once more")]
     if spec.placement.ranks > 1 or settings.engine_process == "own":
         items.append(Item("its process", baseline, "python, torch, vLLM"))
     return Role("engine", device, tuple(items))
