@@ -53,8 +53,9 @@ def predicted(shape: str, tokens: int, micro_rows: int, overrides: list[str]) ->
     spec = resolve_run(bench_config(tokens, 0, overrides, ROWS * tokens, micro_rows * tokens))
     completion = tokens - min(PROMPT, tokens // 4)
     role = trainer_role(model, spec, Batch(micro_rows * tokens, micro_rows * completion, ""), None)
-    return {"predicted_gib": (CPU_PROCESS_BASELINE + role.bytes) / GiB,
-            "parts_gib": {item.name: round(item.bytes / GiB, 3) for item in role.items}}
+    items = [item for item in role.items if item.name != "merged weights for a push"]  # no engine here: no push
+    return {"predicted_gib": (CPU_PROCESS_BASELINE + sum(item.bytes for item in items)) / GiB,
+            "parts_gib": {item.name: round(item.bytes / GiB, 3) for item in items}}
 
 
 def one(setting: list) -> None:

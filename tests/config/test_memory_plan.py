@@ -95,6 +95,8 @@ def test_with_lora_the_gradients_and_optimizer_state_are_the_adapters_only():
     items = role_items(trainer_role(shape, spec_of("train_model.lora.enabled=true"), Batch(64, 16, ""), None))
     assert items["weights"] == PARAMS * 4 + lora * 4
     assert (items["gradients"], items["optimizer state"]) == (lora * 4, 2 * lora * 4)
+    # a vLLM engine on the CPU takes merged weights: every targeted weight, base + adapter, built at once
+    assert items["merged weights for a push"] == 2 * (8 * 8 + 8 * 4 + 8 * 4 + 8 * 8 + 3 * 8 * 16) * 4
 
 
 def test_activations_by_hand_and_checkpointing_keeps_only_each_layers_input():

@@ -114,12 +114,20 @@ class ModelShape:
         """Trainable parameters of ``train_model.lora``: r x (in + out) per targeted linear layer, and the whole
         ``modules_to_save`` (the head or the embedding)."""
         knobs = check_lora(lora)
-        targets = knobs["target_modules"]
-        names = LINEARS if targets == "all-linear" else [targets] if isinstance(targets, str) else targets
-        shapes = self.linear_shapes()
-        per_layer = sum(knobs["r"] * sum(shapes[n]) for n in names if n in shapes)
+        per_layer = sum(knobs["r"] * (fan_in + fan_out) for fan_in, fan_out in self.lora_targets(lora))
         saved = knobs["modules_to_save"] or []
         return self.layers * per_layer + sum(self.embedding for m in saved if m in ("lm_head", "embed_tokens"))
+
+    def lora_targets(self, lora: Mapping[str, Any]) -> list[tuple[int, int]]:
+        """The (in, out) features of each decoder layer's linear layers ``train_model.lora.target_modules`` names."""
+        targets = check_lora(lora)["target_modules"]
+        names = LINEARS if targets == "all-linear" else [targets] if isinstance(targets, str) else targets
+        shapes = self.linear_shapes()
+        return [shapes[n] for n in names if n in shapes]
+
+    def merged_lora_weights(self, lora: Mapping[str, Any]) -> int:
+        """Elements of the merged weights a push builds (base + adapter), one per targeted layer's weight."""
+        return self.layers * sum(fan_in * fan_out for fan_in, fan_out in self.lora_targets(lora))
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """A key and a value per layer and KV head."""
@@ -258,6 +266,9 @@ def trainer_role(shape: ModelShape, spec: RunSpec, batch: Batch, capacity: int |
              Item("gradients", grad_bytes // ranks, f"{trained / 1e6:.2f}M trained"),
              Item("optimizer state", states // ranks, f"{spec.optimizer.name}: "
                   f"{OPTIMIZER_STATES[spec.optimizer.name]} per trained parameter")]
+    if spec.model.lora is not None and spec.engine.backend == "vllm" and spec.engine.lora_rank is None:
+        merged = shape.merged_lora_weights(spec.model.lora) * weight
+        items.append(Item("merged weights for a push", merged, "LoRA merged into each targeted weight, all at once"))
     if ranks > 1:
         gathered = (shape.layer_parameters() + shape.embedding * (1 if shape.tied else 2))
         gathered_bytes = gathered * (2 if precision.autocast_bf16 else weight) * 2
