@@ -131,10 +131,10 @@ def test_the_cpu_total_adds_the_process_the_trainer_and_the_engine():
                       "working memory": VLLM_CPU_WORKING + PARAMS * 4}
     assert cpu.total == CPU_PROCESS_BASELINE + cpu.roles[1].bytes + sum(engine.values())
     assert cpu.fits and not plan_memory(shape, spec, Batch(64, 16, ""), {"cpu": GiB // 2}, Engine(1000))[0].fits
-    # data-parallel ranks: each is a process, and the engine runs in a process of its own
+    # data-parallel ranks: each is a process, and the engine runs in processes of its own (vLLM's core and worker)
     [cpu] = plan_memory(shape, spec_of("train_model.num_devices=2"), Batch(64, 16, ""), {"cpu": 8 * GiB}, Engine(1000))
     assert [r.processes for r in cpu.roles] == [2, 2, 1]
-    assert role_items(cpu.roles[2])["its process"] == CPU_PROCESS_BASELINE
+    assert role_items(cpu.roles[2])["its processes"] == 2 * CPU_PROCESS_BASELINE
 
 
 def test_the_plan_command_prints_each_device_total_and_refuses_a_bad_override_in_one_line(tmp_path):

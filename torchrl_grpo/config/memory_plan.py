@@ -328,8 +328,9 @@ def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, capacity: int 
     """The rollout engine: the transformers backend samples with the trained policy (its KV cache only); vLLM on a
     GPU reserves ``inference_model.gpu_memory_utilization`` of it (weights, KV cache, its activations) and frees
     all of it while the trainer trains when asleep (``inference_model.sleep`` 1 or 2); vLLM on the CPU holds its
-    weights, a KV cache of ``kv_tokens`` and its working memory (:data:`VLLM_CPU_WORKING`), in a process of its own
-    (``baseline`` more) beside data-parallel ranks or with ``inference_model.engine_process=own``."""
+    weights, a KV cache of ``kv_tokens`` and its working memory (:data:`VLLM_CPU_WORKING`), in processes of its own
+    (vLLM's engine core and worker: ``baseline`` twice more) beside data-parallel ranks or with
+    ``inference_model.engine_process=own``."""
     settings, device = spec.engine, spec.placement.inference[0]
     dtype = spec.precision.engine
     kv_token = shape.kv_bytes_per_token(dtype)
@@ -351,7 +352,7 @@ def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, capacity: int 
              Item("KV cache", engine.kv_tokens * kv_token, f"{engine.kv_tokens} tokens"),
              Item("working memory", VLLM_CPU_WORKING + weights, "measured: 0.3 GiB and its weights once more")]
     if spec.placement.ranks > 1 or settings.engine_process == "own":
-        items.append(Item("its process", baseline, "python, torch, vLLM"))
+        items.append(Item("its processes", 2 * baseline, "vLLM's engine core and its worker"))
     return Role("engine", device, tuple(items))
 
 
