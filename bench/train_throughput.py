@@ -91,20 +91,27 @@ def synthetic_batch(rows: int, tokens: int, vocab: int, seed: int, ragged: bool 
                        "reward": torch.rand(rows, generator=g)}, batch_size=[rows])
 
 
-def measure(shape: str, tokens: int, steps: int, overrides: list[str],
-            step_tokens: int = STEP_TOKENS, micro_tokens: int = MICRO_TOKENS, ragged: bool = False) -> dict:
-    """One shape at one row length: the medians of the trainer's metrics over ``steps`` steps after a warm-up."""
+def bench_config(tokens: int, steps: int, overrides: list[str], step_tokens: int = STEP_TOKENS,
+                 micro_tokens: int = MICRO_TOKENS):
+    """The ``grpo_gsm8k`` recipe composed for rows of ``tokens`` tokens cut as :func:`plan` cuts them."""
     from hydra import compose, initialize_config_dir
 
     from torchrl_grpo.config import CONFIG_DIR
 
     rows, micro, accumulation = plan(tokens, step_tokens, micro_tokens)
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        cfg = compose("grpo_gsm8k", [f"env.repeats={GROUP}", f"env.num_envs={rows // GROUP}",
-                                     f"train.optim_batch_size={micro}",
-                                     f"train.gradient_accumulation_steps={accumulation}",
-                                     f"inference_model.max_tokens={tokens}", "train.kl_to_ref_coeff=0",
-                                     f"train.total_dialog_turns={rows * (steps + 1)}", *overrides])
+        return compose("grpo_gsm8k", [f"env.repeats={GROUP}", f"env.num_envs={rows // GROUP}",
+                                      f"train.optim_batch_size={micro}",
+                                      f"train.gradient_accumulation_steps={accumulation}",
+                                      f"inference_model.max_tokens={tokens}", "train.kl_to_ref_coeff=0",
+                                      f"train.total_dialog_turns={rows * (steps + 1)}", *overrides])
+
+
+def measure(shape: str, tokens: int, steps: int, overrides: list[str],
+            step_tokens: int = STEP_TOKENS, micro_tokens: int = MICRO_TOKENS, ragged: bool = False) -> dict:
+    """One shape at one row length: the medians of the trainer's metrics over ``steps`` steps after a warm-up."""
+    rows, micro, _ = plan(tokens, step_tokens, micro_tokens)
+    cfg = bench_config(tokens, steps, overrides, step_tokens, micro_tokens)
     seed_everything(0)
     with tempfile.TemporaryDirectory() as tmp:
         random_model(shape, Path(tmp))

@@ -142,6 +142,8 @@ class Train:
                                   "log-probs of a probe text (torchrl_grpo/engines/weight_check.py)")
     weight_sync_tolerance: float = key("num>0", "mean |log-prob gap| the weight sync check allows (null: by dtype)",
                                        null=True)
+    check_memory: bool = key("bool", "at the start, refuse a run whose memory plan (torchrl-grpo plan) cannot fit "
+                             "a device even with the shortest prompts; false starts anyway")
     kl_coef_in_loss: bool = key("bool", "KL to the reference in the loss (true) or subtracted from the reward")
     kl_to_ref_coeff: float = key("num>=0", "0 skips the reference model entirely")
     kl_to_inference_coeff: float = key("num>=0", "KL to the sampling policy, in the loss")

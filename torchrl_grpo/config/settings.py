@@ -210,6 +210,7 @@ class TrainSettings:
     sync_iter: bool = True          # train.sync_iter: false generates the next batch while this one trains
     weight_sync_check: bool = True  # train.weight_sync_check
     weight_sync_tolerance: float | None = None  # train.weight_sync_tolerance (None: by dtype)
+    check_memory: bool = True       # train.check_memory: refuse a run whose memory plan cannot fit a device
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan, precision: Precision) -> TrainSettings:
@@ -226,7 +227,7 @@ class TrainSettings:
             no_signal_patience=int(cfg.train.no_signal_patience), min_ess=float(cfg.train.min_ess),
             no_signal_stop=bool(cfg.train.no_signal_stop), reference=float(cfg.train.kl_to_ref_coeff) > 0,
             sync_iter=bool(cfg.train.sync_iter), weight_sync_check=bool(cfg.train.weight_sync_check),
-            weight_sync_tolerance=cfg.train.weight_sync_tolerance,
+            weight_sync_tolerance=cfg.train.weight_sync_tolerance, check_memory=bool(cfg.train.check_memory),
         )
 
 

@@ -118,6 +118,36 @@ def check_model_dir(directory: pathlib.Path, name: str, trust_remote_code: bool 
                           "model directory with its safetensors weights")
 
 
+def model_config(name: str, trust_remote_code: bool = False) -> dict:
+    """The config.json of ``model.name`` as a dict, without its weights: a packaged model's from its cache (the
+    tiny model is built if absent: seconds; SmolLM2's is read from the GGUF's header), a local folder's, a hub
+    model's config.json alone (from the hub cache when offline). Errors are one-line ConfigErrors."""
+    key = name.strip() if isinstance(name, str) else name
+    if isinstance(key, str) and key.lower() == packaged_smollm2.NAME:
+        built = cache_root() / "models" / packaged_smollm2.CACHE_DIR
+        if (built / BUILD_MARKER).is_file():
+            return json.loads((built / "config.json").read_text())
+        from transformers import AutoConfig
+
+        gguf = packaged_smollm2.find_gguf()
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).to_dict()
+    local = pathlib.Path(key).expanduser() if isinstance(key, str) and key else None
+    if key == "tiny" or (local is not None and local.is_dir()) or not isinstance(key, str) or not key:
+        return json.loads((pathlib.Path(resolve_model(name, trust_remote_code)) / "config.json").read_text())
+    from huggingface_hub import errors, hf_hub_download
+
+    try:
+        return json.loads(pathlib.Path(hf_hub_download(key, "config.json", local_files_only=_hub_offline()))
+                          .read_text())
+    except (errors.RepositoryNotFoundError, errors.HFValidationError):
+        raise ConfigError(f"model.name={name!r}: neither a local directory nor a hub model; {_OFFLINE_FIX}") from None
+    except Exception:  # offline and not cached, network down, ...
+        log.debug("hf_hub_download(%r, config.json) failed", key, exc_info=True)
+        why = "HF_HUB_OFFLINE is set" if _hub_offline() else "the Hugging Face hub is unreachable"
+        raise ConfigError(f"model.name={name!r}: its config.json is not in the local hub cache and {why}; "
+                          f"{_OFFLINE_FIX}") from None
+
+
 def context_limit(directory: str | pathlib.Path) -> int | None:
     """The longest sequence the model in ``directory`` was built for (its config.json's
     ``max_position_embeddings``), or None when the config does not say or scales its rotary embedding

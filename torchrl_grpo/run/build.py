@@ -34,6 +34,7 @@ from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.parallel.ranks import DataParallel, hf_model, shard_model
 from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.loop import Run
+from torchrl_grpo.run.memory import check_memory
 from torchrl_grpo.run.sources import ActorSource, LocalSource
 from torchrl_grpo.run.state import RunState
 from torchrl_grpo.tasks import Task, check_env, eval_env_config
@@ -373,6 +374,7 @@ def build_common(i: Inputs, parallel: DataParallel | None = None) -> Common:
     plan = i.spec.plan
     print(f"batch plan:\n{plan.table()}\nplacement: {i.spec.placement.describe()}\nallocator: "
           f"{describe_allocator()}", flush=True)
+    check_memory(i.spec, i.model_path)
     evaluator = None
     if i.eval_task is not None:
         eval_task, eval_turns = i.eval_task

@@ -3,6 +3,7 @@
     torchrl-grpo train model=tiny env=gsm_symbolic     # = python grpo.py ...       (Hydra overrides as there)
     torchrl-grpo train-async env=gsm_symbolic          # = python grpo-async.py ...
     torchrl-grpo eval env=gsm_symbolic                 # = python evaluate.py ...
+    torchrl-grpo plan model=tiny                       # each device's memory the run would take (train's args)
     torchrl-grpo plot outputs/<run>                    # = python plot.py ...
     torchrl-grpo export outputs/<run> my-model         # the trained policy as a Hugging Face folder, model card
     torchrl-grpo config grpo_gsm8k my_config           # copy the shipped config tree to edit, then
@@ -39,6 +40,30 @@ def _eval(args: list[str]) -> None:
     from torchrl_grpo.run.entry import evaluate, hydra_command
 
     hydra_command("evaluate", evaluate, args, follow_torchrun=False)
+
+
+def _plan(args: list[str]) -> None:
+    """The train command's config and overrides, composed as it composes them; nothing written (Hydra's run
+    directory is a temporary one). Exit code 1 when a device cannot hold its roles."""
+    import shutil
+    import tempfile
+
+    from torchrl_grpo.run.entry import hydra_command
+    from torchrl_grpo.run.memory import plan_options, print_plan
+
+    prompt, device_gib, args = plan_options(args)
+    status = []
+    scratch = tempfile.mkdtemp(prefix="torchrl-grpo-plan-")
+    # beside the user's overrides: Hydra's parser takes them in one run of positional arguments
+    at = next((i for i, arg in enumerate(args) if "=" in arg and not arg.startswith("-")), len(args))
+    args = [*args[:at], f"hydra.run.dir={scratch}", "hydra.output_subdir=null", *args[at:]]
+    try:
+        hydra_command("plan", lambda cfg, run_dir: status.append(print_plan(cfg, prompt, device_gib)), args,
+                      follow_torchrun=False)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if status and status[0]:
+        raise SystemExit(status[0])
 
 
 def _plot(args: list[str]) -> None:
@@ -97,8 +122,8 @@ def _env(args: list[str]) -> None:
     print(report())
 
 
-COMMANDS = {"train": _train, "train-async": _train_async, "eval": _eval, "plot": _plot, "export": _export,
-            "config": _config, "env": _env}
+COMMANDS = {"train": _train, "train-async": _train_async, "eval": _eval, "plan": _plan, "plot": _plot,
+            "export": _export, "config": _config, "env": _env}
 MEMORY_HUNGRY = {"train", "train-async", "eval"}  # run with tcmalloc and bounded kernel caches
 
 

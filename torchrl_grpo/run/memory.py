@@ -1,0 +1,128 @@
+"""``torchrl-grpo plan``: what a run would hold on each device, from the model's config.json and the run spec,
+before any weight is loaded (:mod:`torchrl_grpo.config.memory_plan` does the arithmetic; here are the inputs it
+needs from this machine: the model's shape, each device's memory, the engine's KV cache)."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+from omegaconf import DictConfig
+
+from torchrl_grpo.config.memory_plan import FIXES, Device, Engine, GiB, ModelShape, micro_batch, plan_memory, table
+from torchrl_grpo.config.spec import RunSpec, resolve_run
+from torchrl_grpo.core.errors import ConfigError
+
+
+def device_memory(device: str, given_gib: float | None = None) -> int | None:
+    """``device``'s memory in bytes: ``given_gib`` if set, a GPU's total from torch (None without one), the
+    machine's RAM for the CPU."""
+    if given_gib is not None:
+        return int(given_gib * GiB)
+    if device == "cpu":
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.device(device).index or 0).total_memory
+
+
+def longest_prompt(spec: RunSpec) -> int:
+    """The longest prompt a row may have: what ``inference_model.max_model_len`` leaves beside the completion."""
+    return max(1, spec.collect.max_model_len - spec.plan.max_tokens)
+
+
+def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None, device_gib: float | None = None,
+                    model_path: str | None = None) -> tuple[list[Device], int]:
+    """The plan's devices for ``spec`` with prompts of ``prompt_tokens`` (default :func:`longest_prompt`), GPUs of
+    ``device_gib`` GiB where given, the model's shape from ``model_path`` (resolved) or ``model.name``; and the
+    prompt length used."""
+    from torchrl_grpo.engines.factory import kv_cache_tokens
+    from torchrl_grpo.models.sources import model_config
+
+    trust = spec.model.trust_remote_code
+    config = json.loads((Path(model_path) / "config.json").read_text()) if model_path else None
+    shape = ModelShape.from_config(config or model_config(spec.model.name, trust))
+    critic = None
+    if spec.critic.enabled and spec.critic.model is not None:
+        critic = ModelShape.from_config(model_config(spec.critic.model, trust))
+    prompt = longest_prompt(spec) if prompt_tokens is None else prompt_tokens
+    placement = spec.placement
+    names = {*placement.train, *placement.ref, *placement.inference}
+    capacities = {d: device_memory(d, None if d == "cpu" else device_gib) for d in names}
+    devices = plan_memory(shape, spec, micro_batch(spec, prompt), capacities, Engine(kv_cache_tokens(spec.engine)),
+                          critic)
+    return devices, prompt
+
+
+def print_plan(cfg: DictConfig, prompt_tokens: int | None, device_gib: float | None) -> int:
+    """Print the plan of ``cfg``; 1 when a device cannot hold its roles, else 0."""
+    spec = with_sleep_level(resolve_run(cfg))
+    devices, prompt = run_memory_plan(spec, prompt_tokens, device_gib)
+    print(f"memory plan of model.name={spec.model.name}, micro-batches of prompts up to {prompt} tokens + "
+          f"{spec.plan.max_tokens} completion tokens (--prompt-tokens N for your prompts' length):")
+    print(table(devices, FIXES))
+    return 0 if all(d.fits for d in devices) else 1
+
+
+def check_memory(spec: RunSpec, model_path: str) -> None:
+    """At a run's start: each device's planned total in one line; a one-line ConfigError naming the keys that would
+    make it fit when a device cannot hold its roles even with the shortest prompts (``train.check_memory=false``
+    starts anyway), a warning when it may not with the longest prompts ``inference_model.max_model_len`` admits."""
+    try:
+        devices, prompt = run_memory_plan(spec, model_path=model_path)
+    except ConfigError as err:  # a model whose config.json the plan cannot read: the run goes on without it
+        print(f"memory plan: not available ({err})", flush=True)
+        return
+    print("memory plan: " + "; ".join(summary(d) for d in devices) + " (torchrl-grpo plan shows the parts)",
+          flush=True)
+    if all(d.fits for d in devices):
+        return
+    short = [d for d in run_memory_plan(spec, prompt_tokens=1, model_path=model_path)[0] if not d.fits]
+    if short and spec.train.check_memory:
+        d = short[0]
+        raise ConfigError(f"memory plan: {d.name} needs {d.total / GiB:.1f} GiB even with 1-token prompts but has "
+                          f"{d.capacity / GiB:.1f} GiB; {FIXES}; or train.check_memory=false to start anyway")
+    print(f"warning: the memory plan does not fit with prompts of {prompt} tokens (the longest "
+          "inference_model.max_model_len admits); shorter ones may fit", flush=True)
+
+
+def summary(device: Device) -> str:
+    """``cpu 2.9 of 23.5 GiB (process 0.6, trainer 2.0, engine 0.3)``."""
+    capacity = "" if device.capacity is None else f" of {device.capacity / GiB:.1f}"
+    parts = ", ".join(f"{r.name} {r.bytes / GiB:.1f}" for r in device.roles)
+    return f"{device.name} {device.total / GiB:.1f}{capacity} GiB ({parts})"
+
+
+def with_sleep_level(spec: RunSpec) -> RunSpec:
+    """``inference_model.sleep`` as a level, as a run resolves it (:func:`choose_sleep`): whether the engine frees
+    its GPU memory while the trainer trains beside it."""
+    from torchrl_grpo.engines.vllm_releases import choose_sleep
+
+    engine = spec.engine
+    busy = engine.backend != "vllm" or spec.actors is not None or not spec.train.sync_iter
+    why = "it generates while the trainer trains" if busy else None
+    level = choose_sleep(engine.sleep, spec.placement.inference, [*spec.placement.train, *spec.placement.ref], why,
+                         adapter=engine.lora_rank is not None)
+    return dataclasses.replace(spec, engine=dataclasses.replace(engine, sleep=level))
+
+
+def plan_options(args: list[str]) -> tuple[int | None, float | None, list[str]]:
+    """``torchrl-grpo plan``'s own options out of its arguments: (``--prompt-tokens N``, ``--device-memory GIB``,
+    the Hydra overrides)."""
+    options: dict[str, float | None] = {"--prompt-tokens": None, "--device-memory": None}
+    rest, it = [], iter(args)
+    for arg in it:
+        name, _, value = arg.partition("=")
+        if name not in options:
+            rest.append(arg)
+            continue
+        value = value or next(it, "")
+        try:
+            options[name] = float(value)
+        except ValueError:
+            raise ConfigError(f"{name} {value!r}: give a number") from None
+    prompt = options["--prompt-tokens"]
+    return None if prompt is None else int(prompt), options["--device-memory"], rest
