@@ -2,14 +2,25 @@
 warning naming them; a damaged checkpoint named explicitly is a one-line error. Checkpoints here are their
 files only (state, weights, config), which is all that checking them reads."""
 import json
+import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from torchrl_grpo.core.checkpoint import STATE_FILE, damage, find_resume_point, load_state, rng_state, set_rng_state
+from torchrl_grpo.core import checkpoint
+from torchrl_grpo.core.checkpoint import (
+    STATE_FILE,
+    damage,
+    find_resume_point,
+    list_checkpoints,
+    load_state,
+    rng_state,
+    set_rng_state,
+)
 from torchrl_grpo.core.errors import ConfigError
 
 
@@ -142,3 +153,36 @@ def test_rng_states_come_back_exactly_through_a_weights_only_load(tmp_path):
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
     set_rng_state(load_state(tmp_path)["rng"])
     assert (random.random(), np.random.randn(3).tolist(), torch.rand(2).tolist()) == draws
+
+
+class Weights:
+    """What ``checkpoint.save`` asks of a model and a tokenizer: a ``save_pretrained`` writing a weights file."""
+
+    def save_pretrained(self, path, **_):
+        save_file({"w": torch.arange(10.0)}, str(path / "model.safetensors"))
+
+
+def test_the_oldest_checkpoint_leaves_its_name_before_it_is_deleted(tmp_path, monkeypatch):
+    """Past ``keep``, the oldest checkpoint goes; a kill while its files are deleted leaves a ``.tmp_`` folder that
+    resume skips, and every ``step_*`` folder whole."""
+    directory = tmp_path / "checkpoints"
+    for step in (1, 2):
+        checkpoint.save(directory, step, Weights(), Weights(), {"step": step}, keep=2)
+    deleted = checkpoint.shutil.rmtree
+
+    def killed_halfway(path, ignore_errors=False):
+        if "step_000001" not in str(path):  # the save's own temporary folder
+            return deleted(path, ignore_errors=ignore_errors)
+        (Path(path) / "model.safetensors").unlink()
+        raise KeyboardInterrupt  # the process dies with the oldest checkpoint half deleted
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint.save(directory, 3, Weights(), Weights(), {"step": 3}, keep=2)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", deleted)
+    assert [p.name for p in list_checkpoints(directory)] == ["step_000002", "step_000003"]
+    assert all(damage(p) is None for p in list_checkpoints(directory))
+    assert [p.name for p in directory.iterdir() if p.name.startswith(".tmp_")] == [
+        f".tmp_step_000001_removed_{os.getpid()}"]
+    checkpoint.save(directory, 4, Weights(), Weights(), {"step": 4}, keep=2)
+    assert [p.name for p in list_checkpoints(directory)] == ["step_000003", "step_000004"]

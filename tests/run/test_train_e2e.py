@@ -50,7 +50,8 @@ def test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint(tmp_path):
             os.unlink(f"/dev/shm/{name}")
     checkpoints = run_dir / "checkpoints"
     complete = sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_"))
-    assert "step_000002" in complete and len(complete) == 2  # logging.keep_checkpoints=2
+    # logging.keep_checkpoints=2; a kill between a save's rename and the oldest one's removal leaves three
+    assert "step_000002" in complete and len(complete) in (2, 3)
     # the save is atomic: every step_* folder is whole; a kill during a save leaves only a .tmp_step_* folder
     assert all((checkpoints / name / "trainer_state.pt").is_file()
                and (checkpoints / name / "model.safetensors").is_file() for name in complete)

@@ -100,8 +100,19 @@ def save(directory: Path, step: int, model, tokenizer, state: dict, keep: int = 
         needed = tree_bytes(earlier[-1]) if earlier else max(written, weights_bytes + _tensor_bytes(state))
         raise not_written(final, err, needed) from None
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     return final
+
+
+def _remove(checkpoint: Path) -> None:
+    """Out of the ``step_*`` names first (an atomic rename), then deleted: a kill during the delete leaves a
+    ``.tmp_`` folder that resume skips, never a ``step_*`` one that is half gone."""
+    doomed = checkpoint.with_name(f".tmp_{checkpoint.name}_removed_{os.getpid()}")
+    try:
+        os.replace(checkpoint, doomed)
+    except OSError:
+        return
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _tensor_bytes(obj) -> int:
