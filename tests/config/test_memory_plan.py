@@ -193,3 +193,47 @@ def test_on_a_shared_gpu_a_sleeping_engine_frees_its_share_while_the_trainer_tra
     assert awake.total == trainer + reserved
     assert asleep.total == max(trainer, reserved) == reserved  # the engine's share is the larger here
     assert plan(1).total == asleep.total  # level 1 moves the weights to the CPU's memory: the GPU is as free
+
+
+@pytest.mark.parametrize("name", ["meta-llama/Llama-3.1-70B", "Qwen/Qwen2.5-72B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct",
+                                  "Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-3B"])
+def test_the_shipped_shapes_are_what_transformers_builds_and_load_offline(name, monkeypatch):
+    """Hub models' config.json shipped for planning offline: their parameter counts as transformers builds them (on
+    the meta device: no memory), read by the plan where the hub is unreachable."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from torchrl_grpo.models.sources import model_config, shipped_shape
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", "/nonexistent-hub-cache")  # not cached: the shipped shape
+    fields = model_config(name)
+    assert fields == shipped_shape(name) == shipped_shape(name.upper())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(**fields))
+    assert ModelShape.from_config(fields).parameters == sum(p.numel() for p in model.parameters())
+
+
+def test_data_parallel_gpus_each_hold_a_rank_and_a_tensor_parallel_share_of_the_engine():
+    """``torchrl-grpo plan --gpus 8``: eight FSDP2 ranks, each on its GPU with its share of the weights and of each
+    micro-batch; an engine over four of them, a quarter of its weights on each."""
+    from torchrl_grpo.core.errors import ConfigError
+    from torchrl_grpo.run.memory import PlanOptions, plan_options, run_memory_plan, with_sleep_level
+
+    options, rest = plan_options(["--gpus", "8", "--device-memory=80", "train_model.num_devices=8",
+                                  "inference_model.num_devices=4"])
+    assert options == PlanOptions(None, 80.0, 8) and rest == ["train_model.num_devices=8",
+                                                              "inference_model.num_devices=4"]
+    spec = with_sleep_level(resolve_run(cfg_with("model=tiny", "train.strategy=fsdp", "train.optim_batch_size=8",
+                                                 *rest), gpu_count=8))
+    devices, prompt = run_memory_plan(spec, prompt_tokens=100, device_gib=80)
+    assert [d.name for d in devices] == [f"cuda:{i}" for i in range(8)]
+    assert [[r.name for r in d.roles] for d in devices] == [["trainer", "engine"]] * 4 + [["trainer"]] * 4
+    assert all(d.capacity == 80 * GiB for d in devices)
+    one = resolve_run(cfg_with("model=tiny", "train.optim_batch_size=8", "train_model.num_devices=1",
+                               "inference_model.num_devices=1"), gpu_count=1)
+    [single], _ = run_memory_plan(with_sleep_level(one), prompt_tokens=100, device_gib=80)
+    rank, whole = role_items(devices[0].roles[0]), role_items(single.roles[0])
+    assert rank["activations"] * 8 == whole["activations"]  # one row of the micro-batch's eight
+    assert role_items(devices[0].roles[1])["weights"] * 4 == role_items(single.roles[1])["weights"]
+    with pytest.raises(ConfigError, match="^--gpus 8: give each GPU's memory too"):
+        plan_options(["--gpus", "8"])

@@ -202,15 +202,17 @@ class Batch:
 
 
 def micro_batch(spec: RunSpec, prompt_tokens: int) -> Batch:
-    """The planned micro-batch with prompts of ``prompt_tokens`` tokens: ``train.optim_batch_size`` rows of prompt +
-    ``inference_model.max_tokens``, or ``train.micro_batch_tokens`` packed."""
-    plan = spec.plan
+    """A rank's share of the planned micro-batch with prompts of ``prompt_tokens`` tokens: of
+    ``train.optim_batch_size`` rows of prompt + ``inference_model.max_tokens`` each data-parallel rank takes an equal
+    share; ``train.micro_batch_tokens`` packed is each rank's budget."""
+    plan, ranks = spec.plan, spec.placement.ranks
     row = prompt_tokens + plan.max_tokens
     if plan.micro_batch_tokens is not None:
         tokens = plan.micro_batch_tokens
         return Batch(tokens, tokens * plan.max_tokens // row, f"{tokens} tokens packed")
-    return Batch(plan.micro_batch * row, plan.micro_batch * plan.max_tokens,
-                 f"{plan.micro_batch} rows x {row} tokens")
+    rows = -(-plan.micro_batch // ranks)
+    return Batch(rows * row, rows * plan.max_tokens,
+                 f"{rows} rows x {row} tokens" + (f" (a rank's share of {plan.micro_batch})" if ranks > 1 else ""))
 
 
 def activation_bytes(shape: ModelShape, spec: RunSpec, batch: Batch, checkpointing: bool) -> int:
@@ -248,11 +250,13 @@ class Engine:
     kv_tokens: int
 
 
-def trainer_role(shape: ModelShape, spec: RunSpec, batch: Batch, capacity: int | None) -> Role:
-    """The trained policy's bytes per process: weights, gradients and optimizer state (sharded over the FSDP2
-    ranks, each with one layer and the root's parameters gathered), activations and the logits chunk."""
+def trainer_role(shape: ModelShape, spec: RunSpec, batch: Batch, capacity: int | None, device: str | None = None
+                 ) -> Role:
+    """The trained policy's bytes per process on ``device`` (default: the first train device): weights, gradients
+    and optimizer state (sharded over the FSDP2 ranks, each with one layer and the root's parameters gathered),
+    activations and the logits chunk."""
     precision, ranks = spec.precision, spec.placement.ranks
-    device = spec.placement.train[0]
+    device = device or spec.placement.train[0]
     checkpointing = spec.model.gradient_checkpointing
     weight = precision.train_weights.itemsize
     total = shape.parameters
@@ -263,7 +267,7 @@ def trainer_role(shape: ModelShape, spec: RunSpec, batch: Batch, capacity: int |
     states = OPTIMIZER_STATES[spec.optimizer.name] * grad_bytes
     items = [Item("weights", weights // ranks, f"{total / 1e6:.1f}M x {dtype_name(precision.train_weights)}"
                   + (f" + LoRA {trained / 1e6:.2f}M float32" if spec.model.lora is not None else "")),
-             Item("gradients", grad_bytes // ranks, f"{trained / 1e6:.2f}M trained"),
+             Item("gradients", grad_bytes // ranks, f"{trained / 1e6:.1f}M trained"),
              Item("optimizer state", states // ranks, f"{spec.optimizer.name}: "
                   f"{OPTIMIZER_STATES[spec.optimizer.name]} per trained parameter")]
     if spec.model.lora is not None and spec.engine.backend == "vllm" and spec.engine.lora_rank is None:
@@ -299,18 +303,23 @@ def plan_memory(shape: ModelShape, spec: RunSpec, batch: Batch, capacities: Mapp
     if train_on == "cpu":
         add(Role("process", "cpu", (Item("python, torch, transformers", baseline, "measured, per process"),),
                  processes=placement.ranks))
-    add(trainer_role(shape, spec, batch, capacities.get(train_on)))
-    if spec.train.reference and spec.model.lora is None:
-        ref = shape.parameters * precision.reference.itemsize // placement.ranks
-        add(Role("reference", placement.ref[0], (Item("weights", ref, dtype_name(precision.reference)),),
-                 processes=placement.ranks if placement.ref[0] == "cpu" else 1))
-    if spec.critic.enabled:
-        add(critic_role(critic or shape, spec, batch))
-    add(engine_role(shape, spec, engine, capacities.get(placement.inference[0]), baseline))
+    # data-parallel ranks on GPUs: each its own GPU, all alike (one process splitting layers: all on the first)
+    ranks_on = placement.train if placement.ranks > 1 and train_on.startswith("cuda") else [train_on]
+    for rank_on in ranks_on:
+        add(trainer_role(shape, spec, batch, capacities.get(rank_on), rank_on))
+        if spec.train.reference and spec.model.lora is None:
+            ref = shape.parameters * precision.reference.itemsize // placement.ranks
+            ref_on = rank_on if len(ranks_on) > 1 else placement.ref[0]
+            add(Role("reference", ref_on, (Item("weights", ref, dtype_name(precision.reference)),),
+                     processes=placement.ranks if ref_on == "cpu" else 1))
+        if spec.critic.enabled:
+            add(critic_role(critic or shape, spec, batch, rank_on))
+    for device in placement.inference if placement.inference[0].startswith("cuda") else placement.inference[:1]:
+        add(engine_role(shape, spec, engine, device, capacities.get(device), baseline))
     return list(devices.values())
 
 
-def critic_role(shape: ModelShape, spec: RunSpec, batch: Batch) -> Role:
+def critic_role(shape: ModelShape, spec: RunSpec, batch: Batch, device: str | None = None) -> Role:
     """An actor-critic run's value model: the policy's body (or ``critic.model``'s) trained in full, no logits."""
     precision, ranks = spec.precision, spec.placement.ranks
     params = shape.critic_parameters
@@ -319,22 +328,23 @@ def critic_role(shape: ModelShape, spec: RunSpec, batch: Batch) -> Role:
              Item("gradients", params * weight // ranks),
              Item("optimizer state", OPTIMIZER_STATES[spec.optimizer.name] * params * weight // ranks),
              Item("activations", activation_bytes(shape, spec, batch, spec.model.gradient_checkpointing)))
-    device = spec.placement.train[0]
+    device = device or spec.placement.train[0]
     return Role("critic", device, items, processes=ranks if device == "cpu" else 1)
 
 
-def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, capacity: int | None,
+def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, device: str, capacity: int | None,
                 baseline: int = CPU_PROCESS_BASELINE) -> Role:
     """The rollout engine: the transformers backend samples with the trained policy (its KV cache only); vLLM on a
     GPU reserves ``inference_model.gpu_memory_utilization`` of it (weights, KV cache, its activations) and frees
     all of it while the trainer trains when asleep (``inference_model.sleep`` 1 or 2); vLLM on the CPU holds its
     weights, a KV cache of ``kv_tokens`` and its working memory (:data:`VLLM_CPU_WORKING`), in processes of its own
     (vLLM's engine core and worker: ``baseline`` twice more) beside data-parallel ranks or with
-    ``inference_model.engine_process=own``."""
-    settings, device = spec.engine, spec.placement.inference[0]
+    ``inference_model.engine_process=own``. On GPUs an engine over several (``inference_model.num_devices``) holds a
+    tensor-parallel share of the weights and KV cache on each (``device``: one of them)."""
+    settings, shards = spec.engine, len(spec.placement.inference)
     dtype = spec.precision.engine
-    kv_token = shape.kv_bytes_per_token(dtype)
-    weights = shape.parameters * dtype.itemsize
+    kv_token = shape.kv_bytes_per_token(dtype) // (shards if device.startswith("cuda") else 1)
+    weights = shape.parameters * dtype.itemsize // (shards if device.startswith("cuda") else 1)
     if settings.backend == "transformers":
         tokens = settings.completions_per_step * settings.max_model_len
         return Role("engine", spec.placement.train[0],
@@ -343,8 +353,9 @@ def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, capacity: int 
         reserved = int(settings.gpu_memory_utilization * capacity) if capacity else weights
         level = settings.sleep if isinstance(settings.sleep, int) else 0
         released = reserved if level else 0  # level 1 moves its weights to the CPU's memory, 2 drops them
+        split = f", 1/{shards} of them (tensor parallel)" if shards > 1 else ""
         return Role("engine", device,
-                    (Item("weights", weights, f"vLLM, {dtype_name(dtype)}"),
+                    (Item("weights", weights, f"vLLM, {dtype_name(dtype)}{split}"),
                      Item("KV cache and activations", max(reserved - weights, 0),
                           f"inference_model.gpu_memory_utilization={settings.gpu_memory_utilization}; a step needs "
                           f"{engine.kv_tokens * kv_token / GiB:.2f} GiB of KV cache")), released=released)

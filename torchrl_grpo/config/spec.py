@@ -57,12 +57,13 @@ class RunSpec:
         return self.config["env"]
 
 
-def resolve_run(cfg: DictConfig, training: bool = True) -> RunSpec:
+def resolve_run(cfg: DictConfig, training: bool = True, gpu_count: int | None = None) -> RunSpec:
     """``cfg`` checked and resolved (one-line ConfigErrors naming the keys). ``training=False`` (evaluate.py):
     no reference model takes a device. The engines are the rollout actors' in async mode (on a GPU when each asks
-    for one: ``ray.actor_num_gpus``), else the inference model's."""
+    for one: ``ray.actor_num_gpus``), else the inference model's. ``gpu_count``: the GPUs to place on (default: this
+    machine's; ``torchrl-grpo plan --gpus`` plans another's)."""
     plan = validate(cfg)
-    placement = place(cfg, needs_ref=training and float(cfg.train.kl_to_ref_coeff) > 0)
+    placement = place(cfg, needs_ref=training and float(cfg.train.kl_to_ref_coeff) > 0, gpu_count=gpu_count)
     engine_on = placement.inference[0]
     if cfg.get("mode") == "async":
         engine_on = "cuda" if float(cfg.ray.actor_num_gpus) > 0 else "cpu"

@@ -143,9 +143,23 @@ def model_config(name: str, trust_remote_code: bool = False) -> dict:
         raise ConfigError(f"model.name={name!r}: neither a local directory nor a hub model; {_OFFLINE_FIX}") from None
     except Exception:  # offline and not cached, network down, ...
         log.debug("hf_hub_download(%r, config.json) failed", key, exc_info=True)
+        if (shipped := shipped_shape(key)) is not None:
+            return shipped
         why = "HF_HUB_OFFLINE is set" if _hub_offline() else "the Hugging Face hub is unreachable"
         raise ConfigError(f"model.name={name!r}: its config.json is not in the local hub cache and {why}; "
                           f"{_OFFLINE_FIX}") from None
+
+
+SHAPES_DIR = pathlib.Path(__file__).resolve().parent / "shapes"
+
+
+def shipped_shape(name: str) -> dict | None:
+    """The config.json this package ships for hub model ``name`` (its shape, no weights: the model groups' models
+    and the 70B-class ones docs/data-parallel.md plans), so that ``torchrl-grpo plan`` works offline; None for
+    others."""
+    wanted = name.replace("/", "--").lower() + ".json"
+    found = [p for p in SHAPES_DIR.glob("*.json") if p.name.lower() == wanted]
+    return json.loads(found[0].read_text()) if found else None
 
 
 def context_limit(directory: str | pathlib.Path) -> int | None:

@@ -51,14 +51,14 @@ def _plan(args: list[str]) -> None:
     from torchrl_grpo.run.entry import hydra_command
     from torchrl_grpo.run.memory import plan_options, print_plan
 
-    prompt, device_gib, args = plan_options(args)
+    options, args = plan_options(args)
     status = []
     scratch = tempfile.mkdtemp(prefix="torchrl-grpo-plan-")
     # beside the user's overrides: Hydra's parser takes them in one run of positional arguments
     at = next((i for i, arg in enumerate(args) if "=" in arg and not arg.startswith("-")), len(args))
     args = [*args[:at], f"hydra.run.dir={scratch}", "hydra.output_subdir=null", *args[at:]]
     try:
-        hydra_command("plan", lambda cfg, run_dir: status.append(print_plan(cfg, prompt, device_gib)), args,
+        hydra_command("plan", lambda cfg, run_dir: status.append(print_plan(cfg, options)), args,
                       follow_torchrun=False)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)

@@ -57,10 +57,10 @@ def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None, device_gib:
     return devices, prompt
 
 
-def print_plan(cfg: DictConfig, prompt_tokens: int | None, device_gib: float | None) -> int:
+def print_plan(cfg: DictConfig, options: PlanOptions) -> int:
     """Print the plan of ``cfg``; 1 when a device cannot hold its roles, else 0."""
-    spec = with_sleep_level(resolve_run(cfg))
-    devices, prompt = run_memory_plan(spec, prompt_tokens, device_gib)
+    spec = with_sleep_level(resolve_run(cfg, gpu_count=options.gpus))
+    devices, prompt = run_memory_plan(spec, options.prompt_tokens, options.device_gib)
     print(f"memory plan of model.name={spec.model.name}, micro-batches of prompts up to {prompt} tokens + "
           f"{spec.plan.max_tokens} completion tokens (--prompt-tokens N for your prompts' length):")
     print(table(devices, FIXES))
@@ -109,10 +109,19 @@ def with_sleep_level(spec: RunSpec) -> RunSpec:
     return dataclasses.replace(spec, engine=dataclasses.replace(engine, sleep=level))
 
 
-def plan_options(args: list[str]) -> tuple[int | None, float | None, list[str]]:
-    """``torchrl-grpo plan``'s own options out of its arguments: (``--prompt-tokens N``, ``--device-memory GIB``,
-    the Hydra overrides)."""
-    options: dict[str, float | None] = {"--prompt-tokens": None, "--device-memory": None}
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+    """``torchrl-grpo plan``'s own options: prompts of ``--prompt-tokens N`` (None: the longest admitted), GPUs of
+    ``--device-memory GIB``, and ``--gpus N`` for a machine with N GPUs (a cluster's node planned from a laptop)."""
+
+    prompt_tokens: int | None = None
+    device_gib: float | None = None
+    gpus: int | None = None
+
+
+def plan_options(args: list[str]) -> tuple[PlanOptions, list[str]]:
+    """``torchrl-grpo plan``'s own options out of its arguments, and the Hydra overrides."""
+    options: dict[str, float | None] = {"--prompt-tokens": None, "--device-memory": None, "--gpus": None}
     rest, it = [], iter(args)
     for arg in it:
         name, _, value = arg.partition("=")
@@ -124,5 +133,7 @@ def plan_options(args: list[str]) -> tuple[int | None, float | None, list[str]]:
             options[name] = float(value)
         except ValueError:
             raise ConfigError(f"{name} {value!r}: give a number") from None
-    prompt = options["--prompt-tokens"]
-    return None if prompt is None else int(prompt), options["--device-memory"], rest
+    prompt, gpus, gib = options["--prompt-tokens"], options["--gpus"], options["--device-memory"]
+    if gpus is not None and gib is None:
+        raise ConfigError(f"--gpus {gpus:g}: give each GPU's memory too, e.g. --device-memory 80")
+    return PlanOptions(None if prompt is None else int(prompt), gib, None if gpus is None else int(gpus)), rest
