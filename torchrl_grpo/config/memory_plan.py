@@ -389,6 +389,11 @@ def table(devices: list[Device], fixes: str = "") -> str:
     return "\n".join(lines)
 
 
-FIXES = ("to fit: a smaller train.optim_batch_size or train.micro_batch_tokens, train_model.gradient_checkpointing="
-         "true, train_model.lora.enabled=true, more train_model.num_devices (FSDP2 shards), a lower "
-         "inference_model.gpu_memory_utilization")
+def fixes(spec: RunSpec) -> str:
+    """The keys that would make a run fit, in the order Troubleshooting gives them, less those ``spec`` already set."""
+    keys = ["a smaller train.optim_batch_size or train.micro_batch_tokens",
+            None if spec.model.gradient_checkpointing else "train_model.gradient_checkpointing=true",
+            None if spec.model.lora is not None else "train_model.lora.enabled=true",
+            "more train_model.num_devices (FSDP2 shards)",
+            "a lower inference_model.gpu_memory_utilization" if spec.engine.backend == "vllm" else None]
+    return "to fit: " + ", ".join(k for k in keys if k)

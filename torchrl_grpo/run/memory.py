@@ -10,7 +10,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from torchrl_grpo.config.memory_plan import FIXES, Device, Engine, GiB, ModelShape, micro_batch, plan_memory, table
+from torchrl_grpo.config.memory_plan import Device, Engine, GiB, ModelShape, fixes, micro_batch, plan_memory, table
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.errors import ConfigError
 
@@ -63,7 +63,7 @@ def print_plan(cfg: DictConfig, options: PlanOptions) -> int:
     devices, prompt = run_memory_plan(spec, options.prompt_tokens, options.device_gib)
     print(f"memory plan of model.name={spec.model.name}, micro-batches of prompts up to {prompt} tokens + "
           f"{spec.plan.max_tokens} completion tokens (--prompt-tokens N for your prompts' length):")
-    print(table(devices, FIXES))
+    print(table(devices, fixes(spec)))
     return 0 if all(d.fits for d in devices) else 1
 
 
@@ -84,7 +84,7 @@ def check_memory(spec: RunSpec, model_path: str) -> None:
     if short and spec.train.check_memory:
         d = short[0]
         raise ConfigError(f"memory plan: {d.name} needs {d.total / GiB:.1f} GiB even with 1-token prompts but has "
-                          f"{d.capacity / GiB:.1f} GiB; {FIXES}; or train.check_memory=false to start anyway")
+                          f"{d.capacity / GiB:.1f} GiB; {fixes(spec)}; or train.check_memory=false to start anyway")
     print(f"warning: the memory plan does not fit with prompts of {prompt} tokens (the longest "
           "inference_model.max_model_len admits); shorter ones may fit", flush=True)
 
