@@ -32,8 +32,28 @@ def test_keyword_settings_and_strings_mix():
 @pytest.mark.parametrize("settings, message", [
     ({"optimizer": {"lrr": 1e-5}}, "optimizer.lrr: no such key in the config; check its spelling"),
     ({"optimzer": {"lr": 1e-5}}, "optimzer: no such key in the config"),
-    ({"env": {"judge": {"model": "m"}, "num_env": 4}}, "env.num_env: no such key in the config"),
 ])
 def test_a_misspelt_keyword_setting_is_one_line_naming_the_key(settings, message):
     with pytest.raises(ConfigError, match=message):
         composed(**settings)
+
+
+def test_a_tasks_own_keys_are_added_and_its_settings_check_them():
+    """``env`` keys the config lacks are a task's own (``+env.<key>`` on the command line): added, then checked by
+    the task's settings class before anything loads, a misspelt one named in one line."""
+    from torchrl_grpo.config.spec import resolve_run
+    from torchrl_grpo.run.build import check_task_keys
+
+    def checked(overrides=(), **settings):
+        choices, values = group_choices(str(CONFIG_DIR), settings)
+        cfg = compose_config(str(CONFIG_DIR), "grpo_arithmetic", [*choices, *overrides])
+        apply_settings(cfg, values)
+        check_task_keys(resolve_run(cfg))
+        return cfg
+
+    # env=custom has no key of the task's own: they are added (a builder by import path, as users name theirs)
+    own = {"_target_": "torchrl_grpo.tasks.gsm8k.build_gsm8k_task", "dataset": "gsm_symbolic", "size": 64}
+    assert checked(["env=custom"], env=own).env.size == 64
+    with pytest.raises(ConfigError, match=r"^env\.num_env: env\.dataset=arithmetic reads no such key \(did you mean "
+                                          r"env\.num_envs\?\)"):
+        checked(env={"judge": {"model": "m"}, "num_env": 4})

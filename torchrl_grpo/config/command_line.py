@@ -74,14 +74,17 @@ def group_choices(config_dir: str, settings: Mapping[str, Any]) -> tuple[list[st
 
 def apply_settings(cfg, values: Mapping[str, Any]) -> None:
     """Set ``values`` (keyword settings: a section's keys as a dict, nested as the config nests them) in the
-    composed ``cfg``; a key the config does not have is a ConfigError naming it, as on the command line."""
+    composed ``cfg``; a key the config does not have is a ConfigError naming it, as on the command line, but for
+    ``env``'s: a task's own keys (``+env.<key>`` on the command line) are added, and its settings class checks them
+    before anything loads (:func:`torchrl_grpo.tasks.check_env`)."""
     from omegaconf import OmegaConf
 
     for key, value in _leaves(cfg, values, ""):
-        OmegaConf.update(cfg, key, value, merge=False, force_add=False)
+        OmegaConf.update(cfg, key, value, merge=False, force_add=key.startswith(TASK_SECTION))
 
 
 _ABSENT = object()
+TASK_SECTION = "env."  # a task's keys: its settings class checks them
 
 
 def _leaves(cfg, values: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, Any]]:
@@ -92,6 +95,9 @@ def _leaves(cfg, values: Mapping[str, Any], prefix: str) -> Iterator[tuple[str, 
     for name, value in values.items():
         key = f"{prefix}{name}"
         node = OmegaConf.select(cfg, key, default=_ABSENT)
+        if node is _ABSENT and key.startswith(TASK_SECTION):
+            yield key, value
+            continue
         if node is _ABSENT:
             raise ConfigError(f"{key}: no such key in the config; check its spelling (config/grpo_gsm8k.yaml names "
                               "every key)")

@@ -88,7 +88,7 @@ def task_settings(env: Mapping[str, Any], label: str, settings: type, shared: Co
         known = declared | TASK_KEYS | set(shared) | {label.split("=")[0].removeprefix("env.")}  # its selector
         for key in env:
             if key not in known:
-                close = difflib.get_close_matches(str(key), sorted(declared | TASK_KEYS), n=1)
+                close = difflib.get_close_matches(str(key), sorted(declared | TASK_KEYS | set(shared)), n=1)
                 guess = f" (did you mean {prefix}.{close[0]}?)" if close else ""
                 fix = " (your own task: start from env=custom)" if label.startswith("env._target_") else ""
                 raise ConfigError(f"{prefix}.{key}: {label} reads no such key{guess}; its own: "
