@@ -495,7 +495,8 @@ def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(own_en
                       env_extra={"TORCHRL_GRPO_CACHE": str(tmp_path / "cache")})  # empty: rank 0 builds, once
              for node in (1, 0)]
     logs = [finished(node) for node in nodes]
-    both = "\n".join(f"--- node {node} stderr:\n{err[-3000:]}" for node, (_, _, err) in zip((1, 0), logs))
+    both = "\n".join(f"--- node {node}:\n{failure_excerpt(subprocess.CompletedProcess([], p.returncode, out, err))}"
+                     for node, (p, out, err) in zip((1, 0), logs))
     for proc, out, err in logs:
         assert proc.returncode == 0, both  # a rank that fails ends the other's rendezvous: show both
         assert live_in_group(proc.pid) == []
@@ -519,7 +520,7 @@ def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(own_en
     # resumed on one node with two ranks: one more step from the checkpoint
     proc, out, err = finished(torchrun(["--nproc-per-node", "2", "--master-port", str(free_port())],
                                        [*args, "train.total_dialog_turns=24", "train.resume=auto"], tmp_path))
-    assert proc.returncode == 0, err[-3000:]
+    assert proc.returncode == 0, failure_excerpt(subprocess.CompletedProcess([], proc.returncode, out, err))
     assert "(step 2)" in out and [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2, 3]
     assert live_in_group(proc.pid) == []
     proc, out, err = finished(torchrun(["--nproc-per-node", "2", "--master-port", str(free_port())],
