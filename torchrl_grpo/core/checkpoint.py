@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from torchrl_grpo.core.errors import ConfigError, one_line
-from torchrl_grpo.core.files import not_written, tree_bytes
+from torchrl_grpo.core.files import not_written, remove_tree, tree_bytes
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 STATE_FILE = "trainer_state.pt"
@@ -100,19 +100,9 @@ def save(directory: Path, step: int, model, tokenizer, state: dict, keep: int = 
         needed = tree_bytes(earlier[-1]) if earlier else max(written, weights_bytes + _tensor_bytes(state))
         raise not_written(final, err, needed) from None
     for old in list_checkpoints(directory)[:-keep] if keep > 0 else []:
-        _remove(old)
+        # out of the step_* names first: a kill during the delete leaves a .tmp_ folder resume skips
+        remove_tree(old, f".tmp_{old.name}_removed_{os.getpid()}")
     return final
-
-
-def _remove(checkpoint: Path) -> None:
-    """Out of the ``step_*`` names first (an atomic rename), then deleted: a kill during the delete leaves a
-    ``.tmp_`` folder that resume skips, never a ``step_*`` one that is half gone."""
-    doomed = checkpoint.with_name(f".tmp_{checkpoint.name}_removed_{os.getpid()}")
-    try:
-        os.replace(checkpoint, doomed)
-    except OSError:
-        return
-    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def _tensor_bytes(obj) -> int:

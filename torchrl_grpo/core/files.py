@@ -48,6 +48,18 @@ def write_replacing(path: Path, text: str) -> None:
         raise not_written(path, err) from None
 
 
+def remove_tree(path: Path, aside: str) -> None:
+    """Delete folder ``path`` after renaming it to ``aside`` (a sibling name): the rename is atomic, so its name is
+    free at once and a kill during the delete leaves only the ``aside`` folder, never ``path`` half gone. Nothing
+    there (or a rename that fails): nothing is done."""
+    moved = path.with_name(aside)
+    try:
+        os.replace(path, moved)
+    except OSError:
+        return
+    shutil.rmtree(moved, ignore_errors=True)
+
+
 def not_written(path: Path, err: Exception, needed: int | None = None) -> NotWritten:
     """The one line for ``path`` that could not be written: the reason, the space left where it goes and, when
     given, about how much is ``needed``."""

@@ -34,6 +34,7 @@ import torch
 
 from torchrl_grpo.core.checkpoint import weights_damage
 from torchrl_grpo.core.errors import ConfigError, one_line
+from torchrl_grpo.core.files import remove_tree
 from torchrl_grpo.core.paths import cache_root
 from torchrl_grpo.models import packaged_smollm2
 from torchrl_grpo.models import tiny as tiny_model
@@ -228,7 +229,8 @@ def _cached_build(final: pathlib.Path, build: Callable[[pathlib.Path], None]) ->
         (tmp / BUILD_MARKER).write_text(json.dumps({"built_s": round(time.perf_counter() - t0, 2),
                                                     "time": time.time()}))
         if final.exists() and not (final / BUILD_MARKER).is_file():
-            _remove_dir(final)  # not ours or not finished: never trusted
+            # not ours or not finished: never trusted
+            remove_tree(final, f".{final.name}.tmp-stale-{os.getpid()}-{time.time_ns()}")
         try:
             os.rename(tmp, final)
         except OSError:
@@ -267,16 +269,6 @@ def _sweep_stale(final: pathlib.Path) -> None:
                 shutil.rmtree(p, ignore_errors=True)
         except OSError:
             pass
-
-
-def _remove_dir(path: pathlib.Path) -> None:
-    """Move aside (atomic), then delete, so the name is free at once."""
-    aside = path.with_name(f".{path.name}.tmp-stale-{os.getpid()}-{time.time_ns()}")
-    try:
-        os.rename(path, aside)
-    except OSError:
-        return
-    shutil.rmtree(aside, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------------------------------------
