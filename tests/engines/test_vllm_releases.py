@@ -11,8 +11,14 @@ from torchrl_grpo.config.placement import Placement
 from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines import vllm_releases
-from torchrl_grpo.engines.vllm_releases import _release, check_supported, choose_sleep, choose_weight_transfer
-from torchrl_grpo.run.build import with_sleep, with_weight_transfer
+from torchrl_grpo.engines.vllm_releases import (
+    _release,
+    check_supported,
+    choose_sleep,
+    choose_weight_transfer,
+    with_sleep,
+)
+from torchrl_grpo.run.build import with_weight_transfer
 
 
 @pytest.fixture

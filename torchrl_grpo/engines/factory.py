@@ -22,7 +22,7 @@ def engine_options(settings: EngineSettings) -> dict:
     return {"gpu_memory_utilization": settings.gpu_memory_utilization, "max_model_len": settings.max_model_len,
             "kv_cache_tokens": kv_cache_tokens(settings), "trust_remote_code": settings.trust_remote_code,
             "engine_process": settings.engine_process, "weight_transfer": settings.weight_transfer,
-            # resolved by the trainer's run (run.build.with_sleep); unresolved, no training shares the engine's GPU
+            # resolved by the trainer's run (vllm_releases.with_sleep); unresolved, no training shares the engine's GPU
             "sleep_level": 0 if settings.sleep == "auto" else int(settings.sleep),
             "lora_rank": settings.lora_rank}
 

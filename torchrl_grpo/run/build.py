@@ -24,7 +24,7 @@ from torchrl_grpo.config.settings import LossSettings, ModelSettings, OptimizerS
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.engines.vllm_releases import choose_sleep, choose_weight_transfer
+from torchrl_grpo.engines.vllm_releases import choose_weight_transfer, with_sleep
 from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.episodes.lengths import fit_prompts
 from torchrl_grpo.episodes.setup import build_episode_task
@@ -312,23 +312,6 @@ def with_weight_transfer(spec: RunSpec) -> RunSpec:
         ["cuda"] if spec.actors.actor_num_gpus > 0 else ["cpu"])
     chosen = choose_weight_transfer(engine.weight_transfer, engines, spec.placement.train)
     return dataclasses.replace(spec, engine=dataclasses.replace(engine, weight_transfer=chosen))
-
-
-def with_sleep(spec: RunSpec) -> RunSpec:
-    """``inference_model.sleep`` resolved to a level for where the run's engine and training roles are
-    (:func:`~torchrl_grpo.engines.vllm_releases.choose_sleep`)."""
-    engine = spec.engine
-    if engine.backend != "vllm":
-        busy = f"inference_model.backend={engine.backend} samples with the trained policy itself"
-    elif spec.actors is not None:
-        busy = "grpo-async.py's rollout actors generate while the trainer trains"
-    elif not spec.train.sync_iter:
-        busy = "with train.sync_iter=false the engine generates the next batch while this one trains"
-    else:
-        busy = None
-    training = [*spec.placement.train, *spec.placement.ref]
-    level = choose_sleep(engine.sleep, spec.placement.inference, training, busy, adapter=engine.lora_rank is not None)
-    return dataclasses.replace(spec, engine=dataclasses.replace(engine, sleep=level))
 
 
 def fit_lengths(spec: RunSpec, model_path: str, tokenizer, task: tuple[Task, Turns] | None,

@@ -13,6 +13,7 @@ from omegaconf import DictConfig
 from torchrl_grpo.config.memory_plan import Device, Engine, GiB, ModelShape, fixes, micro_batch, plan_memory, table
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.engines.vllm_releases import with_sleep
 
 
 def device_memory(device: str, given_gib: float | None = None) -> int | None:
@@ -59,7 +60,7 @@ def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None, device_gib:
 
 def print_plan(cfg: DictConfig, options: PlanOptions) -> int:
     """Print the plan of ``cfg``; 1 when a device cannot hold its roles, else 0."""
-    spec = with_sleep_level(resolve_run(cfg, gpu_count=options.gpus))
+    spec = with_sleep(resolve_run(cfg, gpu_count=options.gpus))
     devices, prompt = run_memory_plan(spec, options.prompt_tokens, options.device_gib)
     print(f"memory plan of model.name={spec.model.name}, micro-batches of prompts up to {prompt} tokens + "
           f"{spec.plan.max_tokens} completion tokens (--prompt-tokens N for your prompts' length):")
@@ -94,19 +95,6 @@ def summary(device: Device) -> str:
     capacity = "" if device.capacity is None else f" of {device.capacity / GiB:.1f}"
     parts = ", ".join(f"{r.name} {r.bytes / GiB:.1f}" for r in device.roles)
     return f"{device.name} {device.total / GiB:.1f}{capacity} GiB ({parts})"
-
-
-def with_sleep_level(spec: RunSpec) -> RunSpec:
-    """``inference_model.sleep`` as a level, as a run resolves it (:func:`choose_sleep`): whether the engine frees
-    its GPU memory while the trainer trains beside it."""
-    from torchrl_grpo.engines.vllm_releases import choose_sleep
-
-    engine = spec.engine
-    busy = engine.backend != "vllm" or spec.actors is not None or not spec.train.sync_iter
-    why = "it generates while the trainer trains" if busy else None
-    level = choose_sleep(engine.sleep, spec.placement.inference, [*spec.placement.train, *spec.placement.ref], why,
-                         adapter=engine.lora_rank is not None)
-    return dataclasses.replace(spec, engine=dataclasses.replace(engine, sleep=level))
 
 
 @dataclasses.dataclass(frozen=True)
