@@ -7,7 +7,8 @@ every row moves the weights). A step is 128k tokens: micro-batches of 16k tokens
 8 of them accumulated into one optimizer step. No engine: generation at these lengths is not what is timed.
 Prints the median over the steps after the first of the trainer's own ``train_tokens_per_s``,
 ``train_flops_per_s`` and ``mfu`` (:mod:`torchrl_grpo.models.flops`), the peak device memory and the peak resident
-set of the process over those steps (what a CPU run holds).
+set of the process over those steps (what a CPU run holds), and what ``torchrl-grpo plan`` predicts the trainer
+holds at this micro-batch (:func:`planned_gib`).
 
     python bench/train_throughput.py --shape qwen3-0.6b --tokens 2048 16384     # on a GPU
     python bench/train_throughput.py --shape tiny --tokens 64 --step-tokens 1024 --micro-tokens 256  # a CPU
@@ -28,9 +29,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from torchrl_grpo.config.memory_plan import Batch, GiB, ModelShape, trainer_role  # noqa: E402
 from torchrl_grpo.config.spec import resolve_run  # noqa: E402
 from torchrl_grpo.objective import log_probs  # noqa: E402
 from torchrl_grpo.run.build import build_trainer, seed_everything  # noqa: E402
+from torchrl_grpo.run.memory import device_memory  # noqa: E402
 
 # transformers configs of the models' published shapes (their config.json), so that nothing is downloaded
 SHAPES = {
@@ -113,9 +116,10 @@ def measure(shape: str, tokens: int, steps: int, overrides: list[str],
     rows, micro, _ = plan(tokens, step_tokens, micro_tokens)
     cfg = bench_config(tokens, steps, overrides, step_tokens, micro_tokens)
     seed_everything(0)
+    spec = resolve_run(cfg)
     with tempfile.TemporaryDirectory() as tmp:
         random_model(shape, Path(tmp))
-        trainer = build_trainer(resolve_run(cfg), tmp)
+        trainer = build_trainer(spec, tmp)
     vocab = trainer.policy.config.vocab_size
     if trainer.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(trainer.device)
@@ -132,14 +136,29 @@ def measure(shape: str, tokens: int, steps: int, overrides: list[str],
         return statistics.median(values) if values else None
 
     peak = torch.cuda.max_memory_allocated(trainer.device) / 2**30 if trainer.device.type == "cuda" else None
+    reserved = torch.cuda.max_memory_reserved(trainer.device) / 2**30 if trainer.device.type == "cuda" else None
     return {"shape": shape, "tokens_per_row": tokens, "rows_per_step": rows, "micro_batch_rows": micro,
             "device": torch.cuda.get_device_name(trainer.device) if trainer.device.type == "cuda" else "cpu",
             "weights": str(next(trainer.policy.parameters()).dtype).removeprefix("torch."),
             "steps_timed": len(timed), "train_tokens_per_s": median("train_tokens_per_s"),
             "train_flops_per_s": median("train_flops_per_s"), "mfu": median("mfu"), "peak_memory_gib": peak,
-            "peak_rss_gib": peak_rss_gib(), "chunk_mib": log_probs.chunk_bytes(trainer.device) >> 20, "ragged": ragged,
-            "overrides": overrides,
+            "peak_reserved_gib": reserved, "peak_rss_gib": peak_rss_gib(),
+            "planned_gib": planned_gib(trainer, spec, micro * tokens, micro * (tokens - min(PROMPT, tokens // 4))),
+            "chunk_mib": log_probs.chunk_bytes(trainer.device) >> 20, "ragged": ragged, "overrides": overrides,
             "loss_finite": all(m["loss"] == m["loss"] for m in per_step)}
+
+
+def planned_gib(trainer, spec, tokens: int, completion: int) -> float:
+    """What the memory plan (``torchrl-grpo plan``) gives the trainer for micro-batches of ``tokens`` tokens
+    (``train.micro_batch_tokens`` where set), ``completion`` of them scored, on the trainer's device; a CPU's plan
+    leaves the process's baseline out, as :func:`reset_peak_rss` does."""
+    budget = spec.plan.micro_batch_tokens
+    if budget is not None:
+        tokens, completion = budget, budget * completion // tokens
+    shape = ModelShape.from_config(trainer.policy.config.to_dict())
+    device = str(trainer.device)
+    batch = Batch(tokens, completion, f"{tokens} tokens")
+    return trainer_role(shape, spec, batch, device_memory(device), device).bytes / GiB
 
 
 def reset_peak_rss() -> None:
@@ -187,7 +206,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     print(f"\n{'shape':14s} {'tokens/row':>10s} {'tokens/s':>10s} {'TFLOP/s':>8s} {'MFU':>6s} {'peak GiB':>8s} "
-          f"{'peak RSS GiB':>12s}")
+          f"{'peak RSS GiB':>12s} {'planned GiB':>11s}")
     for r in rows:
         if "error" in r:
             print(f"{r['shape']:14s} {r['tokens_per_row']:10d} {r['error'][:60]}")
@@ -195,7 +214,8 @@ def main() -> None:
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         peak = "-" if r["peak_memory_gib"] is None else f"{r['peak_memory_gib']:.1f}"
         print(f"{r['shape']:14s} {r['tokens_per_row']:10d} {r['train_tokens_per_s']:10.0f} "
-              f"{r['train_flops_per_s'] / 1e12:8.2f} {mfu:>6s} {peak:>8s} {r['peak_rss_gib']:12.2f}")
+              f"{r['train_flops_per_s'] / 1e12:8.2f} {mfu:>6s} {peak:>8s} {r['peak_rss_gib']:12.2f} "
+              f"{r['planned_gib']:11.2f}")
 
 
 if __name__ == "__main__":
