@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from torchrl_grpo.config.memory_plan import Batch, GiB, ModelShape, trainer_role  # noqa: E402
 from torchrl_grpo.config.spec import resolve_run  # noqa: E402
+from torchrl_grpo.models import packed_attention  # noqa: E402
 from torchrl_grpo.objective import log_probs  # noqa: E402
 from torchrl_grpo.run.build import build_trainer, seed_everything  # noqa: E402
 from torchrl_grpo.run.memory import device_memory  # noqa: E402
@@ -145,6 +146,7 @@ def measure(shape: str, tokens: int, steps: int, overrides: list[str],
             "peak_reserved_gib": reserved, "peak_rss_gib": peak_rss_gib(),
             "planned_gib": planned_gib(trainer, spec, micro * tokens, micro * (tokens - min(PROMPT, tokens // 4))),
             "chunk_mib": log_probs.chunk_bytes(trainer.device) >> 20, "ragged": ragged, "overrides": overrides,
+            "varlen": packed_attention.VARLEN is not None, "cudnn_sdp": torch.backends.cuda.cudnn_sdp_enabled(),
             "loss_finite": all(m["loss"] == m["loss"] for m in per_step)}
 
 
@@ -186,12 +188,20 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int,
                         help="float32 logits per log-prob chunk, at least (default: the package's "
                         "chunk_bytes); 1048576: the whole micro-batch's logits at once")
+    parser.add_argument("--packed-attention", choices=["auto", "sdpa"], default="auto",
+                        help="packed rows' attention: auto (varlen flash-attention on a GPU in half precision), "
+                        "or sdpa row by row")
+    parser.add_argument("--no-cudnn-sdp", action="store_true", help="keep sdpa off its cuDNN kernels")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     parser.add_argument("overrides", nargs="*",
                         help="Hydra overrides of the recipe, e.g. train_model.gradient_checkpointing=false")
     args = parser.parse_args()
     if args.chunk_mib:
         log_probs.CHUNK_BYTES = args.chunk_mib << 20
+    if args.packed_attention == "sdpa":
+        packed_attention.VARLEN = None
+    if args.no_cudnn_sdp:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     rows = []
     for shape in args.shape:
         for tokens in args.tokens:

@@ -15,8 +15,9 @@ from helpers import LORA, cfg_with, padded_rows
 from torchrl_grpo.config.settings import CriticSettings, TrainSettings
 from torchrl_grpo.config.validate import validate
 from torchrl_grpo.core.errors import ConfigError, RunError
+from torchrl_grpo.models import packed_attention
 from torchrl_grpo.models.loading import load_policy
-from torchrl_grpo.models.packed_attention import attend_by_row, sdpa_by_row
+from torchrl_grpo.models.packed_attention import attend_by_row, packed_rows, varlen_rows
 from torchrl_grpo.objective.critic import token_values
 from torchrl_grpo.objective.log_probs import packing_gap, token_log_probs
 from torchrl_grpo.objective.loss import GRPOLoss
@@ -88,7 +89,7 @@ def test_packed_log_probs_and_gradients_are_the_padded_ones(tiny_model_path, lor
     model = load_policy(tiny_model_path, dtype=torch.float64, device="cpu", lora=lora)
     if by_row:
         attend_by_row(model)
-        assert model.config._attn_implementation == "sdpa_by_row"
+        assert model.config._attn_implementation == "packed_rows"
     batch = multi_turn_batch(model.config.vocab_size)
     results = []
     for packed in (False, True):
@@ -239,7 +240,7 @@ def test_grpo_py_trains_packed_micro_batches(tmp_path):
 
 def test_attention_by_row_is_plain_sdpa_for_padded_rows_and_generation(tiny_model_path, tokenizer):
     """The same model serves padded micro-batches and (the transformers engine) generation with a KV cache: there
-    sdpa_by_row is sdpa, bit for bit."""
+    packed_rows is sdpa, bit for bit."""
     from torchrl_grpo.engines.hf import TransformersEngine
 
     plain = load_policy(tiny_model_path, dtype=torch.float32, device="cpu", trainable=False)
@@ -269,12 +270,12 @@ class WrittenElements(TorchDispatchMode):
 
 
 def written_by_backward(rows: int) -> int:
-    """Elements written by sdpa_by_row's backward over 256 tokens packed as ``rows`` rows."""
+    """Elements written by the per-row sdpa's backward over 256 tokens packed as ``rows`` rows."""
     module = types.SimpleNamespace(is_causal=True, num_key_value_groups=1)
     tokens = 256
     positions = torch.arange(tokens // rows).repeat(rows).unsqueeze(0)
     q, k, v = (torch.randn(1, 2, tokens, 4, requires_grad=True) for _ in range(3))
-    out, _ = sdpa_by_row(module, q, k, v, None, position_ids=positions)
+    out, _ = packed_rows(module, q, k, v, None, position_ids=positions)
     written = WrittenElements()
     with written:
         out.sum().backward()
@@ -282,6 +283,76 @@ def written_by_backward(rows: int) -> int:
 
 
 def test_attention_by_row_backward_does_not_grow_with_the_rows():
-    """sdpa_by_row's backward writes as much for 32 rows as for 2 in the same tokens: per-row slices wrote a zero
+    """The per-row sdpa's backward writes as much for 32 rows as for 2 in the same tokens: per-row slices wrote a zero
     tensor of the whole micro-batch for each row (rows x tokens), which made packed steps 3x slower on a GPU."""
     assert written_by_backward(32) < 1.2 * written_by_backward(2)
+
+
+def causal_attention_by_hand(q, k, v, scale):
+    """One row's causal attention in float64 from its definition: q [L, heads, dim], k and v [L, kv heads, dim]."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1).double() for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    scores = scores.masked_fill(torch.ones(len(q), len(q), dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def varlen_stand_in(newer: bool, calls: list):
+    """torch's varlen_attn as the two signatures its releases have (2.10's ``is_causal``, no GQA, no scale; later
+    ``window_size``, ``enable_gqa``, ``scale``), computing each row from :func:`causal_attention_by_hand`."""
+    def rows(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+        bounds = cu_q.tolist()
+        assert cu_q.dtype == torch.int32 and torch.equal(cu_q, cu_k)
+        assert max_q == max_k == max(b - a for a, b in zip(bounds, bounds[1:]))
+        calls.append(bounds)
+        return torch.cat([causal_attention_by_hand(q[a:b], k[a:b], v[a:b], scale)
+                          for a, b in zip(bounds, bounds[1:])]).to(q.dtype)
+
+    if newer:
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1),
+                        enable_gqa=False):
+            assert window_size == (-1, 0) and (enable_gqa or k.shape[1] == q.shape[1])
+            return rows(q, k, v, cu_q, cu_k, max_q, max_k, scale or q.shape[-1] ** -0.5)
+    else:
+        def varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+            assert is_causal and k.shape[1] == q.shape[1]  # no GQA in this release: the heads come repeated
+            return rows(q, k, v, cu_q, cu_k, max_q, max_k, q.shape[-1] ** -0.5)
+    return varlen_attn
+
+
+@pytest.mark.parametrize("newer", [False, True], ids=["torch-2.10", "later"])
+def test_varlen_rows_lays_out_the_packed_rows_for_torchs_varlen_kernel(monkeypatch, newer):
+    """The GPU path's layout, bounds, causality and GQA, against attention computed row by row from its definition
+    (torch's kernel itself needs a CUDA device: the stand-in takes its place, with each release's signature)."""
+    import inspect
+
+    calls = []
+    stand_in = varlen_stand_in(newer, calls)
+    monkeypatch.setattr(packed_attention, "VARLEN", stand_in)
+    monkeypatch.setattr(packed_attention, "VARLEN_PARAMS", inspect.signature(stand_in).parameters)
+    g = torch.Generator().manual_seed(0)
+    sizes = [5, 3, 8]
+    query = torch.randn(1, 4, sum(sizes), 8, generator=g, dtype=torch.float64)
+    key, value = (torch.randn(1, 2, sum(sizes), 8, generator=g, dtype=torch.float64) for _ in range(2))
+    out = varlen_rows(query, key, value, [0, 5, 8, 16], scaling=8 ** -0.5)
+    assert calls == [[0, 5, 8, 16]] and out.shape == (1, 16, 4, 8)
+    begin = 0
+    for size in sizes:
+        row = slice(begin, begin + size)
+        expected = causal_attention_by_hand(*(t[0, :, row].transpose(0, 1) for t in (query, key, value)), 8 ** -0.5)
+        torch.testing.assert_close(out[0, row], expected)
+        begin += size
+
+
+def test_packed_rows_takes_varlen_only_where_the_kernel_runs(monkeypatch):
+    """On a CPU, or in float32, the rows go through sdpa one by one; a sliding window takes transformers' mask."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("varlen_attn called off a GPU")
+
+    monkeypatch.setattr(packed_attention, "VARLEN", refuse)
+    module = types.SimpleNamespace(is_causal=True, num_key_value_groups=1)
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    q, k, v = (torch.randn(1, 2, 8, 4, dtype=torch.bfloat16) for _ in range(3))
+    out, _ = packed_rows(module, q, k, v, None, position_ids=positions)
+    first = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], is_causal=True)
+    torch.testing.assert_close(out[0, :3], first[0].transpose(0, 1))
+    assert not packed_attention.varlen_fits(q, None)  # a CPU tensor
