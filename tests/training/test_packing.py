@@ -10,6 +10,7 @@ import pytest
 import torch
 from tensordict import TensorDict
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from helpers import LORA, cfg_with, padded_rows
 from torchrl_grpo.config.settings import CriticSettings, TrainSettings
@@ -356,3 +357,6 @@ def test_packed_rows_takes_varlen_only_where_the_kernel_runs(monkeypatch):
     first = torch.nn.functional.scaled_dot_product_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], is_causal=True)
     torch.testing.assert_close(out[0, :3], first[0].transpose(0, 1))
     assert not packed_attention.varlen_fits(q, None)  # a CPU tensor
+    window = torch.ones(8, 8, dtype=torch.bool).tril() & ~torch.ones(8, 8, dtype=torch.bool).tril(-2)
+    windowed, _ = packed_rows(module, q, k, v, window[None, None], position_ids=positions, sliding_window=2)
+    torch.testing.assert_close(windowed, sdpa_attention_forward(module, q, k, v, window[None, None])[0])
