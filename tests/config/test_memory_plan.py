@@ -148,6 +148,7 @@ def test_the_plan_command_prints_each_device_total_and_refuses_a_bad_override_in
     assert abs(total - sum(sizes)) <= 0.01 * len(sizes)  # the items, each rounded
     assert total == pytest.approx((CPU_PROCESS_BASELINE + VLLM_CPU_WORKING) / GiB, abs=0.05)  # tiny weighs nothing
     assert "4 rows x 116 tokens" in out.stdout and not list(tmp_path.iterdir())  # nothing written
+    assert out.stdout.splitlines()[-1].startswith("step time: not planned on a CPU")
     bad = subprocess.run([*command[:4], "train.optim_batch_size=3"], cwd=tmp_path, capture_output=True, text=True,
                          env=env)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr

@@ -12,6 +12,7 @@ from omegaconf import DictConfig
 
 from torchrl_grpo.config.memory_plan import Device, Engine, GiB, ModelShape, fixes, micro_batch, plan_memory, table
 from torchrl_grpo.config.spec import RunSpec, resolve_run
+from torchrl_grpo.config.step_time import step_time_line
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.vllm_releases import with_sleep
 
@@ -35,20 +36,28 @@ def longest_prompt(spec: RunSpec) -> int:
     return max(1, spec.collect.max_model_len - spec.plan.max_tokens)
 
 
+def model_shape(spec: RunSpec, model_path: str | None = None) -> ModelShape:
+    """The policy's shape from ``model_path``'s config.json (resolved) or ``model.name``'s (local, cached or
+    shipped)."""
+    from torchrl_grpo.models.sources import model_config
+
+    if model_path:
+        return ModelShape.from_config(json.loads((Path(model_path) / "config.json").read_text()))
+    return ModelShape.from_config(model_config(spec.model.name, spec.model.trust_remote_code))
+
+
 def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None, device_gib: float | None = None,
-                    model_path: str | None = None) -> tuple[list[Device], int]:
+                    model_path: str | None = None, shape: ModelShape | None = None) -> tuple[list[Device], int]:
     """The plan's devices for ``spec`` with prompts of ``prompt_tokens`` (default :func:`longest_prompt`), GPUs of
-    ``device_gib`` GiB where given, the model's shape from ``model_path`` (resolved) or ``model.name``; and the
-    prompt length used."""
+    ``device_gib`` GiB where given, the model's ``shape`` (default: :func:`model_shape`); and the prompt length
+    used."""
     from torchrl_grpo.engines.factory import kv_cache_tokens
     from torchrl_grpo.models.sources import model_config
 
-    trust = spec.model.trust_remote_code
-    config = json.loads((Path(model_path) / "config.json").read_text()) if model_path else None
-    shape = ModelShape.from_config(config or model_config(spec.model.name, trust))
+    shape = shape or model_shape(spec, model_path)
     critic = None
     if spec.critic.enabled and spec.critic.model is not None:
-        critic = ModelShape.from_config(model_config(spec.critic.model, trust))
+        critic = ModelShape.from_config(model_config(spec.critic.model, spec.model.trust_remote_code))
     prompt = longest_prompt(spec) if prompt_tokens is None else prompt_tokens
     placement = spec.placement
     names = {*placement.train, *placement.ref, *placement.inference}
@@ -61,11 +70,22 @@ def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None, device_gib:
 def print_plan(cfg: DictConfig, options: PlanOptions) -> int:
     """Print the plan of ``cfg``; 1 when a device cannot hold its roles, else 0."""
     spec = with_sleep(resolve_run(cfg, gpu_count=options.gpus))
-    devices, prompt = run_memory_plan(spec, options.prompt_tokens, options.device_gib)
+    shape = model_shape(spec)
+    devices, prompt = run_memory_plan(spec, options.prompt_tokens, options.device_gib, shape=shape)
     print(f"memory plan of model.name={spec.model.name}, micro-batches of prompts up to {prompt} tokens + "
           f"{spec.plan.max_tokens} completion tokens (--prompt-tokens N for your prompts' length):")
     print(table(devices, fixes(spec)))
+    print(step_time_line(shape, spec, prompt, None if options.gpus else gpu_name(spec.placement.train[0])))
     return 0 if all(d.fits for d in devices) else 1
+
+
+def gpu_name(device: str) -> str | None:
+    """torch's name of ``device`` where it is a GPU of this machine, else None."""
+    import torch
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(torch.device(device).index or 0)
 
 
 def check_memory(spec: RunSpec, model_path: str) -> None:

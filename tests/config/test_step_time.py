@@ -1,0 +1,58 @@
+"""The plan's step time (torchrl_grpo/config/step_time.py): the FLOPs of a step's updates and the measured FLOP/s
+between row lengths, against values computed here by hand."""
+import pytest
+
+from helpers import cfg_with
+from torchrl_grpo.config.memory_plan import ModelShape
+from torchrl_grpo.config.spec import resolve_run
+from torchrl_grpo.config.step_time import Measured, flops_per_s, measured_for, step_time_line, update_flops
+
+# Qwen2.5-1.5B's published shape (tied): hidden 1536, 28 layers, 12 heads of 128 (2 KV heads), MLP 8960, vocab 151,936
+QWEN_1_5B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
+             "num_hidden_layers": 28, "num_attention_heads": 12, "num_key_value_heads": 2,
+             "tie_word_embeddings": True}
+
+
+def gpu_spec(*overrides, gpus=1):
+    return resolve_run(cfg_with("model=tiny", "env.num_envs=4", "env.repeats=8", "train.optim_batch_size=8",
+                                "inference_model.max_tokens=1000", *overrides), gpu_count=gpus)
+
+
+def test_flops_per_s_are_log_linear_between_measured_lengths_and_held_beyond():
+    measured = [Measured("H200", "m", 1, 1, 1, 1000, 1e12), Measured("H200", "m", 1, 1, 1, 100_000, 3e12)]
+    assert flops_per_s(measured, 10_000) == pytest.approx(2e12)  # halfway in log length
+    assert flops_per_s(measured, 1000) == 1e12 and flops_per_s(measured, 100_000) == 3e12
+    assert flops_per_s(measured, 10) == 1e12 and flops_per_s(measured, 10**7) == 3e12
+
+
+def test_update_flops_of_a_step_by_hand():
+    """6 N T + 12 L H Q T^2 per row (forward 2 N T + 4 L H Q T^2, backward twice it), N every weight of a matmul
+    (tied: the embedding once, as the head), for each of the step's completions, each epoch, on one of two ranks."""
+    shape = ModelShape.from_config(QWEN_1_5B)
+    hidden, layers, vocab, mlp = 1536, 28, 151936, 8960
+    per_layer = (hidden * hidden + hidden + 2 * (hidden * 256 + 256)  # q with bias, k and v (2 heads of 128) with bias
+                 + hidden * hidden + 3 * hidden * mlp + 2 * hidden)  # o, gate/up/down, two norms
+    n = vocab * hidden + layers * per_layer + hidden
+    spec = gpu_spec("train.epochs=2", "train.strategy=fsdp", "train_model.num_devices=2", gpus=4)
+    assert spec.placement.ranks == 2 and spec.plan.completions_per_step == 32
+    row = 1100
+    per_row = 3 * (2 * n * row + 4 * layers * 12 * 128 * row * row)
+    assert update_flops(shape, spec, row) == 32 * 2 // 2 * per_row
+
+
+def test_the_plan_gives_a_measured_shape_its_step_time_and_others_why_not():
+    shape = ModelShape.from_config(QWEN_1_5B)
+    spec = gpu_spec()
+    row = 100 + 1000
+    measured = measured_for(shape, "NVIDIA H200")
+    assert [m.row_tokens for m in measured] == [2048, 16384]
+    seconds = update_flops(shape, spec, row) / measured[0].flops_per_s  # below 2,048 tokens: held at its figure
+    line = step_time_line(shape, spec, 100, "NVIDIA H200")
+    assert f"about {seconds:.1f} s on an H200 a step, with rows of 1100 tokens" in line
+    assert "LoRA" not in line
+    assert "this run has LoRA" in step_time_line(shape, gpu_spec("train_model.lora.enabled=true"), 100, None)
+    assert "not measured on NVIDIA A100" in step_time_line(shape, spec, 100, "NVIDIA A100-SXM4-80GB")
+    other = ModelShape.from_config({**QWEN_1_5B, "num_hidden_layers": 24})
+    assert "this model's shape was not measured" in step_time_line(other, spec, 100, None)
+    cpu = resolve_run(cfg_with("model=tiny"))
+    assert step_time_line(shape, cpu, 100, None).startswith("step time: not planned on a CPU")

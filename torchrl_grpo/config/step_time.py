@@ -1,0 +1,94 @@
+"""The trainer's time per step, planned from the model FLOP/s measured for the same model shape on a GPU kind.
+
+A step's update costs :func:`torchrl_grpo.models.flops.update_flops` over its rows; the trainer's measured FLOP/s
+(``bench/train_throughput.py``: the ``grpo_gsm8k`` recipe, full fine-tuning in bf16 with gradient checkpointing and
+chunked log-probs; docs/benchmarks.md) turn that into seconds. FLOP/s grow with the row length (longer rows, larger
+matmuls), so they are interpolated between the measured lengths (log-linear) and held at the ends. Only shapes
+measured are planned: MFU differs too much between models to carry one model's figure to another.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from torchrl_grpo.config.memory_plan import ModelShape
+from torchrl_grpo.config.spec import RunSpec
+from torchrl_grpo.models.flops import FORWARD_AND_BACKWARD
+from torchrl_grpo.models.flops import ModelShape as FlopsShape
+
+
+@dataclass(frozen=True)
+class Measured:
+    """The trainer's model FLOP/s at rows of ``row_tokens`` tokens on a ``gpu`` (a word of its torch name) for the
+    shape named, recognised by its hidden size, layers and MLP width."""
+
+    gpu: str
+    name: str
+    hidden: int
+    layers: int
+    intermediate: int
+    row_tokens: int
+    flops_per_s: float
+
+
+# bench/gpu_long_rows.sh on one H200 (docs/benchmarks.md, "The trainer on a GPU"): the chunked rows
+MEASURED = (
+    Measured("H200", "Qwen3-0.6B", 1024, 28, 3072, 2048, 179.4e12),
+    Measured("H200", "Qwen3-0.6B", 1024, 28, 3072, 16384, 369.4e12),
+    Measured("H200", "Qwen2.5-1.5B", 1536, 28, 8960, 2048, 315.2e12),
+    Measured("H200", "Qwen2.5-1.5B", 1536, 28, 8960, 16384, 409.1e12),
+)
+
+
+def measured_for(shape: ModelShape, gpu: str | None = None) -> list[Measured]:
+    """The measurements of ``shape`` on the GPU named ``gpu`` (any GPU kind when None), shortest rows first."""
+    rows = [m for m in MEASURED if (m.hidden, m.layers, m.intermediate) == (shape.hidden, shape.layers,
+                                                                           shape.intermediate)
+            and (gpu is None or m.gpu in gpu)]
+    return sorted(rows, key=lambda m: m.row_tokens)
+
+
+def flops_per_s(measured: list[Measured], row_tokens: int) -> float:
+    """The measured FLOP/s at rows of ``row_tokens``: log-linear between two measured lengths, held beyond them."""
+    below = [m for m in measured if m.row_tokens <= row_tokens] or measured[:1]
+    above = [m for m in measured if m.row_tokens >= row_tokens] or measured[-1:]
+    low, high = below[-1], above[0]
+    if low.row_tokens == high.row_tokens:
+        return low.flops_per_s
+    share = math.log(row_tokens / low.row_tokens) / math.log(high.row_tokens / low.row_tokens)
+    return low.flops_per_s + share * (high.flops_per_s - low.flops_per_s)
+
+
+def update_flops(shape: ModelShape, spec: RunSpec, row_tokens: int) -> int:
+    """The model FLOPs of one step's updates on one data-parallel rank: every completion of the step, ``train.epochs``
+    times, each a row of ``row_tokens`` tokens, forward and backward."""
+    matmul = shape.parameters - (0 if shape.tied else shape.embedding)  # the input embedding is a lookup
+    flops = FlopsShape(matmul, shape.layers, shape.heads, shape.head_dim)
+    plan = spec.plan
+    rows = plan.completions_per_step * plan.epochs / spec.placement.ranks
+    return int(rows * flops.forward_flops([row_tokens]) * FORWARD_AND_BACKWARD)
+
+
+def step_time_line(shape: ModelShape, spec: RunSpec, prompt_tokens: int, gpu: str | None) -> str:
+    """One line for the plan: the trainer's update time per step where this shape was measured on this GPU kind
+    (``gpu``: torch's name of the trainer's GPU; None where the machine that plans has none, then each kind
+    measured), or why it is not planned."""
+    row = prompt_tokens + spec.plan.max_tokens
+    if not spec.placement.train[0].startswith("cuda"):
+        return ("step time: not planned on a CPU (machines differ): bench/train_throughput.py measures this one's "
+                "tokens/s")
+    measured = measured_for(shape, gpu)
+    if not measured:
+        shapes = sorted({f"{m.name} on an {m.gpu}" for m in MEASURED})
+        return (f"step time: not planned, this model's shape was not measured{f' on {gpu}' if gpu else ''} "
+                f"(measured: {', '.join(shapes)}); bench/train_throughput.py measures it")
+    flops = update_flops(shape, spec, row)
+    kinds = sorted({m.gpu for m in measured})
+    parts = [f"{flops / flops_per_s([m for m in measured if m.gpu == kind], row):.1f} s on an {kind}"
+             for kind in kinds]
+    differs = [note for note, differs in (("LoRA", spec.model.lora is not None),
+                                          ("gradient checkpointing off", not spec.model.gradient_checkpointing))
+               if differs]
+    caveat = f"; measured with full fine-tuning and checkpointing, this run has {' and '.join(differs)}" * bool(differs)
+    return (f"step time: the trainer's updates about {', '.join(parts)} a step, with rows of {row} tokens "
+            f"({flops / 1e12:.0f} TFLOP a rank; generation and the reference's pass not counted{caveat})")
