@@ -3,7 +3,8 @@
 A step's update costs :func:`torchrl_grpo.models.flops.update_flops` over its rows; the trainer's measured FLOP/s
 (``bench/train_throughput.py``: the ``grpo_gsm8k`` recipe, full fine-tuning in bf16 with gradient checkpointing and
 chunked log-probs; docs/benchmarks.md) turn that into seconds. FLOP/s grow with the row length (longer rows, larger
-matmuls), so they are interpolated between the measured lengths (log-linear) and held at the ends. Only shapes
+matmuls), so they are interpolated between the measured lengths (log-linear) and held at the ends: below the
+shortest the time is a lower bound. Only shapes
 measured are planned: MFU differs too much between models to carry one model's figure to another.
 """
 from __future__ import annotations
@@ -84,11 +85,13 @@ def step_time_line(shape: ModelShape, spec: RunSpec, prompt_tokens: int, gpu: st
                 f"(measured: {', '.join(shapes)}); bench/train_throughput.py measures it")
     flops = update_flops(shape, spec, row)
     kinds = sorted({m.gpu for m in measured})
+    # rows shorter than the shortest measured keep its FLOP/s, which shorter rows do not reach: a lower bound
+    bound = "at least" if row < measured[0].row_tokens else "about"
     parts = [f"{flops / flops_per_s([m for m in measured if m.gpu == kind], row):.1f} s on an {kind}"
              for kind in kinds]
     differs = [note for note, differs in (("LoRA", spec.model.lora is not None),
                                           ("gradient checkpointing off", not spec.model.gradient_checkpointing))
                if differs]
     caveat = f"; measured with full fine-tuning and checkpointing, this run has {' and '.join(differs)}" * bool(differs)
-    return (f"step time: the trainer's updates about {', '.join(parts)} a step, with rows of {row} tokens "
+    return (f"step time: the trainer's updates {bound} {', '.join(parts)} a step, with rows of {row} tokens "
             f"({flops / 1e12:.0f} TFLOP a rank; generation and the reference's pass not counted{caveat})")
