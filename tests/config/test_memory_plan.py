@@ -89,6 +89,36 @@ def test_the_trainer_holds_weights_gradients_and_adam_state_and_fsdp_ranks_divid
     assert items["FSDP2 gathered"] == (LAYER + 2 * 32 * 8) * 4 * 2
 
 
+def test_a_layer_split_over_gpus_puts_each_share_of_the_layers_on_its_gpu():
+    """train.strategy=layer_split: three layers over two GPUs, two on the first with the embedding, one on the second
+    with the final norm, the head and the logits; together what one GPU would hold, bar the per-device constants."""
+    shape = ModelShape.from_config({**SMALL, "num_hidden_layers": 3})
+    spec = resolve_run(cfg_with("model=tiny", "train.strategy=layer_split", "train_model.num_devices=2",
+                                "train.kl_to_ref_coeff=0"), gpu_count=3)
+    assert spec.placement.train == ["cuda:0", "cuda:1"] and spec.placement.ranks == 1
+    batch = Batch(64, 16, "")
+    devices = plan_memory(shape, spec, batch, {"cuda:0": 80 * GiB, "cuda:1": 80 * GiB}, Engine(1000))
+    first, second = (role_items(d.roles[0]) for d in devices[:2])
+    weight = spec.precision.train_weights.itemsize
+    assert first["weights"] == (32 * 8 + 2 * LAYER) * weight
+    assert second["weights"] == (LAYER + 8 + 32 * 8) * weight
+    assert first["gradients"] == first["weights"] and second["optimizer state"] == 2 * second["weights"]
+    assert "logits chunk" not in first and second["logits chunk"] > 0
+    whole = role_items(trainer_role(shape, spec, batch, 80 * GiB, "cuda:0"))
+    assert first["weights"] + second["weights"] == whole["weights"] == (PARAMS + LAYER) * weight
+    # checkpointing: each layer's input (8 x the residual's bytes a token) where the layer is, the recompute of one
+    # layer and the hidden-state gradients on each GPU
+    per_layer_input = 64 * 8 * weight
+    assert first["activations"] - second["activations"] == per_layer_input
+    assert whole["activations"] - first["activations"] == per_layer_input
+    lora = resolve_run(cfg_with("model=tiny", "train.strategy=layer_split", "train_model.num_devices=2",
+                                "train_model.lora.enabled=true", "train_model.lora.modules_to_save=[lm_head]"),
+                       gpu_count=3)
+    shares = [role_items(d.roles[0]) for d in plan_memory(shape, lora, batch, {}, Engine(1000))[:2]]
+    adapters = shape.lora_parameters(lora.model.lora) - 32 * 8  # the saved head apart
+    assert [s["gradients"] // 4 for s in shares] == [adapters * 2 // 3, adapters // 3 + 32 * 8]
+
+
 def test_with_lora_the_gradients_and_optimizer_state_are_the_adapters_only():
     shape = ModelShape.from_config(SMALL)
     lora = shape.lora_parameters({"r": 8})

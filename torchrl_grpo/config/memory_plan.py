@@ -110,13 +110,22 @@ class ModelShape:
         """The same body under a value head (one output and its bias per position) instead of the LM head."""
         return self.embedding + self.layers * self.layer_parameters() + self.hidden + self.hidden + 1
 
-    def lora_parameters(self, lora: Mapping[str, Any]) -> int:
+    def lora_parameters(self, lora: Mapping[str, Any], share: LayerShare | None = None) -> int:
         """Trainable parameters of ``train_model.lora``: r x (in + out) per targeted linear layer, and the whole
-        ``modules_to_save`` (the head or the embedding)."""
+        ``modules_to_save`` (the head or the embedding); of the layers and modules a device holds with ``share``."""
+        share = share or LayerShare(0, self.layers)
         knobs = check_lora(lora)
         per_layer = sum(knobs["r"] * (fan_in + fan_out) for fan_in, fan_out in self.lora_targets(lora))
         saved = knobs["modules_to_save"] or []
-        return self.layers * per_layer + sum(self.embedding for m in saved if m in ("lm_head", "embed_tokens"))
+        held = {"embed_tokens": share.first, "lm_head": share.last}
+        return share.layers * per_layer + sum(self.embedding for m in saved if held.get(m))
+
+    def parameters_of(self, share: LayerShare) -> int:
+        """The parameters a device holds with ``share`` of the layers: the embedding on the first (with a tied head),
+        the final norm and an untied head on the last."""
+        head = 0 if self.tied else self.embedding
+        return (share.layers * self.layer_parameters() + (self.embedding if share.first else 0)
+                + (self.hidden + head if share.last else 0))
 
     def lora_targets(self, lora: Mapping[str, Any]) -> list[tuple[int, int]]:
         """The (in, out) features of each decoder layer's linear layers ``train_model.lora.target_modules`` names."""
@@ -201,6 +210,26 @@ class Batch:
     describe: str
 
 
+@dataclass(frozen=True)
+class LayerShare:
+    """What one GPU holds of a model whose layers one process splits over several (``train.strategy=layer_split``,
+    transformers' ``device_map``): ``layers`` decoder layers from ``start``, the input embedding on the first
+    device, the final norm and the head on the last (where the logits are computed)."""
+
+    start: int
+    layers: int
+    first: bool = True
+    last: bool = True
+
+
+def layer_shares(layers: int, devices: int) -> list[LayerShare]:
+    """Even shares of ``layers`` over ``devices``, the first ones a layer more where they do not divide (transformers'
+    balanced map gives about this; the embedding may move its cut by a layer)."""
+    counts = [layers // devices + (i < layers % devices) for i in range(devices)]
+    starts = [sum(counts[:i]) for i in range(devices)]
+    return [LayerShare(start, count, i == 0, i == devices - 1) for i, (start, count) in enumerate(zip(starts, counts))]
+
+
 def micro_batch(spec: RunSpec, prompt_tokens: int) -> Batch:
     """A rank's share of the planned micro-batch with prompts of ``prompt_tokens`` tokens: of
     ``train.optim_batch_size`` rows of prompt + ``inference_model.max_tokens`` each data-parallel rank takes an equal
@@ -215,16 +244,19 @@ def micro_batch(spec: RunSpec, prompt_tokens: int) -> Batch:
                  f"{rows} rows x {row} tokens" + (f" (a rank's share of {plan.micro_batch})" if ranks > 1 else ""))
 
 
-def activation_bytes(shape: ModelShape, spec: RunSpec, batch: Batch, checkpointing: bool) -> int:
-    """The trainer's activations at the peak of a micro-batch's backward. Without checkpointing every layer's
-    (:func:`layer_activation_bytes`); with it each layer's input and one layer recomputed at a time. Both add the
-    final norm's and the hidden-state gradients flowing back (three hidden states per token in float32)."""
+def activation_bytes(shape: ModelShape, spec: RunSpec, batch: Batch, checkpointing: bool,
+                     layers: int | None = None) -> int:
+    """The trainer's activations at the peak of a micro-batch's backward, over ``layers`` of the model's layers
+    (default: all). Without checkpointing every layer's (:func:`layer_activation_bytes`); with it each layer's input
+    and one layer recomputed at a time. Both add the final norm's and the hidden-state gradients flowing back (three
+    hidden states per token in float32)."""
+    layers = shape.layers if layers is None else layers
     precision = spec.precision
     compute = torch.bfloat16 if precision.autocast_bf16 else precision.train_weights
     casts = 2 if precision.autocast_bf16 and precision.train_weights.itemsize > 2 else 0
     residual = precision.train_weights.itemsize  # the residual stream stays in the weights' dtype
     layer = layer_activation_bytes(shape, compute, torch.float32, casts)
-    kept = shape.hidden * residual * shape.layers + layer if checkpointing else layer * shape.layers
+    kept = shape.hidden * residual * layers + layer if checkpointing else layer * layers
     return batch.tokens * (kept + 3 * shape.hidden * FLOAT32)
 
 
@@ -250,41 +282,45 @@ class Engine:
     kv_tokens: int
 
 
-def trainer_role(shape: ModelShape, spec: RunSpec, batch: Batch, capacity: int | None, device: str | None = None
-                 ) -> Role:
+def trainer_role(shape: ModelShape, spec: RunSpec, batch: Batch, capacity: int | None, device: str | None = None,
+                 share: LayerShare | None = None) -> Role:
     """The trained policy's bytes per process on ``device`` (default: the first train device): weights, gradients
     and optimizer state (sharded over the FSDP2 ranks, each with one layer and the root's parameters gathered),
-    activations and the logits chunk."""
+    activations and the logits chunk; of the ``share`` of its layers the device holds in a layer split."""
     precision, ranks = spec.precision, spec.placement.ranks
     device = device or spec.placement.train[0]
+    whole = share is None
+    share = share or LayerShare(0, shape.layers)
     checkpointing = spec.model.gradient_checkpointing
     weight = precision.train_weights.itemsize
-    total = shape.parameters
-    trained = total if spec.model.lora is None else shape.lora_parameters(spec.model.lora)
+    total = shape.parameters_of(share)
+    trained = total if spec.model.lora is None else shape.lora_parameters(spec.model.lora, share)
     adapter = 0 if spec.model.lora is None else trained * FLOAT32  # PEFT keeps adapters in float32
     weights = total * weight + adapter
     grad_bytes = trained * (FLOAT32 if spec.model.lora is not None else weight)
     states = OPTIMIZER_STATES[spec.optimizer.name] * grad_bytes
+    layers = "" if whole else f" (layers {share.start}-{share.start + share.layers - 1})"
     items = [Item("weights", weights // ranks, f"{total / 1e6:.1f}M x {dtype_name(precision.train_weights)}"
-                  + (f" + LoRA {trained / 1e6:.2f}M float32" if spec.model.lora is not None else "")),
+                  + (f" + LoRA {trained / 1e6:.2f}M float32" if spec.model.lora is not None else "") + layers),
              Item("gradients", grad_bytes // ranks, f"{trained / 1e6:.1f}M trained"),
              Item("optimizer state", states // ranks, f"{spec.optimizer.name}: "
                   f"{OPTIMIZER_STATES[spec.optimizer.name]} per trained parameter")]
     if spec.model.lora is not None and spec.engine.backend == "vllm" and spec.engine.lora_rank is None:
-        merged = shape.merged_lora_weights(spec.model.lora) * weight
+        merged = shape.merged_lora_weights(spec.model.lora) * share.layers // shape.layers * weight
         items.append(Item("merged weights for a push", merged, "LoRA merged into each targeted weight, all at once"))
     if ranks > 1:
         gathered = (shape.layer_parameters() + shape.embedding * (1 if shape.tied else 2))
         gathered_bytes = gathered * (2 if precision.autocast_bf16 else weight) * 2
         items.append(Item("FSDP2 gathered", gathered_bytes, "one layer and the root, weights and gradients"))
-    other = activation_bytes(shape, spec, batch, not checkpointing)
+    other = activation_bytes(shape, spec, batch, not checkpointing, share.layers)
     on = "on" if checkpointing else "off"
-    items.append(Item("activations", activation_bytes(shape, spec, batch, checkpointing),
+    items.append(Item("activations", activation_bytes(shape, spec, batch, checkpointing, share.layers),
                       f"{batch.describe}, gradient checkpointing {on} (turned "
                       f"{'off' if checkpointing else 'on'}: {other / GiB:.2f} GiB)"))
-    chunk = min(batch.completion, chunk_tokens(shape, device, capacity))
-    items.append(Item("logits chunk", logits_bytes(shape, batch, device, capacity),
-                      f"{LOGITS_CHUNKS_LIVE} x {chunk} tokens x {shape.vocab} vocab float32"))
+    if share.last:
+        chunk = min(batch.completion, chunk_tokens(shape, device, capacity))
+        items.append(Item("logits chunk", logits_bytes(shape, batch, device, capacity),
+                          f"{LOGITS_CHUNKS_LIVE} x {chunk} tokens x {shape.vocab} vocab float32"))
     return Role("trainer", device, tuple(items), processes=ranks if device == "cpu" else 1)
 
 
@@ -303,10 +339,16 @@ def plan_memory(shape: ModelShape, spec: RunSpec, batch: Batch, capacities: Mapp
     if train_on == "cpu":
         add(Role("process", "cpu", (Item("python, torch, transformers", baseline, "measured, per process"),),
                  processes=placement.ranks))
-    # data-parallel ranks on GPUs: each its own GPU, all alike (one process splitting layers: all on the first)
-    ranks_on = placement.train if placement.ranks > 1 and train_on.startswith("cuda") else [train_on]
+    # data-parallel ranks on GPUs: each its own GPU, all alike; one process splitting the layers: a share on each
+    gpus = len(placement.train) if train_on.startswith("cuda") else 1
+    ranks_on = placement.train if gpus > 1 and placement.ranks > 1 else [train_on]
+    if gpus > 1 and placement.ranks == 1:
+        trainers = list(zip(placement.train, layer_shares(shape.layers, gpus)))
+    else:
+        trainers = [(rank_on, None) for rank_on in ranks_on]
+    for device, share in trainers:
+        add(trainer_role(shape, spec, batch, capacities.get(device), device, share))
     for rank_on in ranks_on:
-        add(trainer_role(shape, spec, batch, capacities.get(rank_on), rank_on))
         if spec.train.reference and spec.model.lora is None:
             ref = shape.parameters * precision.reference.itemsize // placement.ranks
             ref_on = rank_on if len(ranks_on) > 1 else placement.ref[0]
