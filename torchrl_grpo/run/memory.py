@@ -12,9 +12,9 @@ from omegaconf import DictConfig
 
 from torchrl_grpo.config.memory_plan import Device, Engine, GiB, ModelShape, fixes, micro_batch, plan_memory, table
 from torchrl_grpo.config.spec import RunSpec, resolve_run
-from torchrl_grpo.config.step_time import step_time_line
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.vllm_releases import with_sleep
+from torchrl_grpo.run.step_time import step_time_line
 
 
 def device_memory(device: str, given_gib: float | None = None) -> int | None:

@@ -1,4 +1,4 @@
-"""The plan's step time (torchrl_grpo/config/step_time.py): the FLOPs of a step's updates and the measured FLOP/s
+"""The plan's step time (torchrl_grpo/run/step_time.py): the FLOPs of a step's updates and the measured FLOP/s
 between row lengths, against values computed here by hand."""
 import math
 
@@ -7,7 +7,7 @@ import pytest
 from helpers import cfg_with
 from torchrl_grpo.config.memory_plan import ModelShape
 from torchrl_grpo.config.spec import resolve_run
-from torchrl_grpo.config.step_time import Measured, flops_per_s, measured_for, step_time_line, update_flops
+from torchrl_grpo.run.step_time import Measured, flops_per_s, measured_for, step_time_line, update_flops
 
 # Qwen2.5-1.5B's published shape (tied): hidden 1536, 28 layers, 12 heads of 128 (2 KV heads), MLP 8960, vocab 151,936
 QWEN_1_5B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
