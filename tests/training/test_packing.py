@@ -360,3 +360,13 @@ def test_packed_rows_takes_varlen_only_where_the_kernel_runs(monkeypatch):
     window = torch.ones(8, 8, dtype=torch.bool).tril() & ~torch.ones(8, 8, dtype=torch.bool).tril(-2)
     windowed, _ = packed_rows(module, q, k, v, window[None, None], position_ids=positions, sliding_window=2)
     torch.testing.assert_close(windowed, sdpa_attention_forward(module, q, k, v, window[None, None])[0])
+
+
+def test_row_bounds_are_read_once_per_position_ids_tensor():
+    """Every layer of a forward gets the same position ids: their bounds are computed once (one host sync), and new
+    position ids (the next micro-batch) are read again."""
+    positions = torch.tensor([[0, 1, 2, 0, 1]])
+    first = packed_attention.row_bounds(positions)
+    assert first == [0, 3, 5] and packed_attention.row_bounds(positions) is first
+    assert packed_attention.row_bounds(torch.tensor([[0, 1, 0, 1, 2]])) == [0, 2, 5]
+    assert packed_attention.row_bounds(torch.tensor([[0, 1, 2, 3, 4]])) is None  # one row: plain sdpa

@@ -23,17 +23,21 @@ except ImportError:  # torch before 2.10
     VARLEN = None
 
 NAME = "packed_rows"
-_bounds_of: list = [None, None]  # the last position ids seen and their rows' bounds: every layer reads the same ones
+# the last position ids seen and their rows' bounds, one tuple swapped whole (a generating thread may call too): every
+# layer of a forward reads the same position ids
+_last_bounds: tuple = (None, None)
 
 
 def row_bounds(positions: torch.Tensor) -> list[int] | None:
     """Where each packed row starts, and the total length, from ``positions`` ([1, T], restarting at 0 at each row);
     None unless they describe two or more rows. One host sync per forward: the layers share the tensor."""
-    if _bounds_of[0] is positions:
-        return _bounds_of[1]
+    global _last_bounds
+    seen, bounds = _last_bounds
+    if seen is positions:
+        return bounds
     starts = (positions[0] == 0).nonzero().flatten().tolist()
     bounds = [*starts, positions.shape[1]] if len(starts) >= 2 and starts[0] == 0 else None
-    _bounds_of[:] = [positions, bounds]
+    _last_bounds = (positions, bounds)
     return bounds
 
 
