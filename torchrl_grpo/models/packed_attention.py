@@ -21,6 +21,8 @@ try:
     from torch.nn.attention.varlen import varlen_attn as VARLEN
 except ImportError:  # torch before 2.10
     VARLEN = None
+# its releases differ: 2.10 takes is_causal, later ones window_size and scale, and enable_gqa from after 2.11
+VARLEN_PARAMS = inspect.signature(VARLEN).parameters if VARLEN is not None else {}
 
 NAME = "packed_rows"
 # the last position ids seen and their rows' bounds, one tuple swapped whole (a generating thread may call too): every
@@ -100,7 +102,6 @@ def varlen_rows(query, key, value, bounds: list[int], scaling: float | None) -> 
     return VARLEN(q, k, v, cumulative, cumulative, longest, longest, **options).unsqueeze(0)
 
 
-VARLEN_PARAMS = inspect.signature(VARLEN).parameters if VARLEN is not None else {}
 AttentionInterface.register(NAME, packed_rows)
 AttentionMaskInterface.register(NAME, sdpa_mask)  # the masks of sdpa, for every call that is not packed rows
 
