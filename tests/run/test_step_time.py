@@ -7,7 +7,7 @@ import pytest
 from helpers import cfg_with
 from torchrl_grpo.config.memory_plan import ModelShape
 from torchrl_grpo.config.spec import resolve_run
-from torchrl_grpo.run.step_time import Measured, flops_per_s, measured_for, step_time_line, update_flops
+from torchrl_grpo.run.step_time import Measured, flops_per_s, measured_for, step_flops, step_time_line
 
 # Qwen2.5-1.5B's published shape (tied): hidden 1536, 28 layers, 12 heads of 128 (2 KV heads), MLP 8960, vocab 151,936
 QWEN_1_5B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
@@ -27,7 +27,7 @@ def test_flops_per_s_are_log_linear_between_measured_lengths_and_held_beyond():
     assert flops_per_s(measured, 10) == 1e12 and flops_per_s(measured, 10**7) == 3e12
 
 
-def test_update_flops_of_a_step_by_hand():
+def test_step_flops_of_a_step_by_hand():
     """6 N T + 12 L H Q T^2 per row (forward 2 N T + 4 L H Q T^2, backward twice it), N every weight of a matmul
     (tied: the embedding once, as the head), for each of the step's completions, each epoch, on one of two ranks."""
     shape = ModelShape.from_config(QWEN_1_5B)
@@ -39,7 +39,7 @@ def test_update_flops_of_a_step_by_hand():
     assert spec.placement.ranks == 2 and spec.plan.completions_per_step == 32
     row = 1100
     per_row = 3 * (2 * n * row + 4 * layers * 12 * 128 * row * row)
-    assert update_flops(shape, spec, row) == 32 * 2 // 2 * per_row
+    assert step_flops(shape, spec, row) == 32 * 2 // 2 * per_row
 
 
 def test_the_plan_gives_a_measured_shape_its_step_time_and_others_why_not():
@@ -48,13 +48,13 @@ def test_the_plan_gives_a_measured_shape_its_step_time_and_others_why_not():
     row = 100 + 1000
     measured = measured_for(shape, "NVIDIA H200")
     assert [m.row_tokens for m in measured] == [2048, 16384]
-    seconds = update_flops(shape, spec, row) / measured[0].flops_per_s  # below 2,048 tokens: held at its figure
+    seconds = step_flops(shape, spec, row) / measured[0].flops_per_s  # below 2,048 tokens: held at its figure
     line = step_time_line(shape, spec, 100, "NVIDIA H200")
     assert f"at least {seconds:.1f} s on an H200 a step, with rows of 1100 tokens" in line  # shorter than measured
     longer = gpu_spec("inference_model.max_tokens=4000", "inference_model.max_model_len=8192")
     between = measured[0].flops_per_s + math.log(4100 / 2048) / math.log(8) * (measured[1].flops_per_s
                                                                               - measured[0].flops_per_s)
-    assert f"about {update_flops(shape, longer, 4100) / between:.1f} s on an H200" in step_time_line(
+    assert f"about {step_flops(shape, longer, 4100) / between:.1f} s on an H200" in step_time_line(
         shape, longer, 100, "NVIDIA H200")
     assert "LoRA" not in line
     assert "this run has LoRA" in step_time_line(shape, gpu_spec("train_model.lora.enabled=true"), 100, None)

@@ -47,14 +47,14 @@ def model_shape(spec: RunSpec, model_path: str | None = None) -> ModelShape:
 
 
 def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None, device_gib: float | None = None,
-                    model_path: str | None = None, shape: ModelShape | None = None) -> tuple[list[Device], int]:
+                    shape: ModelShape | None = None) -> tuple[list[Device], int]:
     """The plan's devices for ``spec`` with prompts of ``prompt_tokens`` (default :func:`longest_prompt`), GPUs of
     ``device_gib`` GiB where given, the model's ``shape`` (default: :func:`model_shape`); and the prompt length
     used."""
     from torchrl_grpo.engines.factory import kv_cache_tokens
     from torchrl_grpo.models.sources import model_config
 
-    shape = shape or model_shape(spec, model_path)
+    shape = shape or model_shape(spec)
     critic = None
     if spec.critic.enabled and spec.critic.model is not None:
         critic = ModelShape.from_config(model_config(spec.critic.model, spec.model.trust_remote_code))
@@ -93,7 +93,8 @@ def check_memory(spec: RunSpec, model_path: str) -> None:
     make it fit when a device cannot hold its roles even with the shortest prompts (``train.check_memory=false``
     starts anyway), a warning when it may not with the longest prompts ``inference_model.max_model_len`` admits."""
     try:
-        devices, prompt = run_memory_plan(spec, model_path=model_path)
+        shape = model_shape(spec, model_path)
+        devices, prompt = run_memory_plan(spec, shape=shape)
     except ConfigError as err:  # a model whose config.json the plan cannot read: the run goes on without it
         print(f"memory plan: not available ({err})", flush=True)
         return
@@ -101,7 +102,7 @@ def check_memory(spec: RunSpec, model_path: str) -> None:
           flush=True)
     if all(d.fits for d in devices):
         return
-    short = [d for d in run_memory_plan(spec, prompt_tokens=1, model_path=model_path)[0] if not d.fits]
+    short = [d for d in run_memory_plan(spec, prompt_tokens=1, shape=shape)[0] if not d.fits]
     if short and spec.train.check_memory:
         d = short[0]
         raise ConfigError(f"memory plan: {d.name} needs {d.total / GiB:.1f} GiB even with 1-token prompts but has "

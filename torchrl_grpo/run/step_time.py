@@ -4,8 +4,8 @@ A step's update costs :func:`torchrl_grpo.models.flops.update_flops` over its ro
 (``bench/train_throughput.py``: the ``grpo_gsm8k`` recipe, full fine-tuning in bf16 with gradient checkpointing and
 chunked log-probs; docs/benchmarks.md) turn that into seconds. FLOP/s grow with the row length (longer rows, larger
 matmuls), so they are interpolated between the measured lengths (log-linear) and held at the ends: below the
-shortest the time is a lower bound. Only shapes
-measured are planned: MFU differs too much between models to carry one model's figure to another.
+shortest the time is a lower bound. Only shapes measured are planned: MFU differs too much between models to carry
+one model's figure to another.
 """
 from __future__ import annotations
 
@@ -14,8 +14,7 @@ from dataclasses import dataclass
 
 from torchrl_grpo.config.memory_plan import ModelShape
 from torchrl_grpo.config.spec import RunSpec
-from torchrl_grpo.models.flops import FORWARD_AND_BACKWARD
-from torchrl_grpo.models.flops import ModelShape as FlopsShape
+from torchrl_grpo.models import flops
 
 
 @dataclass(frozen=True)
@@ -60,14 +59,15 @@ def flops_per_s(measured: list[Measured], row_tokens: int) -> float:
     return low.flops_per_s + share * (high.flops_per_s - low.flops_per_s)
 
 
-def update_flops(shape: ModelShape, spec: RunSpec, row_tokens: int) -> int:
+def step_flops(shape: ModelShape, spec: RunSpec, row_tokens: int) -> int:
     """The model FLOPs of one step's updates on one data-parallel rank: every completion of the step, ``train.epochs``
-    times, each a row of ``row_tokens`` tokens, forward and backward."""
+    times, each a row of ``row_tokens`` tokens, forward and backward (:func:`torchrl_grpo.models.flops.update_flops`
+    of one row)."""
     matmul = shape.parameters - (0 if shape.tied else shape.embedding)  # the input embedding is a lookup
-    flops = FlopsShape(matmul, shape.layers, shape.heads, shape.head_dim)
+    row = flops.update_flops([flops.ModelShape(matmul, shape.layers, shape.heads, shape.head_dim)], [row_tokens],
+                             backward=True)
     plan = spec.plan
-    rows = plan.completions_per_step * plan.epochs / spec.placement.ranks
-    return int(rows * flops.forward_flops([row_tokens]) * FORWARD_AND_BACKWARD)
+    return int(plan.completions_per_step * plan.epochs / spec.placement.ranks * row)
 
 
 def step_time_line(shape: ModelShape, spec: RunSpec, prompt_tokens: int, gpu: str | None) -> str:
@@ -83,15 +83,17 @@ def step_time_line(shape: ModelShape, spec: RunSpec, prompt_tokens: int, gpu: st
         shapes = sorted({f"{m.name} on an {m.gpu}" for m in MEASURED})
         return (f"step time: not planned, this model's shape was not measured{f' on {gpu}' if gpu else ''} "
                 f"(measured: {', '.join(shapes)}); bench/train_throughput.py measures it")
-    flops = update_flops(shape, spec, row)
+    total = step_flops(shape, spec, row)
     kinds = sorted({m.gpu for m in measured})
     # rows shorter than the shortest measured keep its FLOP/s, which shorter rows do not reach: a lower bound
     bound = "at least" if row < measured[0].row_tokens else "about"
-    parts = [f"{flops / flops_per_s([m for m in measured if m.gpu == kind], row):.1f} s on an {kind}"
+    parts = [f"{total / flops_per_s([m for m in measured if m.gpu == kind], row):.1f} s on an {kind}"
              for kind in kinds]
     differs = [note for note, differs in (("LoRA", spec.model.lora is not None),
                                           ("gradient checkpointing off", not spec.model.gradient_checkpointing))
                if differs]
-    caveat = f"; measured with full fine-tuning and checkpointing, this run has {' and '.join(differs)}" * bool(differs)
+    caveat = ""
+    if differs:
+        caveat = f"; measured with full fine-tuning and checkpointing, this run has {' and '.join(differs)}"
     return (f"step time: the trainer's updates {bound} {', '.join(parts)} a step, with rows of {row} tokens "
-            f"({flops / 1e12:.0f} TFLOP a rank; generation and the reference's pass not counted{caveat})")
+            f"({total / 1e12:.0f} TFLOP a rank; generation and the reference's pass not counted{caveat})")
