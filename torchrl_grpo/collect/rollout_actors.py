@@ -110,6 +110,10 @@ class RolloutActor:
         self.collector.engine.receive_weights(update_info)
         return self._landed(version, probe)
 
+    def ready(self) -> bool:
+        """Answers once the actor's engine is up (its constructor ran): a weight group waits for it before forming."""
+        return True
+
     def _landed(self, version: int, probe: Probe | None) -> float | None:
         gap = None
         if probe is not None:
@@ -139,10 +143,55 @@ def actor_error(err: Exception) -> str:
     return one_line(getattr(err, "cause", None) or err)
 
 
+def visible_gpus(logical: tuple[int, ...], environ=os.environ) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a local Ray that may hand out ``logical`` (this process's GPU numbers) only: the
+    ids this process's own ``CUDA_VISIBLE_DEVICES`` maps them to, if it has one. Ray's raylet reads it at start-up and
+    gives each actor its GPUs from that list; "" leaves it none."""
+    mine = environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in mine.split(",")] if mine else None
+    return ",".join(ids[d] if ids is not None else str(d) for d in logical)
+
+
+@contextlib.contextmanager
+def ray_sees_gpus(actors: ActorSettings):
+    """A local Ray started meanwhile knows only the GPUs its actors may take (``ActorGpus.ray_gpus``): the trainer's
+    stay out of its reach unless the actors must share them. This process's CUDA is started first, so that the change
+    reaches only the processes started meanwhile."""
+    ray_gpus = actors.gpus.ray_gpus
+    if ray_gpus is None:  # a cluster places its actors itself
+        yield
+        return
+    if torch.cuda.is_available():
+        torch.cuda.init()
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus(ray_gpus)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+
+
+def actor_options(actors: ActorSettings) -> dict:
+    """Each actor's Ray options. An actor that asks for no GPU has them hidden (Ray no longer does so itself): its
+    engine runs on the CPU, as the run planned, even on a machine with GPUs."""
+    options = {"num_cpus": actors.actor_num_cpus, "num_gpus": actors.actor_num_gpus,
+               "max_restarts": 0,  # restarts are ours: a new actor gets the current weights
+               # Ray's GCS keeps an event record of every call (up to 100,000) for its dashboard: a long run's
+               # thousands of collects and pushes need none
+               "enable_task_events": False}
+    if actors.actor_num_gpus == 0:
+        options["runtime_env"] = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+    return options
+
+
 def ray_init_kwargs(actors: ActorSettings, verbose: bool = False) -> dict:
     """``ray.init`` arguments: ``ray.address`` (null: start a private local Ray; auto or host:port: join one)
     and every key of ``ray.init``; a local Ray gets ``num_cpus`` = what the actors ask for plus one for the
-    trainer's own tasks, unless ``ray.init.num_cpus`` says otherwise (Ray would otherwise count every core).
+    trainer's own tasks, unless ``ray.init.num_cpus`` says otherwise (Ray would otherwise count every core), and
+    ``num_gpus`` = the GPUs its actors may take (:func:`ray_sees_gpus`).
     No dashboard unless ``ray.init.include_dashboard=true``, and then on 127.0.0.1 unless
     ``ray.init.dashboard_host`` says otherwise. Ray 2.60 has no option that binds its own gRPC ports (GCS,
     raylet, workers) to one interface: they listen on all, behind Ray's token authentication (on by default).
@@ -156,8 +205,10 @@ def ray_init_kwargs(actors: ActorSettings, verbose: bool = False) -> dict:
     if address == "local":
         kwargs.setdefault("dashboard_host", "127.0.0.1")  # a dashboard asked for (ray.init.include_dashboard)
         kwargs.setdefault("num_cpus", max(1, int(round(actors.num_actors * actors.actor_num_cpus))) + 1)
+        kwargs.setdefault("num_gpus", len(actors.gpus.ray_gpus or ()))  # the GPUs ray_sees_gpus leaves it
     else:
         kwargs.pop("num_cpus", None)  # a running cluster has its resources already
+        kwargs.pop("num_gpus", None)
     # workers import torchrl_grpo: make the repository importable from any working directory
     root = str(Path(__file__).resolve().parents[2])
     env_vars = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)}
@@ -199,7 +250,7 @@ class ActorPool:
         self.max_restarts = settings.max_actor_restarts
         started, self.actors, self.pushes = time.perf_counter(), [], {}
         try:
-            with sigterm_blocked():  # in the daemons of a Ray this starts
+            with sigterm_blocked(), ray_sees_gpus(settings):  # in the daemons of a Ray this starts
                 ray.init(**ray_init_kwargs(settings, spec.logging.verbose))
         except Exception as err:  # no cluster at ray.address, a bad ray.init key, ...
             ray.shutdown()
@@ -218,15 +269,12 @@ class ActorPool:
         self.version, self.probe, self.weight_sync_gap = version, None, None
         self.seed, self.start_step, self.remote_cls = self.spec.train.seed, start_step, self.ray.remote(RolloutActor)
         settings = self.spec.actors
-        self.actor_options = {"num_cpus": settings.actor_num_cpus, "num_gpus": settings.actor_num_gpus,
-                              "max_restarts": 0,  # restarts are ours: a new actor gets the current weights
-                              # Ray's GCS keeps an event record of every call (up to 100,000) for its dashboard:
-                              # a long run's thousands of collects and pushes need none
-                              "enable_task_events": False}
+        self.actor_options = actor_options(settings)
         self.actors = [self._new_actor(i) for i in range(len(actor_samplers))]
         self.transport = actor_transport(self.ray, self.spec.engine.backend, self.spec.engine.weight_transfer,
                                          self.spec.precision.engine, settings.actor_num_gpus, self.timeout,
-                                         adapter=self.spec.engine.lora_rank is not None)
+                                         adapter=self.spec.engine.lora_rank is not None,
+                                         trainer_device=torch.device(self.spec.placement.train[0]))
         for i, actor in enumerate(self.actors):
             self.transport.add(i, actor)
 

@@ -356,6 +356,13 @@ def plan_memory(shape: ModelShape, spec: RunSpec, batch: Batch, capacities: Mapp
                      processes=placement.ranks if ref_on == "cpu" else 1))
         if spec.critic.enabled:
             add(critic_role(critic or shape, spec, batch, rank_on))
+    if placement.actors is not None:  # grpo-async.py: each rollout actor's engine where Ray would put it
+        shards = max(1, int(placement.actors.per_actor))
+        for i, engine_on in enumerate(placement.actors.engines):
+            for device in engine_on:
+                add(engine_role(shape, spec, engine, device, capacities.get(device), baseline, shards,
+                                name=f"rollout actor {i}'s engine"))
+        return list(devices.values())
     for device in placement.inference if placement.inference[0].startswith("cuda") else placement.inference[:1]:
         add(engine_role(shape, spec, engine, device, capacities.get(device), baseline))
     return list(devices.values())
@@ -375,15 +382,19 @@ def critic_role(shape: ModelShape, spec: RunSpec, batch: Batch, device: str | No
 
 
 def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, device: str, capacity: int | None,
-                baseline: int = CPU_PROCESS_BASELINE) -> Role:
+                baseline: int = CPU_PROCESS_BASELINE, shards: int | None = None, name: str = "engine") -> Role:
     """The rollout engine: the transformers backend samples with the trained policy (its KV cache only); vLLM on a
     GPU reserves ``inference_model.gpu_memory_utilization`` of it (weights, KV cache, its activations) and frees
     all of it while the trainer trains when asleep (``inference_model.sleep`` 1 or 2); vLLM on the CPU holds its
     weights, a KV cache of ``kv_tokens`` and its working memory (:data:`VLLM_CPU_WORKING`), in processes of its own
     (vLLM's engine core and worker: ``baseline`` twice more) beside data-parallel ranks or with
     ``inference_model.engine_process=own``. On GPUs an engine over several (``inference_model.num_devices``) holds a
-    tensor-parallel share of the weights and KV cache on each (``device``: one of them)."""
-    settings, shards = spec.engine, len(spec.placement.inference)
+    tensor-parallel share of the weights and KV cache on each (``device``: one of them; ``shards``: how many, by
+    default the inference model's devices). A rollout actor's engine (``name``) is a Ray process of its own, which
+    takes its share of ``gpu_memory_utilization`` (:class:`~torchrl_grpo.config.settings.EngineSettings`)."""
+    settings = spec.engine
+    shards = shards or len(spec.placement.inference)
+    actor = spec.placement.actors is not None
     dtype = spec.precision.engine
     kv_token = shape.kv_bytes_per_token(dtype) // (shards if device.startswith("cuda") else 1)
     weights = shape.parameters * dtype.itemsize // (shards if device.startswith("cuda") else 1)
@@ -396,7 +407,7 @@ def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, device: str, c
         level = settings.sleep if isinstance(settings.sleep, int) else 0
         released = reserved if level else 0  # level 1 moves its weights to the CPU's memory, 2 drops them
         split = f", 1/{shards} of them (tensor parallel)" if shards > 1 else ""
-        return Role("engine", device,
+        return Role(name, device,
                     (Item("weights", weights, f"vLLM, {dtype_name(dtype)}{split}"),
                      Item("KV cache and activations", max(reserved - weights, 0),
                           f"inference_model.gpu_memory_utilization={settings.gpu_memory_utilization}; a step needs "
@@ -404,9 +415,11 @@ def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, device: str, c
     items = [Item("weights", weights, f"vLLM, {dtype_name(dtype)}"),
              Item("KV cache", engine.kv_tokens * kv_token, f"{engine.kv_tokens} tokens"),
              Item("working memory", VLLM_CPU_WORKING + weights, "measured: 0.3 GiB and its weights once more")]
-    if spec.placement.ranks > 1 or settings.engine_process == "own":
+    if actor:
+        items.append(Item("its process", baseline, "a Ray actor"))
+    elif spec.placement.ranks > 1 or settings.engine_process == "own":
         items.append(Item("its processes", 2 * baseline, "vLLM's engine core and its worker"))
-    return Role("engine", device, tuple(items))
+    return Role(name, device, tuple(items))
 
 
 def table(devices: list[Device], fixes: str = "") -> str:

@@ -8,6 +8,7 @@ CPU; asking for GPUs there is an error, never a silent downgrade, except for tra
 """
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -27,11 +28,12 @@ class Placement:
     shared: bool
     strategy: str = "layer_split"  # train.strategy resolved (train_strategy): fsdp | layer_split
     ranks: int = 1                 # data-parallel training ranks (fsdp: train_model.num_devices), else 1
+    actors: ActorGpus | None = None  # grpo-async.py's rollout actors (place_actors); None: a sync run
 
     def describe(self) -> str:
         note = " (roles share devices)" if self.shared else ""
-        return (f"train on {','.join(self.train)}, inference on {','.join(self.inference)}, "
-                f"reference on {','.join(self.ref)}{note}")
+        engines = (f"inference on {','.join(self.inference)}" if self.actors is None else self.actors.describe())
+        return f"train on {','.join(self.train)}, {engines}, reference on {','.join(self.ref)}{note}"
 
 
 def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Placement:
@@ -42,6 +44,8 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
     world = int(cfg.train_model.num_devices) if ranks else 1
     # data-parallel ranks shard the reference like the policy, on their own devices
     roles = [r for r in ROLES if r != "ref_model" or (needs_ref and not ranks)]
+    if ranks and needs_ref:
+        _check_ref_follows_ranks(cfg)
     if available == 0:
         for role in roles:
             devices = cfg[role].get("devices")
@@ -97,6 +101,102 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
         strategy=strategy,
         ranks=world,
     )
+
+
+@dataclass(frozen=True)
+class ActorGpus:
+    """Where ``grpo-async.py``'s rollout actors' engines run (:func:`place_actors`), in this machine's GPU numbering."""
+
+    per_actor: float                   # ray.actor_num_gpus resolved: 0 (the CPU), a share of one GPU, or whole GPUs
+    ray_gpus: tuple[int, ...] | None   # the GPUs a local Ray may hand to actors (None: a Ray cluster's own)
+    engines: tuple[tuple[str, ...], ...]  # each actor's engine devices, as Ray would pack them (a cluster: "cuda")
+    shares_training: bool              # an actor may land on a GPU the trainer or the reference uses
+
+    @property
+    def devices(self) -> list[str]:
+        """Every device an actor's engine may run on."""
+        return list(dict.fromkeys(d for engine in self.engines for d in engine))
+
+    @property
+    def memory_share(self) -> float:
+        """What each engine's ``inference_model.gpu_memory_utilization`` is scaled by: its share of its GPU."""
+        return min(1.0, self.per_actor) if self.per_actor > 0 else 1.0
+
+    def describe(self) -> str:
+        if self.per_actor == 0:
+            return "rollout actors on the CPU (GPUs hidden from them)"
+        where = "a Ray cluster's GPUs" if self.ray_gpus is None else ",".join(f"cuda:{d}" for d in self.ray_gpus)
+        note = ", beside training" if self.shares_training else ""
+        return f"rollout actors on {where} ({self.per_actor:g} GPU each{note})"
+
+
+def _actors_per_gpu(per_actor: float) -> int:
+    return math.floor(1 / per_actor + 1e-9) if per_actor < 1 else 1
+
+
+def _pack(gpus: list[int], per_actor: float, actors: int) -> list[tuple[str, ...]] | None:
+    """Each actor's GPUs when ``actors`` engines of ``per_actor`` GPUs are packed onto ``gpus`` in order (shares of one
+    GPU fill it before the next; whole GPUs are taken in runs), or None where they do not fit."""
+    if per_actor < 1:
+        per = _actors_per_gpu(per_actor)
+        if actors > len(gpus) * per:
+            return None
+        return [(f"cuda:{gpus[i // per]}",) for i in range(actors)]
+    width = int(per_actor)
+    if actors * width > len(gpus):
+        return None
+    return [tuple(f"cuda:{d}" for d in gpus[i * width:(i + 1) * width]) for i in range(actors)]
+
+
+def place_actors(cfg: DictConfig, placement: Placement, available: int) -> ActorGpus:
+    """The rollout actors' GPUs on a machine with ``available`` GPUs, the trainer and reference on ``placement``'s.
+
+    ``ray.actor_num_gpus=auto``: none without GPUs; one each where enough GPUs are free of training; else a share
+    (1/``ray.num_actors``) of one beside training. A local Ray is given the GPUs free of training when the actors fit
+    on them, else every GPU (the actors then may share the trainer's: pushes take the object store, never NCCL, which
+    cannot put both ends of a transfer on one GPU); actors that fit nowhere are refused in one line, as are GPUs asked
+    for on a machine without any. A Ray cluster (``ray.address``) places its actors itself."""
+    ray, actors = cfg.ray, int(cfg.ray.num_actors)
+    local = ray.get("address") is None
+    training = sorted({int(d.split(":")[1]) for d in (*placement.train, *placement.ref) if d.startswith("cuda")})
+    free = [d for d in range(available) if d not in training]
+    asked = ray.actor_num_gpus
+    if asked == "auto":
+        per_actor = 0.0 if available == 0 else 1.0 if len(free) >= actors else 1 / actors
+    else:
+        per_actor = float(asked)
+    if per_actor == 0:
+        return ActorGpus(0.0, (), (("cpu",),) * actors, False)
+    if not local:
+        width = max(1, int(per_actor))
+        return ActorGpus(per_actor, None, (("cuda",) * width,) * actors, False)
+    if available == 0:
+        raise ConfigError(f"ray.actor_num_gpus={asked} but this machine has no GPU for a local Ray to give its actors: "
+                          "set ray.actor_num_gpus=0 (or auto), or join a Ray cluster with GPUs (ray.address)")
+    engines = _pack(free, per_actor, actors)
+    if engines is not None:
+        return ActorGpus(per_actor, tuple(free), tuple(engines), False)
+    if per_actor <= 1:
+        everyone = training + free  # as the plan counts it: the trainer's GPU filled first
+        engines = _pack(everyone, per_actor, actors)
+        if engines is not None:
+            return ActorGpus(per_actor, tuple(range(available)), tuple(engines), True)
+    need = math.ceil(actors / _actors_per_gpu(per_actor)) if per_actor < 1 else actors * int(per_actor)
+    share = f"; a share such as ray.actor_num_gpus={1 / actors:.3g} puts them all beside training" if actors > 1 else ""
+    raise ConfigError(f"ray.num_actors={actors} x ray.actor_num_gpus={asked}: the actors need {need} GPU(s) but this "
+                      f"machine has {available}, {len(free)} of them free of training; use fewer actors{share}")
+
+
+def _check_ref_follows_ranks(cfg: DictConfig) -> None:
+    """Under ``train.strategy=fsdp`` each rank holds its shard of the reference beside its shard of the policy: a
+    reference placed elsewhere (``ref_model.devices``, ``ref_model.num_devices``) is refused, not dropped."""
+    ref = cfg.ref_model
+    asked = (f"ref_model.devices={list(ref.devices)}" if ref.get("devices") else
+             f"ref_model.num_devices={ref.num_devices}" if int(ref.get("num_devices", 1)) != 1 else None)
+    if asked:
+        raise ConfigError(f"{asked} with train.strategy=fsdp: each data-parallel rank holds its shard of the reference "
+                          "on its own device, beside the policy's; set ref_model.devices=null and "
+                          "ref_model.num_devices=1 (or train.strategy=layer_split to place it yourself)")
 
 
 def train_strategy(cfg: DictConfig) -> str:

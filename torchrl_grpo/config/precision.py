@@ -1,9 +1,14 @@
 """What ``auto`` means for the precision keys, decided in one place.
 
-bf16 is used where the hardware runs it natively: a GPU, or a CPU with AVX-512 BF16 or AMX. There it trains
-about twice as fast as float32 and learned at least as well on ``grpo_arithmetic`` over three seeds
-(docs/benchmarks.md). On other CPUs torch emulates bf16, slower than float32, so ``auto`` stays float32 there.
-When the trainer computes in bf16:
+The trained model's master weights are float32 on every device (``train_model.torch_dtype=auto``): an AdamW step
+moves each entry by about the learning rate, which is below half a bf16 ulp of most weights, so bf16 master
+weights drop most updates (at lr 2e-5, 96% of SmolLM2's weight-matrix entries; the README's job then never learned
+its answer format). Asked for anyway, :func:`lost_update_share` says how many a step loses, once.
+
+bf16 compute (autocast over the float32 weights) is used where the hardware runs it natively: a GPU, or a CPU with
+AVX-512 BF16 or AMX. There it trains about twice as fast as float32 and learned at least as well on
+``grpo_arithmetic`` over three seeds (docs/benchmarks.md). On other CPUs torch emulates bf16, slower than float32,
+so ``auto`` stays float32 there. When the trainer computes in bf16:
 
 * ``inference_model.torch_dtype=auto`` samples in bf16 too: on the CPU, a float32 engine would be the slow
   half of a step, and it would not sample the policy the trainer scores;
@@ -50,7 +55,7 @@ def resolve_precision(cfg: DictConfig, train_on: str, engine_on: str, ref_on: st
     """``auto`` (module docstring) and the explicit values of the precision keys, for a trainer on ``train_on``,
     engines on ``engine_on`` and a reference on ``ref_on``; a one-line ConfigError for a dtype name torch lacks
     and for the loss options that need the trainer's old log-probs when they are the engine's."""
-    train_weights = resolve_dtype(cfg.train_model.torch_dtype, train_on)
+    train_weights = resolve_dtype(cfg.train_model.torch_dtype, train_on, master=True)
     mode = cfg.train.mixed_precision
     autocast = native_bf16(train_on) if mode == "auto" else bool(mode)
     low = autocast or train_weights in LOW_PRECISION  # the trainer computes in bf16 or fp16
@@ -73,11 +78,12 @@ def native_bf16(device: str) -> bool:
     return device.startswith("cuda") or torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def resolve_dtype(name: str | None, device: str) -> torch.dtype:
-    """A ``torch_dtype`` key: ``auto`` is bfloat16 on GPUs and float32 on the CPU (the trained model's float32
-    master weights; its compute follows ``train.mixed_precision``)."""
+def resolve_dtype(name: str | None, device: str, master: bool = False) -> torch.dtype:
+    """A ``torch_dtype`` key: ``auto`` is float32 for the trained model's master weights (``master``; its compute
+    follows ``train.mixed_precision``), and for the models that are not trained (reference, engines) bfloat16 on
+    GPUs and float32 on the CPU."""
     if name in (None, "auto"):
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
+        return torch.bfloat16 if device.startswith("cuda") and not master else torch.float32
     dtype = getattr(torch, str(name), None)
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"torch_dtype={name!r}: use auto, float32, bfloat16 or float16")
@@ -111,3 +117,19 @@ def _check_old_log_probs(cfg: DictConfig, precision: Precision) -> None:
 def dtype_name(dtype: torch.dtype) -> str:
     """``torch.bfloat16`` -> ``"bfloat16"``: how configs and engines name a dtype."""
     return str(dtype).removeprefix("torch.")
+
+
+def lost_update_share(parameters, lr: float, dtype: torch.dtype = torch.bfloat16) -> float:
+    """The share of the weight-matrix entries (2-D and larger) of ``parameters`` held in ``dtype`` that a step of size
+    ``lr`` (about what one AdamW step moves each entry by) leaves unchanged: those where ``lr`` is below half an ulp of
+    the weight, so the sum rounds back to it. 0.0 with no such entries."""
+    eps, lost, total = torch.finfo(dtype).eps, 0, 0
+    for p in parameters:
+        if p.dim() < 2:
+            continue
+        w = p.detach().to(dtype).float()
+        # w = m * 2^e with 0.5 <= |m| < 1: its ulp is eps * 2^(e-1), and rounding to nearest keeps w below half that
+        half_ulp = eps * torch.ldexp(torch.ones_like(w), torch.frexp(w).exponent - 2)
+        lost += int((half_ulp > lr).logical_and(w != 0).sum())
+        total += w.numel()
+    return lost / total if total else 0.0

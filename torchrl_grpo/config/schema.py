@@ -37,6 +37,7 @@ _KINDS = {
     "num>0": (lambda v: _is_num(v) and v > 0, "must be a number > 0"),
     "num>1": (lambda v: _is_num(v) and v > 1, "must be a number > 1"),
     "num>=0": (lambda v: _is_num(v) and v >= 0, "must be a number >= 0"),
+    "auto|num>=0": (lambda v: v == "auto" or (_is_num(v) and v >= 0), "must be auto or a number >= 0"),
     "prob": (lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
     "share": (lambda v: _is_num(v) and 0 <= v < 1, "must be in [0, 1)"),
     "unit": (lambda v: _is_num(v) and 0 <= v <= 1, "must be in [0, 1]"),
@@ -165,6 +166,8 @@ class Devices:
 
 @dataclass
 class TrainModel(Devices):
+    torch_dtype: str = key("str", "the master weights: auto = float32 (the compute follows train.mixed_precision)",
+                           null=True)
     gradient_checkpointing: bool = key("bool", "recompute activations in the backward pass (memory)")
     attn_implementation: str = key("str", "transformers' attention implementation (sdpa, eager, ...)")
     lora: dict = key("any", "LoRA: enabled, r, alpha, dropout, target_modules, rslora, modules_to_save, sync "
@@ -281,7 +284,9 @@ class Ray:
     address: str = key("any", "null: start a private local Ray | auto | host:port of a running cluster", null=True)
     num_actors: int = key("int>0", "rollout actors, each with its own engine")
     actor_num_cpus: float = key("num>=0", "Ray CPUs per actor")
-    actor_num_gpus: float = key("num>=0", "Ray GPUs per actor")
+    actor_num_gpus: float | str = key("auto|num>=0", "Ray GPUs per actor: a share of one, or whole ones (tensor "
+                                      "parallel); auto: 0 without GPUs, 1 where GPUs are free of training, else "
+                                      "1/ray.num_actors beside training")
     collect_timeout_s: float = key("num>0", "no batch within this long: stop", hint="must be a number of seconds > 0")
     max_actor_restarts: int = key("int>=0", "times each actor that dies is replaced (with the current weights) "
                                   "before the run stops; 0 = stop at the first death")

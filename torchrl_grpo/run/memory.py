@@ -60,7 +60,8 @@ def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None, device_gib:
         critic = ModelShape.from_config(model_config(spec.critic.model, spec.model.trust_remote_code))
     prompt = longest_prompt(spec) if prompt_tokens is None else prompt_tokens
     placement = spec.placement
-    names = {*placement.train, *placement.ref, *placement.inference}
+    names = {*placement.train, *placement.ref, *(placement.inference if placement.actors is None else
+                                                   [d for d in placement.actors.devices if d != "cuda"])}
     capacities = {d: device_memory(d, None if d == "cpu" else device_gib) for d in names}
     devices = plan_memory(shape, spec, micro_batch(spec, prompt), capacities, Engine(kv_cache_tokens(spec.engine)),
                           critic)
