@@ -1,4 +1,6 @@
 """Hydra composition of the real config tree, the batch arithmetic, placement and the prompt sampler."""
+import re
+
 import pytest
 
 from helpers import cfg_with
@@ -161,3 +163,18 @@ def test_an_actor_with_several_gpus_runs_a_tensor_parallel_engine(monkeypatch):
         validate(cfg_with("mode=async", "ray.actor_num_gpus=1.5"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert devices_for(4) == ["cpu"]
+
+
+def test_a_reference_placed_apart_under_fsdp_is_refused_not_dropped():
+    """Each data-parallel rank holds its shard of the reference beside the policy's: a reference GPU asked for is
+    refused in one line; without a KL to the reference the keys are moot."""
+    from torchrl_grpo.config.spec import resolve_run
+
+    base = ("train_model.num_devices=2", "train.kl_to_ref_coeff=0.1")
+    spec = resolve_run(cfg_with(*base), gpu_count=4)
+    assert spec.placement.strategy == "fsdp" and spec.placement.ref == spec.placement.train == ["cuda:0", "cuda:1"]
+    for asked in ("ref_model.devices=[3]", "ref_model.num_devices=2"):
+        with pytest.raises(ConfigError, match=rf"^{re.escape(asked)} with train.strategy=fsdp: each data-parallel rank "
+                                              r"holds its shard of the reference"):
+            resolve_run(cfg_with(*base, asked), gpu_count=4)
+    resolve_run(cfg_with("train_model.num_devices=2", "ref_model.devices=[3]"), gpu_count=4)

@@ -107,6 +107,22 @@ def test_every_worker_gets_every_tensor_bit_for_bit_over_pushes(tmp_path):
         stream.close()
 
 
+def test_the_feeder_thread_reads_on_the_callers_cuda_device(tmp_path, monkeypatch):
+    """The feeder is a thread of its own, whose CUDA device would be 0: it takes the caller's (the trainer's)."""
+    import threading
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.append((d, threading.current_thread().name)))
+    stream = WeightStream(str(tmp_path), workers=1, bucket_bytes=512)
+    try:
+        stream.push(_weights(1), lambda wire: _run_workers(wire, 1))
+    finally:
+        stream.close()
+    assert seen == [(2, "weight-stream")]
+
+
 def test_streamed_weights_are_read_as_the_buckets_fill_never_all_held(tmp_path):
     """StreamedWeights (what the data-parallel trainer pushes): the plan from meta tensors, each tensor made
     only when the feeder reaches it and dropped once copied, so at most two live at once; a source out of the

@@ -148,9 +148,13 @@ class WeightStream:
         channel = Channel(self.buffer_path, self._size, self.ready_paths, self.done_paths, self.pushes,
                           tuple(tuple(b) for b in buckets))
         ended, failure = threading.Event(), []
+        # a thread's CUDA device is its own: the feeder reads the trainer's tensors on the caller's
+        device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
 
         def feed() -> None:
             try:
+                if device is not None:
+                    torch.cuda.set_device(device)
                 for k, bucket in enumerate(channel.buckets):
                     if k and not self._wait_copied(k - 1, ended):
                         return
