@@ -17,7 +17,8 @@ from torchrl_grpo.config.schema import ASYNC_SECTIONS, SECTIONS, section_keys
 
 KINDS = {  # schema kind -> what a reader is told
     "int": "integer", "int>0": "integer > 0", "int>=0": "integer >= 0", "num>0": "number > 0", "num>1": "number > 1",
-    "num>=0": "number >= 0", "auto|num>=0": "auto or number >= 0", "prob": "number in (0, 1]", "share": "number in [0, 1)", "unit": "number in [0, 1]",
+    "num>=0": "number >= 0", "auto|num>=0": "auto or number >= 0",
+    "prob": "number in (0, 1]", "share": "number in [0, 1)", "unit": "number in [0, 1]",
     "bool": "true / false", "str": "string", "any": "any",
 }
 

@@ -63,8 +63,8 @@ def resolve_run(cfg: DictConfig, training: bool = True, gpu_count: int | None = 
     """``cfg`` checked and resolved (one-line ConfigErrors naming the keys). ``training=False`` (evaluate.py):
     no reference model takes a device. The engines are the rollout actors' in async mode (on the GPUs
     :func:`~torchrl_grpo.config.placement.place_actors` gives them, each taking its share of
-    ``inference_model.gpu_memory_utilization``), else the inference model's. ``gpu_count``: the GPUs to place on (default: this
-    machine's; ``torchrl-grpo plan --gpus`` plans another's)."""
+    ``inference_model.gpu_memory_utilization``), else the inference model's. ``gpu_count``: the GPUs to place on
+    (default: this machine's; ``torchrl-grpo plan --gpus`` plans another's)."""
     plan = validate(cfg)
     available = torch.cuda.device_count() if gpu_count is None else gpu_count
     placement = place(cfg, needs_ref=training and float(cfg.train.kl_to_ref_coeff) > 0, gpu_count=available)
