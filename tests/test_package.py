@@ -119,3 +119,18 @@ def _name(requirement: str) -> str:
     for mark in "=<>[ ;":
         requirement = requirement.split(mark)[0]
     return requirement.lower()
+
+
+def test_the_async_script_takes_a_config_name_before_its_overrides(tmp_path):
+    """``python grpo-async.py --config-name grpo_arithmetic key=value``: the async mode it adds joins the user's
+    overrides (Hydra's parser takes them as one run of arguments), wherever the options stand."""
+    from torchrl_grpo.run.cli import with_override
+
+    assert with_override(["--config-name", "x", "a=1", "--cfg", "job"], "mode=async") == [
+        "--config-name", "x", "mode=async", "a=1", "--cfg", "job"]
+    assert with_override(["--cfg", "job"], "mode=async") == ["--cfg", "job", "mode=async"]
+    script = Path(__file__).resolve().parents[1] / "grpo-async.py"
+    shown = subprocess.run([sys.executable, str(script), "--config-name", "grpo_arithmetic", "model=tiny", "--cfg",
+                            "job"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "\nmode: async\n" in shown.stdout and "exp_name: grpo-arithmetic" in shown.stdout

@@ -28,11 +28,18 @@ def _train(args: list[str]) -> None:
     hydra_command("grpo", train_sync, args)
 
 
+def with_override(args: list[str], override: str) -> list[str]:
+    """``override`` among ``args``' overrides: Hydra's parser takes them as one run of arguments, so it goes before
+    the first (options such as ``--config-name NAME`` may come before or after them), else last."""
+    at = next((i for i, arg in enumerate(args) if "=" in arg and not arg.startswith("-")), len(args))
+    return [*args[:at], override, *args[at:]]
+
+
 def _train_async(args: list[str]) -> None:
     from torchrl_grpo.run.entry import hydra_command, train_async
 
     if not any(arg.startswith("mode=") for arg in args):
-        args = ["mode=async", *args]
+        args = with_override(args, "mode=async")
     hydra_command("grpo-async", train_async, args)
 
 
