@@ -167,34 +167,40 @@ def test_async_state_resumes_sync_and_async_checkpoints():
     assert fewer.state_dict()["stale_dropped"] == 2
 
 
-def test_ray_init_arguments():
-    from torchrl_grpo.collect.rollout_actors import ray_init_kwargs
+def actor_settings(cfg):
+    """The ``ray`` keys of ``cfg`` (mode/async.yaml alone) for actors on a machine without GPUs."""
+    from torchrl_grpo.config.placement import Placement, place_actors
     from torchrl_grpo.config.settings import ActorSettings
 
+    return ActorSettings.from_config(cfg, place_actors(cfg, Placement(["cpu"], ["cpu"], ["cpu"], shared=True), 0))
+
+
+def test_ray_init_arguments():
+    from torchrl_grpo.collect.rollout_actors import ray_init_kwargs
+
     cfg = OmegaConf.load(CONFIG_DIR / "mode" / "async.yaml")
-    local = ray_init_kwargs(ActorSettings.from_config(cfg))
+    local = ray_init_kwargs(actor_settings(cfg))
     assert local["address"] == "local" and local["num_cpus"] == 2  # 1 actor x 1 CPU + the trainer
     assert str(ROOT) in local["runtime_env"]["env_vars"]["PYTHONPATH"].split(os.pathsep)  # torchrl_grpo's parent
     assert local["logging_level"] == logging.ERROR  # Ray's start-up lines off the console (logging.verbose)
     assert local["runtime_env"]["env_vars"]["TORCH_CPP_LOG_LEVEL"] == "ERROR"  # torch's printed C++ warnings too
     cfg.ray.address = "auto"
     cfg.ray.init.num_cpus = 8
-    joined = ray_init_kwargs(ActorSettings.from_config(cfg))
+    joined = ray_init_kwargs(actor_settings(cfg))
     assert joined["address"] == "auto" and "num_cpus" not in joined and "dashboard_host" not in joined
 
 
 def test_a_local_ray_has_no_dashboard_and_binds_an_asked_for_one_to_localhost():
     from torchrl_grpo.collect.rollout_actors import ray_init_kwargs
-    from torchrl_grpo.config.settings import ActorSettings
 
     cfg = OmegaConf.load(CONFIG_DIR / "mode" / "async.yaml")
-    local = ray_init_kwargs(ActorSettings.from_config(cfg))
+    local = ray_init_kwargs(actor_settings(cfg))
     assert local["include_dashboard"] is False and local["dashboard_host"] == "127.0.0.1"
     cfg.ray.init.include_dashboard = True
-    asked = ray_init_kwargs(ActorSettings.from_config(cfg))
+    asked = ray_init_kwargs(actor_settings(cfg))
     assert asked["include_dashboard"] is True and asked["dashboard_host"] == "127.0.0.1"
     cfg.ray.init.dashboard_host = "0.0.0.0"  # the user's own choice wins
-    assert ray_init_kwargs(ActorSettings.from_config(cfg))["dashboard_host"] == "0.0.0.0"
+    assert ray_init_kwargs(actor_settings(cfg))["dashboard_host"] == "0.0.0.0"
 
 
 def test_weights_travel_to_actors_as_arrays_bit_for_bit():

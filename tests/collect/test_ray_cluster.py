@@ -53,8 +53,11 @@ def assert_null_address_starts_a_private_ray(running: str) -> None:
     one and refuse ``num_cpus`` (a leftover ``ray start`` failed every async test that way once)."""
     probe = ("import ray; from omegaconf import OmegaConf; "
              "from torchrl_grpo.collect.rollout_actors import ray_init_kwargs; "
+             "from torchrl_grpo.config.placement import Placement, place_actors; "
              "from torchrl_grpo.config.settings import ActorSettings; "
-             "ray.init(**ray_init_kwargs(ActorSettings.from_config(OmegaConf.load('config/mode/async.yaml')))); "
+             "cfg = OmegaConf.load('config/mode/async.yaml'); "
+             "gpus = place_actors(cfg, Placement(['cpu'], ['cpu'], ['cpu'], shared=True), 0); "
+             "ray.init(**ray_init_kwargs(ActorSettings.from_config(cfg, gpus))); "
              "print(ray.get_runtime_context().gcs_address, int(ray.cluster_resources()['CPU'])); ray.shutdown()")
     out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**os.environ, "RAY_ADDRESS": running},
                          capture_output=True, text=True, timeout=180)

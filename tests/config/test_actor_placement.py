@@ -6,10 +6,11 @@ import os
 import pytest
 
 from helpers import cfg_with
-from torchrl_grpo.collect.rollout_actors import actor_options, ray_init_kwargs, ray_sees_gpus, visible_gpus
+from torchrl_grpo.collect.rollout_actors import actor_options, ray_init_kwargs, ray_sees_gpus
 from torchrl_grpo.config.memory_plan import Engine, ModelShape, micro_batch, plan_memory
 from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.core.gpus import physical_ids
 
 
 def actors_on(gpus: int, *overrides):
@@ -74,9 +75,9 @@ def test_each_engine_takes_its_share_of_gpu_memory_utilization():
 def test_a_local_ray_is_shown_only_the_gpus_its_actors_may_take(monkeypatch):
     """The raylet reads CUDA_VISIBLE_DEVICES at start: the trainer's GPUs are left out of it, numbered as this
     process's own CUDA_VISIBLE_DEVICES maps them; the trainer's environment is as it was afterwards."""
-    assert visible_gpus((1, 2), {}) == "1,2"
-    assert visible_gpus((1, 2), {"CUDA_VISIBLE_DEVICES": "4, 5,6"}) == "5,6"
-    assert visible_gpus((), {"CUDA_VISIBLE_DEVICES": "4,5"}) == ""
+    assert physical_ids((1, 2), {}) == "1,2"
+    assert physical_ids((1, 2), {"CUDA_VISIBLE_DEVICES": "4, 5,6"}) == "5,6"
+    assert physical_ids((), {"CUDA_VISIBLE_DEVICES": "4,5"}) == ""
 
     spec = resolve_run(cfg_with("mode=async", "ray.num_actors=2", "ray.actor_num_gpus=1"), gpu_count=3)
     assert ray_init_kwargs(spec.actors)["num_gpus"] == 2

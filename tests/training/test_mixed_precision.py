@@ -77,6 +77,7 @@ def test_a_cpu_without_native_bf16_is_warned_once(tiny_model_path, monkeypatch, 
     from torchrl_grpo.run.build import build_trainer
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)  # a CPU trainer, on a machine with GPUs too
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)  # whatever this CPU has
     cfg = cfg_with("model=tiny", "train.mixed_precision=true")
     build_trainer(resolve_run(cfg), tiny_model_path)
     assert "without native bf16" not in capsys.readouterr().err

@@ -36,6 +36,7 @@ from torchrl_grpo.config.settings import ActorSettings
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.console import quiet_libraries
 from torchrl_grpo.core.errors import ConfigError, one_line
+from torchrl_grpo.core.gpus import children_see
 from torchrl_grpo.core.secrets import mask_output, secret_names
 from torchrl_grpo.engines.weight_check import Probe
 from torchrl_grpo.models.adapter import Adapter
@@ -143,35 +144,19 @@ def actor_error(err: Exception) -> str:
     return one_line(getattr(err, "cause", None) or err)
 
 
-def visible_gpus(logical: tuple[int, ...], environ=os.environ) -> str:
-    """``CUDA_VISIBLE_DEVICES`` for a local Ray that may hand out ``logical`` (this process's GPU numbers) only: the
-    ids this process's own ``CUDA_VISIBLE_DEVICES`` maps them to, if it has one. Ray's raylet reads it at start-up and
-    gives each actor its GPUs from that list; "" leaves it none."""
-    mine = environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [d.strip() for d in mine.split(",")] if mine else None
-    return ",".join(ids[d] if ids is not None else str(d) for d in logical)
-
-
 @contextlib.contextmanager
 def ray_sees_gpus(actors: ActorSettings):
-    """A local Ray started meanwhile knows only the GPUs its actors may take (``ActorGpus.ray_gpus``): the trainer's
-    stay out of its reach unless the actors must share them. This process's CUDA is started first, so that the change
-    reaches only the processes started meanwhile."""
+    """A local Ray started meanwhile knows only the GPUs its actors may take (``ActorGpus.ray_gpus``): its raylet
+    reads ``CUDA_VISIBLE_DEVICES`` at start and gives each actor its GPUs from that list, so the trainer's stay out of
+    its reach unless the actors must share them. This process's CUDA is started first, so that it keeps its own."""
     ray_gpus = actors.gpus.ray_gpus
     if ray_gpus is None:  # a cluster places its actors itself
         yield
         return
     if torch.cuda.is_available():
         torch.cuda.init()
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = visible_gpus(ray_gpus)
-    try:
+    with children_see(ray_gpus):
         yield
-    finally:
-        if before is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def actor_options(actors: ActorSettings) -> dict:

@@ -15,6 +15,7 @@ import torch
 from torchrl_grpo.config.schema import ENGINE_PROCESSES
 from torchrl_grpo.core.console import child_process_quiet_env
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.core.gpus import children_see
 from torchrl_grpo.engines import vllm_releases
 
 
@@ -66,17 +67,8 @@ def visible_cuda_devices(devices: Sequence[torch.device]) -> Iterator[None]:
     if devices[0].type != "cuda" or devices[0].index is None:
         yield
         return
-    old = os.environ.get("CUDA_VISIBLE_DEVICES")
-    visible = [d.strip() for d in old.split(",")] if old else None
-    physical = [visible[d.index] if visible and d.index < len(visible) else str(d.index) for d in devices]
-    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(physical)
-    try:
+    with children_see([d.index for d in devices]):
         yield
-    finally:
-        if old is None:
-            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = old
 
 
 MULTIPROCESSING_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
