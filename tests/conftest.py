@@ -13,7 +13,7 @@ if worker := os.environ.get("PYTEST_XDIST_WORKER"):  # pytest.ini: one worker pe
 
 import pytest
 
-from helpers import FLOAT32, SMALL, VLLM_DEVICE, importable, run
+from helpers import FLOAT32, SMALL, VLLM_DEVICE, importable, run, skip_unless_ci
 
 # ===================================================================================================
 # skip marks for optional stacks (tests/helpers.py: needs_vllm, needs_ray_and_vllm)
@@ -21,7 +21,8 @@ from helpers import FLOAT32, SMALL, VLLM_DEVICE, importable, run
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "needs(*modules): skip unless every module imports (probed once, lazily)")
+    config.addinivalue_line("markers", "needs(*modules): skip unless every module imports (probed once, lazily); "
+                            "under CI fail instead")
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own, which reads the group marks into the tests' ids
@@ -42,7 +43,7 @@ def pytest_runtest_setup(item):
     for mark in item.iter_markers("needs"):
         missing = [module for module in mark.args if not importable(module)]
         if missing:
-            pytest.skip(f"{' and '.join(missing)} not importable here")
+            skip_unless_ci(f"{' and '.join(missing)} not importable here")
 
 
 # ===================================================================================================
@@ -74,7 +75,7 @@ def vllm_engine(tiny_model_path):
     Tests that push weights into it must push the original weights back before they return.
     """
     if not importable("vllm"):  # missing, broken, or its CUDA build on a machine without a GPU
-        pytest.skip("no vLLM engine can start here")
+        skip_unless_ci("no vLLM engine can start here")
     from torchrl_grpo.engines.vllm import VLLMEngine
 
     engine = VLLMEngine(tiny_model_path, dtype="float32", device=VLLM_DEVICE, max_model_len=512, seed=0)

@@ -1,27 +1,37 @@
 """The package's layers, as docs/architecture.md draws them: each subpackage imports only the ones below it
 (imports inside functions included), and no module imports itself back through others."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "torchrl_grpo"
-# each subpackage -> the subpackages it may import (besides itself)
-MAY_IMPORT = {
-    "core": set(),
-    "objective": {"core"},
-    "config": {"core", "objective"},
-    "telemetry": {"core", "config"},
-    "tasks": {"core"},
-    "parallel": {"core", "objective", "config"},
-    "models": {"core", "config", "parallel"},
-    "episodes": {"core", "tasks"},
-    "engines": {"core", "config", "objective", "parallel", "models"},
-    "training": {"core", "config", "objective", "parallel", "models", "engines"},
-    "collect": {"core", "config", "objective", "models", "tasks", "episodes", "engines"},
-    "run": {"core", "config", "objective", "telemetry", "parallel", "models", "tasks", "episodes", "engines",
-            "training", "collect"},
-}
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def layer_table(page: str) -> dict[str, set[str]]:
+    """docs/architecture.md's "who may import whom" table: each subpackage -> the ones it may import (besides
+    itself); a parenthesis says why, "nothing of the package" none, "all of the above" every layer above it."""
+    lines = page.splitlines()
+    start = lines.index("| layer | imports |") + 2  # past the header and its rule
+    rows, table = [], {}
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip().strip("|").split("|")])
+    for name, allowed in rows:
+        plain = re.sub(r"\([^)]*\)", "", allowed)
+        if plain.strip() == "nothing of the package":
+            table[name] = set()
+        elif plain.strip() == "all of the above":
+            table[name] = set(table)
+        else:
+            table[name] = {a.strip() for a in plain.split(",") if a.strip()}
+    return table
+
+
+MAY_IMPORT = layer_table(ARCHITECTURE.read_text())  # each subpackage -> the subpackages it may import
 
 
 def module_name(path: Path) -> str:
@@ -50,6 +60,11 @@ def layer(module: str) -> str | None:
     """The subpackage ``module`` is in; None for the package's own face (``__init__``, ``__main__``)."""
     parts = module.split(".")
     return parts[1] if len(parts) > 2 or (len(parts) == 2 and (PACKAGE / parts[1]).is_dir()) else None
+
+
+def test_the_layer_table_is_read_from_the_page():
+    assert MAY_IMPORT["core"] == set() and MAY_IMPORT["config"] == {"core", "objective"}
+    assert MAY_IMPORT["run"] == set(MAY_IMPORT) - {"run"} and len(MAY_IMPORT) == 12
 
 
 def test_every_subpackage_has_a_layer_and_says_what_it_holds():

@@ -19,6 +19,7 @@ from helpers import (
     max_logprob_gap,
     needs_vllm,
     perturb,
+    skip_unless_ci,
     trainer_logprobs,
 )
 from torchrl_grpo.core.errors import ConfigError
@@ -201,7 +202,7 @@ def test_vllm_push_weights_tied_embeddings_smollm2():
     try:
         path = resolve_model("smollm2-135m-instruct")
     except ConfigError as e:
-        pytest.skip(f"SmolLM2 unavailable: {e}")
+        skip_unless_ci(f"SmolLM2 unavailable: {e}")
     tok = load_tokenizer(path)
     trainer = _policy(path)
     assert trainer.config.tie_word_embeddings

@@ -305,7 +305,8 @@ def run_case_initial(model_path: str, name: str) -> dict:
 
 
 @needs_vllm
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs num_devices=2 is the layer split (fsdp: CPU only)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on the CPU; with GPUs the ranks and the engine take "
+                    "the GPUs over nccl (bench/gpu_check.sh)")
 def test_grpo_py_starts_two_gloo_ranks_itself(tmp_path):
     """The recipe's ``train_model.num_devices=2`` on a machine without GPUs (train.strategy=auto), first run on
     an empty model cache: rank 0 builds the model once before the other rank starts. Rank 0
@@ -348,7 +349,8 @@ def test_grpo_py_starts_two_gloo_ranks_itself(tmp_path):
 
 
 @needs_vllm
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs num_devices=2 is the layer split (fsdp: CPU only)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on the CPU; with GPUs the ranks and the engine take "
+                    "the GPUs over nccl (bench/gpu_check.sh)")
 def test_a_rank_killed_stops_the_run_in_one_line_and_it_resumes(tmp_path):
     """kill -9 of the follower rank in the middle of a run (default precision: a bf16 engine in its own process,
     fed through the weight stream): rank 0 stops within a bounded time with one line saying how to resume,
@@ -396,7 +398,8 @@ def test_a_rank_killed_stops_the_run_in_one_line_and_it_resumes(tmp_path):
     assert live_in_group(proc.pid) == []
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs num_devices=2 is the layer split (fsdp: CPU only)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on the CPU; with GPUs the ranks and the engine take "
+                    "the GPUs over nccl (bench/gpu_check.sh)")
 def test_two_ranks_preempted_at_each_point_stop_with_a_checkpoint_or_resume_from_the_last(tmp_path):
     """Preemption signals every process of the job, both ranks included: SIGTERM during step 2's generation (the
     ranks sample together), SIGKILL while step 3's checkpoint is written (rank 0 writes the weights, every rank
@@ -426,7 +429,8 @@ def test_two_ranks_preempted_at_each_point_stop_with_a_checkpoint_or_resume_from
 
 
 @needs_ray_and_vllm
-@pytest.mark.skipif(torch.cuda.is_available(), reason="with GPUs num_devices=2 is the layer split (fsdp: CPU only)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on the CPU; with GPUs the ranks and the engine take "
+                    "the GPUs over nccl (bench/gpu_check.sh)")
 def test_grpo_async_trains_with_two_gloo_ranks_and_resumes(tmp_path):
     """grpo-async.py with the same keys: Ray actors collect, two ranks train and evaluate (sampling the sharded
     policy together); the weights gathered from the shards reach the actors whole (the weight sync check after
@@ -474,7 +478,8 @@ def test_fsdp_ranks_sample_with_their_sharded_policy(tmp_path):
 
 
 @needs_vllm
-@pytest.mark.skipif(torch.cuda.is_available(), reason="fsdp on GPUs is refused (CPU only)")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on the CPU; with GPUs the ranks and the engine take "
+                    "the GPUs over nccl (bench/gpu_check.sh)")
 def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(own_engine_run, tmp_path):
     """``torchrun --nnodes 2 --nproc-per-node 1 ... grpo.py`` as on two machines (two torchrun agents meeting at
     a rendezvous on this one): rank 0 runs the loop and sends its config, the rank on the other node follows.
