@@ -52,5 +52,11 @@ class Prefetch:
             self._failed = err
         return time.perf_counter() - started
 
+    def drop_in_flight(self) -> None:
+        """Forget the generation in flight and its batch (their engine died): the sampler goes back to before its
+        prompts, and the next step generates its batch itself."""
+        self._running = self._ready = self._failed = None
+        self.collector.sampler = copy.deepcopy(self.position)
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)  # the engine must not be closed under a generate in flight

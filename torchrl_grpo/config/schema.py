@@ -194,6 +194,8 @@ class InferenceModel(Devices):
                            "to the CPU), 2 (weights dropped too: the push replaces them), 0 (never); auto (2 where "
                            "the engine shares a GPU with the trainer or the reference and idles while they train, "
                            "else 0)", choices=SLEEP_LEVELS)
+    max_engine_restarts: int = key("int>=0", "times grpo.py starts a new engine when its process dies (the current "
+                                   "weights pushed and checked), then stops with a checkpoint")
 
 
 @dataclass

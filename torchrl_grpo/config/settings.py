@@ -103,6 +103,7 @@ class EngineSettings:
     completions_per_step: int       # env.num_envs x env.repeats
     max_tokens: int                 # inference_model.max_tokens
     lora_rank: int | None = None    # train_model.lora.sync resolved to adapter: the engine's max_lora_rank, else None
+    max_restarts: int = 3           # inference_model.max_engine_restarts
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan, engine_on: str, memory_share: float = 1.0) -> EngineSettings:
@@ -117,7 +118,8 @@ class EngineSettings:
                    weight_transfer=str(inference.weight_transfer), sleep=inference.sleep,
                    trust_remote_code=bool(cfg.model.trust_remote_code), prompts_per_step=plan.prompts_per_step,
                    completions_per_step=plan.completions_per_step, max_tokens=plan.max_tokens,
-                   lora_rank=engine_lora_rank(check_lora(lora)["r"]) if adapter else None)
+                   lora_rank=engine_lora_rank(check_lora(lora)["r"]) if adapter else None,
+                   max_restarts=int(inference.max_engine_restarts))
 
 
 @dataclass(frozen=True)

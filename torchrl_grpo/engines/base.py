@@ -13,7 +13,20 @@ from typing import Protocol, Self
 
 import torch
 
-__all__ = ["Completion", "Engine"]
+__all__ = ["Completion", "Engine", "engine_died"]
+
+
+def engine_died(err: BaseException) -> bool:
+    """Whether ``err`` (or an error it was raised from) says the engine's process is gone: vLLM's
+    ``EngineDeadError``, matched by name so that callers need not import vLLM."""
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if type(err).__name__ == "EngineDeadError":
+            return True
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return False
+
 
 @dataclass
 class Completion:

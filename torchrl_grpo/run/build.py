@@ -390,9 +390,13 @@ def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = 
     with the step a resume starts after); ``parallel``: this is rank 0 of data-parallel ranks."""
     c = build_common(inputs, parallel)
     print(f"precision: {c.spec.precision.describe(cfg)}", flush=True)
-    engine = build_engine(c.spec, c.model_path, c.trainer.policy, c.tokenizer,
-                          seed=c.spec.train.seed + c.state.step,
-                          engine_process="own" if parallel is not None else None, parallel=parallel)
+    def new_engine(restart: int = 0, step: int = c.state.step):
+        """The engine, seeded by the step it starts at (and apart for each restart after a dead one)."""
+        return build_engine(c.spec, c.model_path, c.trainer.policy, c.tokenizer,
+                            seed=c.spec.train.seed + step + 1_000_000 * restart,
+                            engine_process="own" if parallel is not None else None, parallel=parallel)
+
+    engine = new_engine()
     weights = EngineSync(c.trainer, engine, None if samples_with_policy(c.trainer, engine) else (
         build_weight_check(c.spec.train, c.trainer, c.tokenizer, c.spec.precision.engine)),
         adapter=c.spec.engine.lora_rank is not None)
@@ -401,7 +405,9 @@ def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = 
         print(line, flush=True)
     collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), c.spec.collect.prompt_seed),
                           c.spec.collect, c.turns)
-    source = LocalSource(collector, weights, overlap=not c.spec.train.sync_iter)
+    vllm = c.spec.engine.backend == "vllm"  # the transformers engine is the policy itself: it cannot die apart
+    source = LocalSource(collector, weights, overlap=not c.spec.train.sync_iter,
+                         new_engine=new_engine if vllm else None, max_restarts=c.spec.engine.max_restarts)
     return Run(source, c.trainer, c.state, c.spec, c.evaluator)
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import time
+from collections.abc import Callable
 
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.collect.prefetch import Prefetch
@@ -31,18 +33,26 @@ from torchrl_grpo.collect.rollout_actors import ActorFault, ActorPool
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.batch import Batch
 from torchrl_grpo.core.errors import RunError
+from torchrl_grpo.engines.base import engine_died
 from torchrl_grpo.run.loop import Delivery
 from torchrl_grpo.run.state import AsyncProgress, RunState
 from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
 
 
 class LocalSource:
-    """Batches from ``collector``; after each update the trainer's weights into its engine."""
+    """Batches from ``collector``; after each update the trainer's weights into its engine.
 
-    faults = (RunError,)  # a reward function raised while collecting
+    An engine whose process dies (vLLM's engine core: a crash, the OOM killer) is replaced by
+    ``new_engine(restart, step)`` at once, given the trainer's current weights and checked, and the batch it was
+    generating is drawn again from the same prompts, up to ``max_restarts`` times a run; then a RunError stops the
+    run with a checkpoint."""
 
-    def __init__(self, collector: Collector, weights: EngineSync, overlap: bool = False):
+    faults = (RunError,)  # a reward function raised while collecting, or the engine died too often
+
+    def __init__(self, collector: Collector, weights: EngineSync, overlap: bool = False,
+                 new_engine: Callable[[int, int], object] | None = None, max_restarts: int = 0):
         self.collector, self.weights, self.overlap = collector, weights, overlap
+        self.new_engine, self.max_restarts, self.restarts = new_engine, max_restarts, 0
         self.reward_names, self.tokenizer = collector.task.reward_names, collector.tokenizer
         self.exact_engine = None if overlap else collector.engine  # a prefetching engine samples while we save
         # a vLLM engine's devices; the transformers engine samples with the trained policy, on the train devices
@@ -70,15 +80,24 @@ class LocalSource:
                 self.prefetch.close()
 
     def eval_engine(self, trainer):
-        return self.collector.engine
+        return CurrentEngine(self.collector)
 
     def ready(self) -> None:
         pass
 
     def take(self, step: int) -> Delivery:
-        started = time.perf_counter()
-        version, sampled = self.prefetch.next(more=step < self.total_steps) if self.prefetch else (step - 1, None)
-        batch, metrics, samples = self.collector.collect(version, sampled)
+        started, replaced = time.perf_counter(), {}
+        while True:
+            before = copy.deepcopy(self.collector.sampler)
+            try:
+                version, sampled = self.prefetch.next(more=step < self.total_steps) if self.prefetch else (
+                    step - 1, None)
+                batch, metrics, samples = self.collector.collect(version, sampled)
+                break
+            except Exception as err:
+                replaced = self._replace_dead_engine(err, step)
+                self.collector.sampler = before  # the lost batch's prompts are drawn again
+        metrics.update(replaced)
         if not self.overlap:  # the engine idles while this batch trains: it gives its GPU memory back meanwhile
             self.collector.engine.sleep()
         return Delivery(batch, metrics, samples, version, started)
@@ -87,8 +106,16 @@ class LocalSource:
         """Pushes even when ``stopping``: this step's evaluation samples the engine."""
         metrics = {}
         if self.prefetch:
-            metrics["batch_wait_time"] = self.prefetch.finish()
-        metrics.update(self.weights.push(step))  # checked before the next generation (a prefetch's, in the next step)
+            try:
+                metrics["batch_wait_time"] = self.prefetch.finish()
+            except Exception as err:  # the next batch's generation: its prompts are drawn again
+                metrics.update(self._replace_dead_engine(err, step))
+        try:
+            metrics.update(self.weights.push(step))  # checked before the next generation (a prefetch's, next step)
+        except Exception as err:
+            metrics.update(self._replace_dead_engine(err, step))
+        if self.restarts:
+            metrics["engine_restarts"] = self.restarts
         if self.prefetch:
             self.prefetch.version = step
         metrics.update({"policy_version": delivery.version, "staleness": step - 1 - delivery.version,
@@ -98,6 +125,42 @@ class LocalSource:
     @property
     def fault(self) -> str | None:
         return self.weights.fault
+
+    def _replace_dead_engine(self, err: Exception, step: int) -> dict:
+        """Called while handling ``err``: unless it says the engine's process died, it goes on up. Else a new engine
+        (its seed apart from the dead one's) takes the dead one's place, with the trainer's current weights, checked;
+        a prefetch in flight is dropped, its prompts put back. Returns the check's metrics; a RunError (one line)
+        once ``inference_model.max_engine_restarts`` are used up."""
+        if self.new_engine is None or not engine_died(err):
+            raise err
+        why = "vLLM's EngineDeadError"  # its own message points to a stack trace the console does not show
+        if self.restarts >= self.max_restarts:
+            raise RunError(f"the vLLM engine's process died ({why}); inference_model.max_engine_restarts="
+                           f"{self.max_restarts} restart(s) used up") from None
+        self.restarts += 1
+        with contextlib.suppress(Exception):  # what is left of it: its client, its shared memory
+            self.collector.engine.close()
+        engine = self.new_engine(self.restarts, step)
+        self.collector.engine = self.weights.engine = engine
+        if not self.overlap:
+            self.exact_engine = engine
+        if self.prefetch is not None:
+            self.prefetch.drop_in_flight()
+        checked = self.weights.resend()
+        print(f"warning: the vLLM engine's process died ({why}); started a new one with the trainer's weights "
+              f"(restart {self.restarts} of inference_model.max_engine_restarts={self.max_restarts})",
+              file=sys.stderr, flush=True)
+        return checked
+
+
+class CurrentEngine:
+    """The collector's engine as it is now (one whose process died is replaced): what evaluations sample with."""
+
+    def __init__(self, collector: Collector):
+        self._collector = collector
+
+    def __getattr__(self, name: str):
+        return getattr(self._collector.engine, name)
 
 
 class ActorSource:

@@ -88,6 +88,13 @@ class EngineSync(WeightSync):
     def resume(self) -> None:
         self._sync(0)
 
+    def resend(self) -> dict:
+        """The trainer's current weights into a new engine (one that replaced a dead one), checked: the metrics."""
+        started = time.perf_counter()
+        self._send(self.trainer.updates)
+        self.pushed = self.trainer.updates
+        return {"weight_push_time": time.perf_counter() - started, **self._verify()}
+
     def startup(self) -> str | None:
         """The engine as started against the trainer: the line to print (None without a check)."""
         return None if self.check is None else self.check.startup(self.engine)
