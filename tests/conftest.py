@@ -1,9 +1,16 @@
 """Shared pytest fixtures and hooks. Each block below is owned by the module named in its header."""
+import atexit
 import os
+import shutil
 import uuid
 from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no hub here; set before transformers/huggingface_hub are imported
+# the runs the tests start list themselves in a registry of this session's own (torchrl_grpo/core/machine_runs.py):
+# the two workers' runs, side by side on purpose, would otherwise each warn of the other
+if "TORCHRL_GRPO_RUNS" not in os.environ:
+    os.environ["TORCHRL_GRPO_RUNS"] = f"/tmp/torchrl_grpo_runs-test-{os.getpid()}"
+    atexit.register(shutil.rmtree, os.environ["TORCHRL_GRPO_RUNS"], ignore_errors=True)
 if worker := os.environ.get("PYTEST_XDIST_WORKER"):  # pytest.ini: one worker per core
     # one OpenMP thread per process, and each worker's vLLM engines on a core of their own: torch's threads
     # spinning on the core the other worker computes on made compute-bound tests up to six times slower

@@ -7,6 +7,7 @@ may re-run the process); this module imports neither torch nor transformers.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -94,6 +95,21 @@ def check_keys_first(cfg: DictConfig) -> None:
         validate(cfg)
 
 
+@contextlib.contextmanager
+def on_this_machine(spec, run_dir: Path):
+    """A run training on the CPU is listed as one of this machine's runs while it runs, and says at start when others
+    share its cores (:mod:`~torchrl_grpo.core.machine_runs`)."""
+    if spec.placement.train[0] != "cpu":
+        yield
+        return
+    from torchrl_grpo.core.machine_runs import registered, sharing_warning
+
+    with registered(run_dir) as others:
+        if (line := sharing_warning(others, len(os.sched_getaffinity(0)))) is not None:
+            print(line, file=sys.stderr, flush=True)
+        yield
+
+
 def train_sync(cfg: DictConfig, run_dir: Path) -> None:
     """grpo.py: collect, optimize, push; data-parallel ranks when ``train.strategy`` resolves to fsdp."""
     check_keys_first(cfg)
@@ -102,8 +118,8 @@ def train_sync(cfg: DictConfig, run_dir: Path) -> None:
     from torchrl_grpo.run.loop import run_loop
 
     inputs = read_inputs(cfg, run_dir)  # before any other rank starts
-    with data_parallel_ranks(inputs.spec, run_dir, build_follower) as parallel:  # rank 0; the others follow
-        run = build_sync(cfg, inputs, parallel)
+    with on_this_machine(inputs.spec, run_dir), data_parallel_ranks(inputs.spec, run_dir, build_follower) as parallel:
+        run = build_sync(cfg, inputs, parallel)  # rank 0; the others follow
         try:
             run_loop(run)
         finally:
@@ -118,7 +134,7 @@ def train_async(cfg: DictConfig, run_dir: Path) -> None:
     from torchrl_grpo.run.loop import run_loop
 
     inputs = read_inputs(cfg, run_dir)  # before any other rank starts
-    with data_parallel_ranks(inputs.spec, run_dir, build_follower) as parallel:
+    with on_this_machine(inputs.spec, run_dir), data_parallel_ranks(inputs.spec, run_dir, build_follower) as parallel:
         run_loop(build_async(cfg, inputs, parallel))
 
 
