@@ -124,7 +124,7 @@ class ActorGpus:
 
     def describe(self) -> str:
         if self.per_actor == 0:
-            return "rollout actors on the CPU (GPUs hidden from them)"
+            return "rollout actors on the CPU"
         where = "a Ray cluster's GPUs" if self.ray_gpus is None else ",".join(f"cuda:{d}" for d in self.ray_gpus)
         note = ", beside training" if self.shares_training else ""
         return f"rollout actors on {where} ({self.per_actor:g} GPU each{note})"
