@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from torchrl_grpo.config.precision import dtype_name
+from torchrl_grpo.core.errors import one_line
 from torchrl_grpo.engines.weight_check import Probe
 
 
@@ -150,7 +151,7 @@ class ActorLink:
                                f"ray.collect_timeout_s={timeout_s:g} s, so its weight group never formed") from None
         except RayError as err:
             raise RuntimeError(f"weight transfer: rollout actor {self.index} failed while starting its engine "
-                               f"({' '.join(str(getattr(err, 'cause', None) or err).split())[:300]})") from None
+                               f"({one_line(getattr(err, 'cause', None) or err)})") from None
 
     def close(self) -> None:
         """Stop after the push being sent (its broadcast aborted, should the actor be gone)."""

@@ -12,7 +12,6 @@ import math
 import os
 from dataclasses import dataclass
 
-import torch
 from omegaconf import DictConfig
 
 from torchrl_grpo.core.errors import ConfigError
@@ -36,9 +35,8 @@ class Placement:
         return f"train on {','.join(self.train)}, {engines}, reference on {','.join(self.ref)}{note}"
 
 
-def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Placement:
-    """Assign devices to the roles of ``cfg``; ``gpu_count`` defaults to what torch sees."""
-    available = torch.cuda.device_count() if gpu_count is None else gpu_count
+def place(cfg: DictConfig, needs_ref: bool, gpu_count: int) -> Placement:
+    """Assign devices to the roles of ``cfg`` on a machine with ``gpu_count`` GPUs."""
     strategy = train_strategy(cfg)
     ranks = strategy == "fsdp"
     world = int(cfg.train_model.num_devices) if ranks else 1
@@ -46,7 +44,7 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
     roles = [r for r in ROLES if r != "ref_model" or (needs_ref and not ranks)]
     if ranks and needs_ref:
         _check_ref_follows_ranks(cfg)
-    if available == 0:
+    if gpu_count == 0:
         for role in roles:
             devices = cfg[role].get("devices")
             if devices:
@@ -66,25 +64,25 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int | None = None) -> Pla
     for role in roles:
         devices = cfg[role].get("devices")
         if devices:
-            missing = [d for d in devices if not 0 <= int(d) < available]
+            missing = [d for d in devices if not 0 <= int(d) < gpu_count]
             if missing:
                 raise ConfigError(f"{role}.devices={list(devices)}: GPU(s) {missing} do not exist "
-                                  f"(this machine has {available}: 0..{available - 1})")
+                                  f"(this machine has {gpu_count}: 0..{gpu_count - 1})")
             chosen[role] = [int(d) for d in devices]
     wanted = {r: int(cfg[r].get("num_devices", 1)) for r in roles if r not in chosen}
     if ranks:  # the ranks on this machine, each on the GPU of its local rank: 0, 1, ...
         launch, local = torchrun_launch(), wanted.pop("train_model")
         local = launch.local_world_size if launch is not None else local
-        if local > available:
+        if local > gpu_count:
             raise ConfigError(f"{local} data-parallel ranks on this machine (train_model.num_devices, or torchrun's "
-                              f"--nproc-per-node) but it has {available} GPU(s): start at most {available} here")
+                              f"--nproc-per-node) but it has {gpu_count} GPU(s): start at most {gpu_count} here")
         chosen["train_model"] = list(range(local))
     for role, n in wanted.items():
-        if n < 1 or n > available:
-            raise ConfigError(f"{role}.num_devices={n} but this machine has {available} GPU(s): "
-                              f"set {role}.num_devices between 1 and {available}")
+        if n < 1 or n > gpu_count:
+            raise ConfigError(f"{role}.num_devices={n} but this machine has {gpu_count} GPU(s): "
+                              f"set {role}.num_devices between 1 and {gpu_count}")
     taken = {d for devs in chosen.values() for d in devs}
-    free = [d for d in range(available) if d not in taken]
+    free = [d for d in range(gpu_count) if d not in taken]
     if sum(wanted.values()) <= len(free):
         for role, n in wanted.items():
             chosen[role], free = free[:n], free[n:]

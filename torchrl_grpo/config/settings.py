@@ -244,12 +244,16 @@ class ActorSettings:
     init: dict[str, Any]            # ray.init: extra ray.init keyword arguments
     num_actors: int                 # ray.num_actors
     actor_num_cpus: float           # ray.actor_num_cpus
-    actor_num_gpus: float           # ray.actor_num_gpus resolved (auto: ActorGpus.per_actor)
     collect_timeout_s: float        # ray.collect_timeout_s
     max_actor_restarts: int         # ray.max_actor_restarts
     weight_update_frequency: int    # train.weight_update_frequency
     max_staleness: int              # train.max_staleness
     gpus: ActorGpus                 # where the actors' engines run (config.placement.place_actors)
+
+    @property
+    def actor_num_gpus(self) -> float:
+        """``ray.actor_num_gpus`` resolved (``auto`` too)."""
+        return self.gpus.per_actor
 
     @classmethod
     def from_config(cls, cfg: DictConfig, gpus: ActorGpus) -> ActorSettings:
@@ -257,7 +261,7 @@ class ActorSettings:
         return cls(address=None if ray.address is None else str(ray.address),
                    init=OmegaConf.to_container(ray.init, resolve=True) if ray.init is not None else {},
                    num_actors=int(ray.num_actors), actor_num_cpus=float(ray.actor_num_cpus),
-                   actor_num_gpus=gpus.per_actor, collect_timeout_s=float(ray.collect_timeout_s),
+                   collect_timeout_s=float(ray.collect_timeout_s),
                    max_actor_restarts=int(ray.max_actor_restarts),
                    weight_update_frequency=int(cfg.train.weight_update_frequency),
                    max_staleness=int(cfg.train.max_staleness), gpus=gpus)

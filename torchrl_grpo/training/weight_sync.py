@@ -60,6 +60,9 @@ class WeightSync:
         """The trainer's weights as policy ``version``, then checked: the step's metrics ({} when nothing was due)."""
         if not self._due():
             return {}
+        return self._push_checked(version)
+
+    def _push_checked(self, version: int) -> dict:
         started = time.perf_counter()
         self._sync(version)
         return {"weight_push_time": time.perf_counter() - started, **self._verify()}
@@ -90,10 +93,7 @@ class EngineSync(WeightSync):
 
     def resend(self) -> dict:
         """The trainer's current weights into a new engine (one that replaced a dead one), checked: the metrics."""
-        started = time.perf_counter()
-        self._send(self.trainer.updates)
-        self.pushed = self.trainer.updates
-        return {"weight_push_time": time.perf_counter() - started, **self._verify()}
+        return self._push_checked(0)
 
     def startup(self) -> str | None:
         """The engine as started against the trainer: the line to print (None without a check)."""
