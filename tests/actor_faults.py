@@ -20,3 +20,21 @@ def exit_at_third_collect() -> None:
         return collect(self)
 
     RolloutActor.collect = dying_collect
+
+
+def stall_at_third_collect() -> None:
+    """Every rollout actor in this process stops answering at the start of its third collect (a hung GPU, a
+    deadlock): it sleeps without returning, alive."""
+    import time
+
+    from torchrl_grpo.collect.rollout_actors import RolloutActor
+
+    collect = RolloutActor.collect
+
+    def stalled_collect(self):
+        self.fault_calls = getattr(self, "fault_calls", 0) + 1
+        while self.fault_calls >= EXIT_AT:
+            time.sleep(60)
+        return collect(self)
+
+    RolloutActor.collect = stalled_collect

@@ -47,7 +47,8 @@ def cuda_calls(monkeypatch):
     monkeypatch.setattr(torch.cuda, "set_device", lambda d: log.append(("set_device", str(d),
                                                                       threading.current_thread().name)))
 
-    def trainer_engine(backend, client, source, workers, host, timeout_s):
+    def trainer_engine(backend, client, source, workers, host, timeout_s, timeout_key):
+        assert timeout_key == "ray.collect_timeout_s"
         log.append(("group", backend, str(source.device), threading.current_thread().name))
         return type("Transfer", (), {"shutdown": lambda self: None})()
 

@@ -202,7 +202,7 @@ def test_own_process_push_streams_through_shm_and_the_engine_then_holds_the_new_
     # buckets of at most 16 KiB: most of a decoder layer's tensors arrive in different buckets
     monkeypatch.setattr(weight_stream, "BUCKET_BYTES", 16 * 1024)
     # the engine's transport from here on: its close must take the stream's folder with it
-    own.engine.transport = transports.Stream(own.engine.llm, own.engine.dtype, workers=1)
+    own.engine.transport = transports.Stream(own.engine.llm, own.engine.dtype, workers=1, timeout_s=300.0)
     before = _push_dirs()
     own.engine.push_weights(weights)
     made = sorted(_push_dirs() - before)
@@ -235,7 +235,7 @@ def test_own_process_push_over_vllms_weight_transfer_api_with_our_gloo_engine(ow
     perturb(new, scale=0.2)
     monkeypatch.setattr(weight_transfer, "TRANSFER_BUCKET_BYTES", 16 * 1024)
     assert own.default_transport == "collective"
-    collective = transports.Collective(own.engine.llm, own.engine.devices, own.engine.dtype)
+    collective = transports.Collective(own.engine.llm, own.engine.devices, own.engine.dtype, 300.0)
     monkeypatch.setattr(own.engine, "transport", collective)
     before = _push_dirs()
     own.engine.push_weights(merged_state_dict(new))

@@ -211,3 +211,37 @@ def test_a_worker_failure_ends_the_push_and_the_next_push_works(tmp_path):
         assert count == len(_weights()) and torch.equal(loaded["embed.weight"], _weights(2)[0][1])
     finally:
         stream.close()
+
+
+def test_a_stopped_worker_stops_the_push_in_one_line_at_the_deadline(tmp_path):
+    """The engine's process stopped (SIGSTOP: a hung GPU, a debugger) while the trainer streams: the push gives
+    up when a bucket is not copied out within its deadline, in one line naming it, and leaves the workers' call
+    behind instead of waiting for it forever."""
+    import signal
+    import time
+
+    from torchrl_grpo.core.errors import RunError
+
+    ctx = multiprocessing.get_context("spawn")
+    results, procs = ctx.Queue(), []
+
+    def stopped_worker(wire: bytes):
+        proc = ctx.Process(target=_worker, args=(wire, 0, None, results))
+        proc.start()
+        procs.append(proc)
+        os.kill(proc.pid, signal.SIGSTOP)
+        return results.get(timeout=120)
+
+    stream = WeightStream(str(tmp_path), workers=1, bucket_bytes=512, timeout_s=2)
+    t0 = time.perf_counter()
+    try:
+        with pytest.raises(RunError, match=r"^weight push: the engine's worker 0 did not copy bucket 0 out of the "
+                                           r"/dev/shm stream within inference_model.push_timeout_s=2 s \(the "
+                                           r"engine's process is stalled or stopped\)$"):
+            stream.push(_weights(1), stopped_worker)
+        assert time.perf_counter() - t0 < 2 + 10
+    finally:
+        stream.close()
+        for proc in procs:
+            proc.kill()
+            proc.join()

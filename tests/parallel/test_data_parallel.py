@@ -44,6 +44,7 @@ from helpers import (
     wait_until,
 )
 from torchrl_grpo.config.settings import CriticSettings, TrainSettings
+from torchrl_grpo.core.errors import RunError
 from torchrl_grpo.engines.base import Completion
 from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.models.adapter import AdapterOff
@@ -584,3 +585,17 @@ def live_in_group(pgid: int, seconds: float = 10) -> list[str]:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
+
+
+def test_a_rank_that_never_joins_stops_the_rendezvous_in_one_line_at_the_deadline(tmp_path):
+    """Rank 0 of two, the other never started: the process group's rendezvous gives up at its deadline with one line
+    naming the rank and the deadline, instead of waiting forever."""
+    from torchrl_grpo.parallel.ranks import process_group
+
+    t0 = time.perf_counter()
+    with pytest.raises(RunError, match=r"^data-parallel rank 0: not all 2 ranks joined the process group within 2 s "
+                                       r"\(a rank that failed to start says why in its output; RuntimeError: "):
+        with process_group(0, 2, f"file://{tmp_path / 'store'}", timeout_s=2):
+            pass
+    assert time.perf_counter() - t0 < 2 + 10
+    assert not torch.distributed.is_initialized()

@@ -122,7 +122,8 @@ class ActorLink:
             if self.device.type == "cuda":
                 torch.cuda.set_device(self.device)
             self._wait_started(timeout_s)
-            self.transfer = trainer_engine(self.backend, self.client, self.source, workers, host, timeout_s)
+            self.transfer = trainer_engine(self.backend, self.client, self.source, workers, host, timeout_s,
+                                           timeout_key="ray.collect_timeout_s")
         except BaseException as err:
             failed = err
         while (job := self.jobs.get()) is not None:

@@ -196,6 +196,9 @@ class InferenceModel(Devices):
                            "else 0)", choices=SLEEP_LEVELS)
     max_engine_restarts: int = key("int>=0", "times grpo.py starts a new engine when its process dies (the current "
                                    "weights pushed and checked), then stops with a checkpoint")
+    push_timeout_s: float = key("num>0", "a push to an engine in another process: how long its workers may take to "
+                                "join the weight group and to take each bucket (collective transfer)",
+                                hint="must be a number of seconds > 0")
 
 
 @dataclass

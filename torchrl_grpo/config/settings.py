@@ -104,6 +104,7 @@ class EngineSettings:
     max_tokens: int                 # inference_model.max_tokens
     lora_rank: int | None = None    # train_model.lora.sync resolved to adapter: the engine's max_lora_rank, else None
     max_restarts: int = 3           # inference_model.max_engine_restarts
+    push_timeout_s: float = 300.0   # inference_model.push_timeout_s
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan, engine_on: str, memory_share: float = 1.0) -> EngineSettings:
@@ -119,7 +120,8 @@ class EngineSettings:
                    trust_remote_code=bool(cfg.model.trust_remote_code), prompts_per_step=plan.prompts_per_step,
                    completions_per_step=plan.completions_per_step, max_tokens=plan.max_tokens,
                    lora_rank=engine_lora_rank(check_lora(lora)["r"]) if adapter else None,
-                   max_restarts=int(inference.max_engine_restarts))
+                   max_restarts=int(inference.max_engine_restarts),
+                   push_timeout_s=float(inference.push_timeout_s))
 
 
 @dataclass(frozen=True)

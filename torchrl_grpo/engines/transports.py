@@ -60,12 +60,13 @@ class InPlace:
 class Collective:
     """The trainer's side of vLLM's weight-transfer API into the engine's workers (``workers``: one per GPU of a
     tensor-parallel engine), formed at the first push and formed again for weights of other names or shapes;
-    the tensors are cast to ``dtype`` (the engine's) on the way."""
+    the tensors are cast to ``dtype`` (the engine's) on the way; ``timeout_s`` (``inference_model.push_timeout_s``):
+    how long the workers may take to join the group, and to take each bucket."""
 
     name = "collective"
 
-    def __init__(self, llm, devices: Sequence[torch.device], dtype: torch.dtype):
-        self.llm, self.devices, self.dtype = llm, devices, dtype
+    def __init__(self, llm, devices: Sequence[torch.device], dtype: torch.dtype, timeout_s: float):
+        self.llm, self.devices, self.dtype, self.timeout_s = llm, devices, dtype, timeout_s
         self.transfer, self.source = None, None
 
     def push(self, specs: Specs, tensors: Tensors) -> None:
@@ -88,7 +89,8 @@ class Collective:
             self.llm.collective_rpc(weight_transfer.attach_in_worker, args=(backend,))
             self.source = weight_transfer.PushSource(list(specs), self.dtype, on)
             self.transfer = weight_transfer.trainer_engine(backend, weight_transfer.RpcClient(self.llm),
-                                                           self.source, workers=len(self.devices))
+                                                           self.source, workers=len(self.devices),
+                                                           timeout_s=self.timeout_s)
         return self.source
 
     def close(self) -> None:
@@ -99,12 +101,13 @@ class Collective:
 
 class Stream:
     """A bounded buffer and FIFOs in a folder of /dev/shm named after this process, made at the first push; the
-    tensors are cast to ``dtype`` (the engine's) on the way. ``workers``: how many read each bucket."""
+    tensors are cast to ``dtype`` (the engine's) on the way. ``workers``: how many read each bucket; ``timeout_s``
+    (``inference_model.push_timeout_s``): how long they may take to copy one out."""
 
     name = "shm"
 
-    def __init__(self, llm, dtype: torch.dtype, workers: int):
-        self.llm, self.dtype, self.workers = llm, dtype, workers
+    def __init__(self, llm, dtype: torch.dtype, workers: int, timeout_s: float):
+        self.llm, self.dtype, self.workers, self.timeout_s = llm, dtype, workers, timeout_s
         self.stream: WeightStream | None = None
 
     def push(self, specs: Specs, tensors: Tensors) -> None:
@@ -115,7 +118,7 @@ class Stream:
 
     def _stream(self) -> WeightStream:
         if self.stream is None:
-            self.stream = WeightStream(_shm_folder(PUSH_DIR_PREFIX), workers=self.workers)
+            self.stream = WeightStream(_shm_folder(PUSH_DIR_PREFIX), workers=self.workers, timeout_s=self.timeout_s)
         return self.stream
 
     def close(self) -> None:
@@ -166,7 +169,7 @@ class AdapterSlot:
 
 
 def transport_for(asked: str, llm, *, in_process: bool, devices: Sequence[torch.device],
-                  dtype: torch.dtype) -> Transport:
+                  dtype: torch.dtype, push_timeout_s: float) -> Transport:
     """The transport of an engine made by ``llm`` on ``devices``: in place in this process, else what
     ``inference_model.weight_transfer`` (``asked``) resolves to for an engine whose trainer shares none of its
     devices (:func:`~torchrl_grpo.engines.vllm_releases.choose_weight_transfer`; a run resolves it against its
@@ -174,6 +177,6 @@ def transport_for(asked: str, llm, *, in_process: bool, devices: Sequence[torch.
     if in_process:
         return InPlace(llm)
     if choose_weight_transfer(asked, [str(d) for d in devices], ()) == "collective":
-        return Collective(llm, devices, dtype)
+        return Collective(llm, devices, dtype, push_timeout_s)
     on_cpu = devices[0].type == "cpu"
-    return Stream(llm, dtype, workers=1 if on_cpu else len(devices))
+    return Stream(llm, dtype, workers=1 if on_cpu else len(devices), timeout_s=push_timeout_s)

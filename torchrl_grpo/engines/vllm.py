@@ -67,9 +67,10 @@ class VLLMEngine(Engine):
     ``weight_transfer`` (``inference_model.weight_transfer``) is how pushes reach an engine in its own process:
     :attr:`transport`, chosen by :func:`~torchrl_grpo.engines.transports.transport_for` (``collective`` through
     vLLM's weight-transfer API, ``shm`` streamed through a bounded buffer in /dev/shm). An engine in this process
-    takes the tensors in place. Do not use ``engine_process=same`` on a GPU unless the engine should use the
-    process's first visible GPU: an in-process engine cannot be moved by ``CUDA_VISIBLE_DEVICES`` once CUDA
-    is initialised.
+    takes the tensors in place. ``push_timeout_s`` (``inference_model.push_timeout_s``): how long a push waits
+    for the engine's workers to join its group and to take each bucket. Do not use ``engine_process=same`` on a
+    GPU unless the engine should use the process's first visible GPU: an in-process engine cannot be moved by
+    ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
 
     ``sleep_level`` (``inference_model.sleep`` resolved, GPUs only): vLLM's sleep mode at that level, for an engine
     sharing its GPU with the trainer (:meth:`sleep`, :mod:`torchrl_grpo.engines.sleep`); 0: it never sleeps.
@@ -99,6 +100,7 @@ class VLLMEngine(Engine):
         weight_transfer: str = "auto",
         sleep_level: int = 0,
         lora_rank: int | None = None,
+        push_timeout_s: float = 300.0,
         **llm_kwargs,
     ):
         self.model_path = str(model_path)
@@ -174,7 +176,7 @@ class VLLMEngine(Engine):
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
         self.transport = transport_for(weight_transfer, self.llm, in_process=self._in_process, devices=self.devices,
-                                       dtype=self.dtype)
+                                       dtype=self.dtype, push_timeout_s=push_timeout_s)
         self.adapter = AdapterSlot(self.llm) if lora_rank is not None else None
         log.info("vLLM engine on %s started in %.1f s (%s, %s)", self.device, self.start_s, self.model_path, dtype)
 

@@ -19,12 +19,16 @@ import pickle
 import select
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass
 
 import torch
 
 from torchrl_grpo.config.precision import dtype_name
+from torchrl_grpo.core.errors import RunError
 
 BUCKET_BYTES = 128 * 2 ** 20  # a bucket never splits a tensor: a larger tensor gets a bucket of its own size
 ALIGN = 64  # offsets in the buffer, so that every dtype's view of it is aligned
@@ -124,10 +128,14 @@ def _receive(fd: int, timeout: float) -> tuple[int, int] | None:
 
 class WeightStream:
     """The trainer's side: a buffer file and two FIFOs for each of ``workers`` in ``directory`` (kept across
-    pushes; :meth:`close`)."""
+    pushes; :meth:`close`). ``timeout_s`` (``inference_model.push_timeout_s``): how long the workers may take to
+    copy a bucket out; past it the push is a one-line RunError, the workers' call left behind (a stalled or
+    stopped engine process never answers it)."""
 
-    def __init__(self, directory: str, workers: int = 1, bucket_bytes: int | None = None):
+    def __init__(self, directory: str, workers: int = 1, bucket_bytes: int | None = None,
+                 timeout_s: float = WORKER_WAIT_S):
         self.directory, self.bucket_bytes, self.pushes = directory, bucket_bytes or BUCKET_BYTES, 0
+        self.timeout_s = timeout_s
         self.buffer_path = os.path.join(directory, "weights.buffer")
         self.ready_paths = tuple(os.path.join(directory, f"ready.{rank}.fifo") for rank in range(workers))
         self.done_paths = tuple(os.path.join(directory, f"done.{rank}.fifo") for rank in range(workers))
@@ -164,20 +172,26 @@ class WeightStream:
                             raise RuntimeError(f"weight stream: got {name} where {entry.name} was planned")
                         entry_view(self._buffer, entry).copy_(tensor)
                     self._tell(channel.push, k)
+                self._wait_copied(len(channel.buckets) - 1, ended)
             except BaseException as e:  # the workers are told, so they raise instead of waiting
                 failure.append(e)
                 self._tell(channel.push, _ABORT)
 
         feeder = threading.Thread(target=feed, name="weight-stream", daemon=True)
         feeder.start()
+        calling = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weight-stream-call")
+        call = calling.submit(call_worker, pickle.dumps(channel))
         result, worker_error = None, None
-        try:
-            result = call_worker(pickle.dumps(channel))
-        except Exception as e:
-            worker_error = e
+        try:  # the workers' call, or the feeder's verdict that they stopped copying
+            while not (wait_for([call], timeout=_TICK_S).done or failure and isinstance(failure[0], RunError)):
+                pass
+            if call.done():
+                worker_error = call.exception()
+                result = None if worker_error is not None else call.result()
         finally:
             ended.set()
             feeder.join()
+            calling.shutdown(wait=False)
         if failure:  # the root cause: the workers raised only because the feeder told them to
             raise failure[0] from worker_error
         if worker_error is not None:
@@ -189,11 +203,17 @@ class WeightStream:
             os.write(fd, _MESSAGE.pack(push, k))
 
     def _wait_copied(self, k: int, ended: threading.Event) -> bool:
-        """Wait until every worker has copied bucket ``k`` out; False when the push ended meanwhile."""
-        for fd in self._done:
+        """Wait until every worker has copied bucket ``k`` out; False when the push ended meanwhile, a RunError
+        past :attr:`timeout_s`."""
+        deadline = time.monotonic() + self.timeout_s
+        for rank, fd in enumerate(self._done):
             while (message := _receive(fd, _TICK_S)) is None:
                 if ended.is_set():
                     return False
+                if time.monotonic() > deadline:
+                    raise RunError(f"weight push: the engine's worker {rank} did not copy bucket {k} out of the "
+                                   f"/dev/shm stream within inference_model.push_timeout_s={self.timeout_s:g} s "
+                                   "(the engine's process is stalled or stopped)")
             if message != (self.pushes, k):
                 raise RuntimeError(f"weight stream out of step: expected {(self.pushes, k)}, got {message}")
         return True

@@ -24,6 +24,7 @@ import socket
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import asdict, dataclass
 from typing import ClassVar
 
@@ -45,6 +46,7 @@ from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, i
 from vllm.v1.worker.worker_base import WorkerWrapperBase
 
 from torchrl_grpo.config.precision import dtype_name
+from torchrl_grpo.core.errors import RunError
 from torchrl_grpo.engines.weight_stream import Entry, bucket_size, entry_view, plan_buckets, wire_dtype
 
 GLOO = "gloo"  # our backend's name in vLLM's factories
@@ -201,11 +203,12 @@ class PushSource(WeightSource):
 
 
 def trainer_engine(backend: str, client, source: PushSource, workers: int, host: str = "127.0.0.1",
-                   timeout_s: float = TIMEOUT_S):
+                   timeout_s: float = TIMEOUT_S, timeout_key: str = "inference_model.push_timeout_s"):
     """The trainer's side of a weight transfer to ``workers`` engine workers (rank 0, the sender) reached through
     ``client`` (:class:`RpcClient` for an engine whose workers have :func:`attach_in_worker` run, or a rollout
     actor's), the group formed at ``host`` (an address the workers reach); ``send_weights()`` then pushes what
-    ``source`` holds. ``timeout_s`` (gloo): how long the rendezvous and each broadcast wait for the workers.
+    ``source`` holds. ``timeout_s`` (gloo): how long the rendezvous and each broadcast wait for the workers, the key
+    ``timeout_key`` sets (errors name it).
     ``nccl`` is vLLM's own engine, in vLLM 0.32 and later (before, ``vllm_releases.choose_weight_transfer`` refuses
     it)."""
     register()
@@ -215,8 +218,8 @@ def trainer_engine(backend: str, client, source: PushSource, workers: int, host:
 
         info = NCCLTrainerInitInfo(host, free_port(host), workers + 1, rank=0)
         return WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
-    return GlooTrainerWeightTransferEngine.trainer_init(GlooTrainerInitInfo(host, workers + 1, timeout_s, rank=0),
-                                                        client=client, source=source)
+    info = GlooTrainerInitInfo(host, workers + 1, timeout_s, timeout_key, rank=0)
+    return GlooTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
 
 
 def update_info(backend: str, params: Sequence[ParamMeta]) -> dict:
@@ -311,6 +314,7 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     master_address: str
     world_size: int
     timeout_s: float = TIMEOUT_S
+    timeout_key: str = "inference_model.push_timeout_s"  # what the error names
 
 
 def _gloo_plan(params: Sequence[tuple[str, torch.dtype, tuple]]) -> tuple[list[list[Entry]], dict]:
@@ -331,19 +335,33 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
     def __init__(self, *, client, source: PushSource):  # vLLM's base takes a config first before 0.32, none since
         self.client, self.source, self.is_sender = client, source, True
         self.group, self.store, self.buffer = None, None, torch.empty(0, dtype=torch.uint8)
+        self.deadline = f"a deadline of {TIMEOUT_S:g} s"  # what a broadcast waits at most, as errors name it
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client, source: PushSource):
+        """Past the deadline, workers that never joined (a stalled or stopped engine) are a one-line RunError: the
+        call that asked them to join is left behind, never waited for."""
         engine = cls(client=client, source=source)
+        engine.deadline = f"{init_info.timeout_key}={init_info.timeout_s:g} s"
         store = TCPStore(init_info.master_address, 0, init_info.world_size, is_master=True, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=init_info.timeout_s))
         worker_info = {"master_address": init_info.master_address, "master_port": store.port,
                        "world_size": init_info.world_size, "timeout_s": init_info.timeout_s}
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            joined = pool.submit(client.init_weight_transfer_engine, worker_info)
+        pool = ThreadPoolExecutor(max_workers=1)
+        joined = pool.submit(client.init_weight_transfer_engine, worker_info)
+        try:
             engine.group, engine.store = _gloo_group(init_info.master_address, store.port, 0,
                                                      init_info.world_size, store, init_info.timeout_s)
-            joined.result()
+            joined.result(timeout=init_info.timeout_s)
+        except (RuntimeError, FuturesTimeout) as err:
+            if joined.done() and joined.exception() is not None:
+                raise joined.exception() from err  # the workers' own error says more
+            _close_group(engine.group)
+            raise RunError(f"weight push: the engine's {init_info.world_size - 1} worker(s) did not join the weight "
+                           f"group at {init_info.master_address}:{store.port} within {init_info.timeout_key}="
+                           f"{init_info.timeout_s:g} s (the engine's process is stalled or stopped)") from None
+        finally:
+            pool.shutdown(wait=False)
         return engine
 
     def send_weights(self) -> None:
@@ -360,6 +378,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine):
             except BaseException as cause:
                 if received.done() and received.exception() is not None:
                     raise received.exception() from cause  # the workers' error comes first
+                if isinstance(cause, RuntimeError) and not received.done():  # gloo's timeout: they stopped taking it
+                    raise RunError(f"weight push: the engine's workers did not take the weights within "
+                                   f"{self.deadline} (the engine's process is stalled or stopped)") from None
                 raise
             received.result()
         finally:

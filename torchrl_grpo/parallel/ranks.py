@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from torchrl_grpo.config.spec import RunSpec
-from torchrl_grpo.core.errors import RunError
+from torchrl_grpo.core.errors import RunError, one_line
 from torchrl_grpo.objective.loss import MAX_METRICS
 
 
@@ -149,15 +149,21 @@ def collective(method: Callable) -> Callable:
 def process_group(rank: int, world_size: int, init_method: str, timeout_s: float = 300.0,
                   followed: bool = False) -> Iterator[DataParallel]:
     """Join the process group (gloo on the CPU, nccl with GPUs: rank ``LOCAL_RANK`` takes that GPU) and leave
-    it on exit, even on error. ``timeout_s`` bounds every collective: a dead rank stops the others.
-    ``followed``: the ranks other than 0 follow rank 0's trainer (module docstring)."""
+    it on exit, even on error. ``timeout_s`` bounds the rendezvous (ranks that never join are a one-line RunError)
+    and every collective: a dead rank stops the others. ``followed``: the ranks other than 0 follow rank 0's
+    trainer (module docstring)."""
     on_gpu = torch.cuda.is_available()
     device = torch.device("cpu")
     if on_gpu:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if on_gpu else "gloo", init_method=init_method, rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    try:
+        dist.init_process_group("nccl" if on_gpu else "gloo", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as err:  # torch's "Wait timeout" / DistStoreError: a rank never came
+        raise RunError(f"data-parallel rank {rank}: not all {world_size} ranks joined the process group within "
+                       f"{timeout_s:g} s (a rank that failed to start says why in its output; "
+                       f"{one_line(err)})") from None
     try:
         yield DataParallel(rank, world_size, device, followed)
     finally:
