@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import multiprocessing
 import os
 import signal
 import subprocess
@@ -599,3 +600,37 @@ def test_a_rank_that_never_joins_stops_the_rendezvous_in_one_line_at_the_deadlin
             pass
     assert time.perf_counter() - t0 < 2 + 10
     assert not torch.distributed.is_initialized()
+
+
+@dataclasses.dataclass
+class _RankSpec:  # what data_parallel_ranks reads of a run spec
+    placement: object
+    train: object
+
+
+def _stalling_follower(spec, parallel):
+    """A follower that joins, then stops answering (a hung GPU, a deadlock): it never makes rank 0's calls."""
+    time.sleep(3600)
+
+
+def test_a_rank_that_stops_answering_stops_the_run_in_one_line_at_train_rank_timeout(tmp_path, monkeypatch):
+    """Two ranks, the follower alive but stalled: rank 0's next collective gives up at train.rank_timeout_s with one
+    line naming the key and how to resume, and the follower is killed."""
+    from types import SimpleNamespace
+
+    from torchrl_grpo.parallel.launcher import data_parallel_ranks
+
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # data_parallel_ranks sets it: restored after
+    # 20 s: the follower starts (imports torch) within the rendezvous, which the same deadline bounds
+    spec = _RankSpec(SimpleNamespace(strategy="fsdp", ranks=2), SimpleNamespace(rank_timeout_s=20.0))
+    t0 = time.perf_counter()
+    with pytest.raises(RunError) as stopped:
+        with data_parallel_ranks(spec, tmp_path, _stalling_follower):
+            torch.distributed.all_reduce(torch.zeros(1))
+    message = str(stopped.value)
+    assert message.startswith("data-parallel: a rank did not answer within train.rank_timeout_s=20 s (stalled, or "
+                              "rank 0's own work took longer: raise the key; "), message
+    assert message.endswith(f"the last checkpoint continues with train.resume=auto hydra.run.dir={tmp_path}")
+    assert "\n" not in message and time.perf_counter() - t0 < 90
+    assert not torch.distributed.is_initialized()
+    assert not [c for c in multiprocessing.active_children() if c.is_alive()]

@@ -155,6 +155,9 @@ class Train:
                         "GPUs) | fsdp (data-parallel ranks, FSDP2, started by grpo.py or torchrun; gloo on the CPU, "
                         "nccl on GPUs) | auto (fsdp for several train devices or under torchrun, else layer_split)",
                         choices=("auto", "fsdp", "layer_split"))
+    rank_timeout_s: float = key("num>0", "fsdp: how long a rank waits for the others (the rendezvous, every "
+                                "collective: the other ranks wait while rank 0 generates, evaluates and saves); past "
+                                "it the run stops in one line", hint="must be a number of seconds > 0")
 
 
 @dataclass

@@ -218,6 +218,7 @@ class TrainSettings:
     weight_sync_check: bool = True  # train.weight_sync_check
     weight_sync_tolerance: float | None = None  # train.weight_sync_tolerance (None: by dtype)
     check_memory: bool = True       # train.check_memory: refuse a run whose memory plan cannot fit a device
+    rank_timeout_s: float = 1800.0  # train.rank_timeout_s: how long a data-parallel rank waits for the others
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan, precision: Precision) -> TrainSettings:
@@ -235,6 +236,7 @@ class TrainSettings:
             no_signal_stop=bool(cfg.train.no_signal_stop), reference=float(cfg.train.kl_to_ref_coeff) > 0,
             sync_iter=bool(cfg.train.sync_iter), weight_sync_check=bool(cfg.train.weight_sync_check),
             weight_sync_tolerance=cfg.train.weight_sync_tolerance, check_memory=bool(cfg.train.check_memory),
+            rank_timeout_s=float(cfg.train.rank_timeout_s),
         )
 
 

@@ -17,13 +17,14 @@ import torch
 
 from torchrl_grpo.config.placement import torchrun_launch
 from torchrl_grpo.config.spec import RunSpec
-from torchrl_grpo.core.errors import RunError
+from torchrl_grpo.core.errors import RunError, one_line
 from torchrl_grpo.parallel.ranks import DataParallel, process_group
 
 # (run spec, this rank's DataParallel) -> (trainer, engine) that follow rank 0's
 BuildFollower = Callable[[RunSpec, DataParallel], tuple]
 
-# collectives wait this long for a rank: the followers wait while rank 0 generates and evaluates
+# what torchrun's followers wait for rank 0 (they join before its config reaches them); train.rank_timeout_s's
+# default
 RANK_TIMEOUT_S = 1800
 
 
@@ -35,8 +36,8 @@ def data_parallel_ranks(spec: RunSpec, run_dir: Path, build_follower: BuildFollo
     The config was checked and resolved into ``spec`` first (torchrun's world taken as ``train_model.num_devices``:
     :func:`~torchrl_grpo.config.placement.adopt_torchrun_ranks`), so a bad one fails in one line before any rank
     starts; the followers get it. The followers stop when rank 0's run ends; those it started are killed if it
-    fails. A follower that dies stops the run in one line (its collective fails at once, or after
-    ``RANK_TIMEOUT_S``), saying how to resume from ``run_dir``'s last checkpoint."""
+    fails. A follower that dies or stalls stops the run in one line (its collective fails at once, or after
+    ``train.rank_timeout_s``), saying how to resume from ``run_dir``'s last checkpoint."""
     launch = torchrun_launch()
     if spec.placement.strategy != "fsdp":
         yield None
@@ -45,16 +46,17 @@ def data_parallel_ranks(spec: RunSpec, run_dir: Path, build_follower: BuildFollo
     # this one (or a fork of it) it would take the ranks' process group and wait for the followers
     os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
     world, store, init_method, followers = spec.placement.ranks, None, "env://", []
+    timeout_s = spec.train.rank_timeout_s
     if launch is None:
         store = Path(tempfile.mkdtemp(prefix="grpo_ranks_"))
         init_method = f"file://{store / 'store'}"
         spawn = multiprocessing.get_context("spawn")
-        followers = [spawn.Process(target=follow_rank, args=(rank, world, init_method, build_follower), daemon=True)
-                     for rank in range(1, world)]
+        followers = [spawn.Process(target=follow_rank, args=(rank, world, init_method, build_follower, timeout_s),
+                                   daemon=True) for rank in range(1, world)]
     for follower in followers:
         follower.start()
     try:
-        with process_group(0, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
+        with process_group(0, world, init_method, timeout_s, followed=True) as parallel:
             parallel.broadcast_run(spec)
             started = ", started by torchrun" if launch is not None else ""
             print(f"data-parallel training: {world} rank{'s' if world > 1 else ''} (FSDP2 over "
@@ -70,10 +72,14 @@ def data_parallel_ranks(spec: RunSpec, run_dir: Path, build_follower: BuildFollo
                     dead = ["a rank"]  # torchrun's: it reports which, and stops the others
                 for follower in followers:  # they may wait in a collective this rank will not reach
                     follower.kill()
+                resume = f"the last checkpoint continues with train.resume=auto hydra.run.dir={run_dir}"
                 if dead and isinstance(err, RuntimeError):
                     raise RunError(f"data-parallel {', '.join(dead)} stopped (its output is above): "
-                                   f"{str(err).splitlines()[0][:300]}; the last checkpoint continues with "
-                                   f"train.resume=auto hydra.run.dir={run_dir}") from None
+                                   f"{str(err).splitlines()[0][:300]}; {resume}") from None
+                if isinstance(err, RuntimeError) and "timed out" in str(err).lower():  # alive, not answering
+                    raise RunError(f"data-parallel: a rank did not answer within train.rank_timeout_s="
+                                   f"{timeout_s:g} s (stalled, or rank 0's own work took longer: raise the key; "
+                                   f"{one_line(err)[:200]}); {resume}") from None
                 raise
             parallel.announce(None)
     finally:
@@ -96,13 +102,15 @@ def torchrun_follower(build_follower: BuildFollower) -> bool:
     return True
 
 
-def follow_rank(rank: int, world: int, init_method: str, build_follower: BuildFollower) -> None:
+def follow_rank(rank: int, world: int, init_method: str, build_follower: BuildFollower,
+                timeout_s: float = RANK_TIMEOUT_S) -> None:
     """A follower rank (started by :func:`data_parallel_ranks` or torchrun): ``build_follower`` builds the trainer
     and engine rank 0 has, from the run spec rank 0 sends, sharded alike; they then make the calls rank 0's
     trainer announces until the run ends. SIGINT and SIGTERM are rank 0's to act on: a terminal's Ctrl-C and a
     scheduler's preemption signal every process of the job, and rank 0 then finishes the step and saves a
-    checkpoint, which needs this rank alive (it is stopped as rank 0 stops, or killed if rank 0 dies)."""
+    checkpoint, which needs this rank alive (it is stopped as rank 0 stops, or killed if rank 0 dies). ``timeout_s``:
+    ``train.rank_timeout_s`` (torchrun's followers join before rank 0's config reaches them: ``RANK_TIMEOUT_S``)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    with process_group(rank, world, init_method, RANK_TIMEOUT_S, followed=True) as parallel:
+    with process_group(rank, world, init_method, timeout_s, followed=True) as parallel:
         parallel.follow(*build_follower(parallel.broadcast_run(None), parallel))
