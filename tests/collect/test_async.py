@@ -1,9 +1,12 @@
 """grpo-async.py as users run it (real subprocess, Hydra, Ray, the tiny model, the vLLM CPU engine in a Ray
 actor), its fault path, and the small pure-Python pieces of torchrl_grpo/run/state.py and rollout_actors.py."""
+import json
 import logging
 import os
+import random
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -97,11 +100,14 @@ def test_preempted_at_each_point_an_async_run_stops_with_a_checkpoint_and_resume
     then (resumed) SIGTERM in the second optimizer step: each SIGTERM ends the run with 0 within the grace and a
     checkpoint of the last step the trainer holds (pushes stop with the signal: Ray ends a driver whose object
     store goes away under a put), the SIGKILL leaves a partial checkpoint that resume skips, and no process of the
-    run is left after any of them. The transformers engine in the actor: cheap starts."""
+    run is left after any of them. Then a second SIGKILL at a random generation, and the run resumed to its end: its
+    10 steps used each of the 10 prompts exactly twice (two epochs), none lost or repeated through the five starts.
+    The transformers engine in the actor: cheap starts."""
     run_dir = tmp_path / "run"
     checkpoints = run_dir / "checkpoints"
-    args = [*SMALL, "inference_model.backend=transformers", "train.entropy_coeff=0.01", "train.total_dialog_turns=80",
-            "logging.checkpoint_frequency=1", "logging.keep_checkpoints=0", f"hydra.run.dir={run_dir}",
+    args = [*(a for a in SMALL if not a.startswith("env.size=")), "env.size=10", "inference_model.backend=transformers",
+            "train.entropy_coeff=0.01", "train.total_dialog_turns=80", "logging.checkpoint_frequency=1",
+            "logging.keep_checkpoints=0", "logging.samples_frequency=1", f"hydra.run.dir={run_dir}",
             "train.resume=auto"]
 
     def saved():
@@ -120,6 +126,17 @@ def test_preempted_at_each_point_an_async_run_stops_with_a_checkpoint_and_resume
     assert f"resumed from {checkpoints / f'step_{first:06d}'}" in done.stdout
     assert f"stopped after step {first + 2}" in done.stdout and saved()[-1] == first + 2
     assert [int(float(r["step"])) for r in metric_rows(run_dir)] == list(range(1, first + 3))
+    assert not ray_processes()
+    nth = random.Random().randint(1, 3)  # the generation the second SIGKILL lands in, after the resume
+    done, _ = preempted(args, "generation", nth, "SIGKILL", cwd=tmp_path, script="grpo-async.py")
+    assert done.returncode == -9, (nth, failure_excerpt(done))
+    done = run_async(args, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, (nth, failure_excerpt(done))
+    assert [int(float(r["step"])) for r in metric_rows(run_dir)] == list(range(1, 11))
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({s["step"] for s in samples}) == list(range(1, 11))
+    uses = Counter(s["prompt"] for s in samples)  # 4 completions a use
+    assert len(uses) == 10 and set(uses.values()) == {2 * 4}, (nth, uses)
     assert not ray_processes()
 
 
