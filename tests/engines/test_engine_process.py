@@ -28,7 +28,7 @@ from helpers import (
     processes_with_env,
     run,
 )
-from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.engines import transports, vllm_process, weight_stream
 from torchrl_grpo.engines.vllm import VLLMEngine
 from torchrl_grpo.engines.vllm_process import MULTIPROCESSING_ENV, wants_own_process
@@ -279,6 +279,24 @@ def test_own_process_close_leaves_no_process_and_nothing_in_shm(own):
     own.engine.close()  # idempotent
     with pytest.raises(RuntimeError, match="after close"):
         own.engine.generate([[1, 2]], n=1, max_tokens=2)
+
+
+@needs_vllm
+def test_an_engine_that_does_not_start_in_time_is_killed_and_says_so_in_one_line(tied_model_path):
+    """An engine process whose start runs past inference_model.start_timeout_s (here every start does: 2 s) has its
+    processes killed and fails in one line, soon after the deadline, leaving nothing behind."""
+    import psutil
+
+    before = {p.pid for p in _engine_children()}
+    t0 = time.perf_counter()
+    with pytest.raises(RunError, match=r"^the vLLM engine on cpu did not start within inference_model."
+                                       r"start_timeout_s=2 s and was killed \("):
+        VLLMEngine(tied_model_path, dtype="float32", device=VLLM_DEVICE, max_model_len=512, seed=0,
+                   engine_process="own", start_timeout_s=2)
+    assert time.perf_counter() - t0 < 60
+    new = [p for p in _engine_children() if p.pid not in before]
+    _, alive = psutil.wait_procs(new, timeout=20)
+    assert not alive, [(p.pid, p.name()) for p in alive]
 
 
 @needs_vllm

@@ -200,8 +200,14 @@ class InferenceModel(Devices):
     max_engine_restarts: int = key("int>=0", "times grpo.py starts a new engine when its process dies (the current "
                                    "weights pushed and checked), then stops with a checkpoint")
     push_timeout_s: float = key("num>0", "a push to an engine in another process: how long its workers may take to "
-                                "join the weight group and to take each bucket (collective transfer)",
-                                hint="must be a number of seconds > 0")
+                                "join the weight group and to take each bucket; past it the engine counts as "
+                                "stalled", hint="must be a number of seconds > 0")
+    start_timeout_s: float = key("num>0", "how long an engine in its own process may take to start (load, compile, "
+                                 "CUDA graphs); past it its processes are killed and the run stops in one line",
+                                 hint="must be a number of seconds > 0")
+    generate_timeout_s: float = key("num>0", "how long an engine in its own process may take to answer a generate "
+                                    "call; past it the engine is killed as stalled and replaced as a dead one is "
+                                    "(inference_model.max_engine_restarts)", hint="must be a number of seconds > 0")
 
 
 @dataclass

@@ -105,6 +105,8 @@ class EngineSettings:
     lora_rank: int | None = None    # train_model.lora.sync resolved to adapter: the engine's max_lora_rank, else None
     max_restarts: int = 3           # inference_model.max_engine_restarts
     push_timeout_s: float = 300.0   # inference_model.push_timeout_s
+    generate_timeout_s: float = 1800.0  # inference_model.generate_timeout_s
+    start_timeout_s: float = 1800.0  # inference_model.start_timeout_s
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan, engine_on: str, memory_share: float = 1.0) -> EngineSettings:
@@ -121,7 +123,9 @@ class EngineSettings:
                    completions_per_step=plan.completions_per_step, max_tokens=plan.max_tokens,
                    lora_rank=engine_lora_rank(check_lora(lora)["r"]) if adapter else None,
                    max_restarts=int(inference.max_engine_restarts),
-                   push_timeout_s=float(inference.push_timeout_s))
+                   push_timeout_s=float(inference.push_timeout_s),
+                   generate_timeout_s=float(inference.generate_timeout_s),
+                   start_timeout_s=float(inference.start_timeout_s))
 
 
 @dataclass(frozen=True)

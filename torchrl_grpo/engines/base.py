@@ -13,19 +13,29 @@ from typing import Protocol, Self
 
 import torch
 
-__all__ = ["Completion", "Engine", "engine_died"]
+from torchrl_grpo.core.errors import RunError
+
+__all__ = ["Completion", "Engine", "EngineStalled", "engine_death"]
 
 
-def engine_died(err: BaseException) -> bool:
-    """Whether ``err`` (or an error it was raised from) says the engine's process is gone: vLLM's
-    ``EngineDeadError``, matched by name so that callers need not import vLLM."""
-    seen = set()
+class EngineStalled(RunError):
+    """An engine in its own process answered a call in none of its deadline and was killed: dead from here on,
+    replaced as a dead one is (one line where it cannot be)."""
+
+
+def engine_death(err: BaseException) -> str | None:
+    """What ``err`` (or an error it was raised from) says of the engine's process: that it died (vLLM's
+    ``EngineDeadError``, matched by name so that callers need not import vLLM) or stalled and was killed
+    (:class:`EngineStalled`), in words; None when it says neither."""
+    seen, died = set(), None
     while err is not None and id(err) not in seen:
+        if isinstance(err, EngineStalled):
+            return str(err)
         if type(err).__name__ == "EngineDeadError":
-            return True
+            died = "the vLLM engine's process died (vLLM's EngineDeadError)"
         seen.add(id(err))
         err = err.__cause__ or err.__context__
-    return False
+    return died
 
 
 @dataclass

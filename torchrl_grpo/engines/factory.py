@@ -13,7 +13,8 @@ from torchrl_grpo.engines.base import Engine
 
 # vllm.LLM arguments the transformers backend ignores, so that one config can drive either backend.
 _VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "kv_cache_tokens",
-                     "engine_process", "weight_transfer", "sleep_level", "lora_rank", "push_timeout_s")
+                     "engine_process", "weight_transfer", "sleep_level", "lora_rank", "push_timeout_s",
+                     "generate_timeout_s", "start_timeout_s")
 
 
 def engine_options(settings: EngineSettings) -> dict:
@@ -24,7 +25,8 @@ def engine_options(settings: EngineSettings) -> dict:
             "engine_process": settings.engine_process, "weight_transfer": settings.weight_transfer,
             # resolved by the trainer's run (vllm_releases.with_sleep); unresolved, no training shares the engine's GPU
             "sleep_level": 0 if settings.sleep == "auto" else int(settings.sleep),
-            "lora_rank": settings.lora_rank, "push_timeout_s": settings.push_timeout_s}
+            "lora_rank": settings.lora_rank, "push_timeout_s": settings.push_timeout_s,
+            "generate_timeout_s": settings.generate_timeout_s, "start_timeout_s": settings.start_timeout_s}
 
 
 def kv_cache_tokens(settings: EngineSettings) -> int:

@@ -68,9 +68,12 @@ class VLLMEngine(Engine):
     :attr:`transport`, chosen by :func:`~torchrl_grpo.engines.transports.transport_for` (``collective`` through
     vLLM's weight-transfer API, ``shm`` streamed through a bounded buffer in /dev/shm). An engine in this process
     takes the tensors in place. ``push_timeout_s`` (``inference_model.push_timeout_s``): how long a push waits
-    for the engine's workers to join its group and to take each bucket. Do not use ``engine_process=same`` on a
-    GPU unless the engine should use the process's first visible GPU: an in-process engine cannot be moved by
-    ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
+    for the engine's workers to join its group and to take each bucket; ``generate_timeout_s``
+    (``inference_model.generate_timeout_s``): how long a generate call may take; ``start_timeout_s``
+    (``inference_model.start_timeout_s``): how long its start may take. An engine in its own process that misses
+    one is killed as stalled (:func:`~torchrl_grpo.engines.vllm_process.killed_when_stalled`).
+    Do not use ``engine_process=same`` on a GPU unless the engine should use the process's first visible GPU:
+    an in-process engine cannot be moved by ``CUDA_VISIBLE_DEVICES`` once CUDA is initialised.
 
     ``sleep_level`` (``inference_model.sleep`` resolved, GPUs only): vLLM's sleep mode at that level, for an engine
     sharing its GPU with the trainer (:meth:`sleep`, :mod:`torchrl_grpo.engines.sleep`); 0: it never sleeps.
@@ -101,9 +104,13 @@ class VLLMEngine(Engine):
         sleep_level: int = 0,
         lora_rank: int | None = None,
         push_timeout_s: float = 300.0,
+        generate_timeout_s: float = 1800.0,
+        start_timeout_s: float = 1800.0,
         **llm_kwargs,
     ):
         self.model_path = str(model_path)
+        self.deadlines = {"generate": (generate_timeout_s, "inference_model.generate_timeout_s"),
+                          "push": (push_timeout_s, "inference_model.push_timeout_s")}
         self.dtype = getattr(torch, dtype)  # its weights': a push to its own process is sent so (half for bf16)
         self.devices = [torch.device(d) for d in ([device] if isinstance(device, (str, torch.device)) else device)]
         self.device = self.devices[0]
@@ -151,7 +158,8 @@ class VLLMEngine(Engine):
         t0 = time.perf_counter()
         on_gpus_here = self._in_process and not self._on_cpu
         before = {d: torch.cuda.memory_allocated(d) for d in self.devices} if on_gpus_here else {}
-        with preserved_global_rng(), visible_cuda_devices(self.devices), engine_process_env(own_process):
+        with (preserved_global_rng(), visible_cuda_devices(self.devices), engine_process_env(own_process),
+              vllm_process.started_in_time(own_process, start_timeout_s, self.device)):
             self.llm = vllm.LLM(**kwargs)
         # what this engine holds through this process's torch allocator (telemetry takes it off the trainer's)
         self.cuda_bytes_in_process = {d: torch.cuda.memory_allocated(d) - n for d, n in before.items()}
@@ -249,7 +257,7 @@ class VLLMEngine(Engine):
                                             top_k=top_k if top_k > 0 else 0, min_p=min_p, logprobs=0,
                                             detokenize=False, seed=seed)
                   for seed in self._request_seeds(len(prompts))]
-        with self._engine_rng():
+        with self._engine_rng(), self._answered_in_time("generate"):
             outputs = self.llm.generate(prompts, params, use_tqdm=False, **self._adapter_kwargs())
         completions = []
         for index, out in enumerate(outputs):
@@ -270,7 +278,8 @@ class VLLMEngine(Engine):
         self.sleeping.for_generation()
         ids = [int(t) for t in token_ids]
         params = self._sampling_params_cls(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
-        out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False, **self._adapter_kwargs())[0]
+        with self._answered_in_time("generate"):
+            out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False, **self._adapter_kwargs())[0]
         return [float(step[tok].logprob) for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
 
     # -- weights -------------------------------------------------------------------------------------
@@ -293,9 +302,18 @@ class VLLMEngine(Engine):
         kept = [(name, t) for name, t in specs if not (self.tied_embeddings and name == "lm_head.weight")]
         names = {name for name, _ in kept}
         tensors = ((name, t.detach()) for name, t in weights.items() if name in names)
-        with self.sleeping.for_push():
-            self.transport.push(kept, tensors)
-        self._loaded()
+        with self._answered_in_time("push"):
+            with self.sleeping.for_push():
+                self.transport.push(kept, tensors)
+            self._loaded()
+
+    def _answered_in_time(self, call: str):
+        """An engine in its own process that misses the call's deadline is killed as stalled; one in this process
+        answers as this process does."""
+        if self._in_process:
+            return contextlib.nullcontext()
+        seconds, key = self.deadlines[call]
+        return vllm_process.killed_when_stalled(self.llm, seconds, call, key)
 
     def push_adapter(self, adapter) -> None:
         """A LoRA adapter (:class:`~torchrl_grpo.models.adapter.Adapter`; an engine started with ``lora_rank``) in

@@ -6,15 +6,18 @@ vLLM is imported lazily: importing this module never needs it.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import random
+import signal
+import threading
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from torchrl_grpo.config.schema import ENGINE_PROCESSES
 from torchrl_grpo.core.console import child_process_quiet_env
-from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.core.errors import ConfigError, RunError, one_line
 from torchrl_grpo.core.gpus import children_see
 from torchrl_grpo.engines import vllm_releases
 
@@ -130,6 +133,78 @@ def fail_pending_calls_when_the_engine_dies(llm) -> None:
             outputs.put_nowait(EngineDeadError())  # a generate waiting for its next output raises it
 
     client.shutdown = shutdown_failing_pending_calls
+
+
+@contextlib.contextmanager
+def started_in_time(own: bool, seconds: float, device) -> Iterator[None]:
+    """An engine starting in a process of its own (``own``) that is not up within ``seconds``
+    (``inference_model.start_timeout_s``: a load that stalls, a GPU that hangs) has the processes it started
+    killed, and its start fails in one line; an engine in this process starts as this process does."""
+    if not own:
+        yield
+        return
+    before = {p.pid for p in multiprocessing.active_children()}
+    fired = threading.Event()
+
+    def kill() -> None:
+        fired.set()
+        for process in multiprocessing.active_children():
+            if process.pid not in before:
+                process.kill()
+
+    timer = threading.Timer(seconds, kill)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except Exception as err:
+        if fired.is_set():
+            raise RunError(f"the vLLM engine on {device} did not start within inference_model.start_timeout_s="
+                           f"{seconds:g} s and was killed ({one_line(err)[:200]})") from None
+        raise
+    finally:
+        timer.cancel()
+
+
+def engine_pids(llm) -> list[int]:
+    """The processes of an engine in its own process (vLLM's engine core), from its client; none elsewhere."""
+    client = getattr(llm.llm_engine, "engine_core", None)
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    return [p.pid for p in getattr(manager, "processes", None) or [] if p.pid]
+
+
+@contextlib.contextmanager
+def killed_when_stalled(llm, seconds: float, call: str, key: str) -> Iterator[None]:
+    """An engine in its own process that has not answered ``call`` within ``seconds`` (the value of ``key``) is
+    stalled (a hung GPU, a deadlock, a stopped process): its processes are killed, which fails the call as a
+    death does (:func:`fail_pending_calls_when_the_engine_dies`), and the call's error becomes an
+    :class:`~torchrl_grpo.engines.base.EngineStalled` that says so. A call that itself gives up on the engine
+    in time (a push past its deadline, a RunError) kills it too."""
+    from torchrl_grpo.engines.base import EngineStalled
+
+    fired = threading.Event()
+
+    def kill() -> None:
+        fired.set()
+        for pid in engine_pids(llm):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    timer = threading.Timer(seconds, kill)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    except BaseException as err:
+        if not fired.is_set() and not isinstance(err, RunError) or isinstance(err, EngineStalled):
+            raise
+        timer.cancel()
+        if not fired.is_set():
+            kill()
+        raise EngineStalled(f"the vLLM engine's process answered no {call} within {key}={seconds:g} s and was "
+                            "killed") from err
+    finally:
+        timer.cancel()
 
 
 def wants_own_process(engine_process: str, on_cpu: bool) -> bool:

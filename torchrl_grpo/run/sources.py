@@ -33,7 +33,7 @@ from torchrl_grpo.collect.rollout_actors import ActorFault, ActorPool
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.batch import Batch
 from torchrl_grpo.core.errors import RunError
-from torchrl_grpo.engines.base import engine_died
+from torchrl_grpo.engines.base import engine_death
 from torchrl_grpo.run.loop import Delivery
 from torchrl_grpo.run.state import AsyncProgress, RunState
 from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
@@ -131,12 +131,13 @@ class LocalSource:
         (its seed apart from the dead one's) takes the dead one's place, with the trainer's current weights, checked;
         a prefetch in flight is dropped, its prompts put back. Returns the check's metrics; a RunError (one line)
         once ``inference_model.max_engine_restarts`` are used up."""
-        if self.new_engine is None or not engine_died(err):
+        # (vLLM's own message points to a stack trace the console does not show)
+        why = engine_death(err) if self.new_engine is not None else None
+        if why is None:
             raise err
-        why = "vLLM's EngineDeadError"  # its own message points to a stack trace the console does not show
         if self.restarts >= self.max_restarts:
-            raise RunError(f"the vLLM engine's process died ({why}); inference_model.max_engine_restarts="
-                           f"{self.max_restarts} restart(s) used up") from None
+            raise RunError(f"{why}; inference_model.max_engine_restarts={self.max_restarts} restart(s) used "
+                           "up") from None
         self.restarts += 1
         with contextlib.suppress(Exception):  # what is left of it: its client, its shared memory
             self.collector.engine.close()
@@ -147,7 +148,7 @@ class LocalSource:
         if self.prefetch is not None:
             self.prefetch.drop_in_flight()
         checked = self.weights.resend()
-        print(f"warning: the vLLM engine's process died ({why}); started a new one with the trainer's weights "
+        print(f"warning: {why}; started a new one with the trainer's weights "
               f"(restart {self.restarts} of inference_model.max_engine_restarts={self.max_restarts})",
               file=sys.stderr, flush=True)
         return checked
