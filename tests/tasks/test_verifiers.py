@@ -3,6 +3,7 @@ tool server, three weighted rewards and a metric): its rows and prompts, its sco
 between the model's turns, its faults under env.reward_errors, one-line errors before any work, and grpo.py end
 to end, single- and multi-turn."""
 import importlib.util
+import time
 
 import pytest
 
@@ -96,6 +97,19 @@ def test_a_reward_that_raises_stops_the_run_or_scores_zero_as_env_reward_errors_
     task, _ = build("env.max_steps=1", "env.turn_env=null", "env.taskset={task: {raise_on: 12}}",
                     "env.reward_errors=zero")
     assert task.score("408", task.rows[0])["correct"] == 0.0 and task.reward_error_count == 4  # all of its scoring
+    assert task.score("442", task.rows[1])["correct"] == 1.0
+
+
+def test_a_scoring_that_never_returns_stops_at_env_timeout_s_as_env_reward_errors_says():
+    task, _ = build("env.max_steps=1", "env.turn_env=null", "env.taskset={task: {hang_on: 12}}", "env.timeout_s=1")
+    t0 = time.perf_counter()
+    with pytest.raises(RunError, match=r"reward '\w+' .* raised TimeoutError: the task's scoring timed out after 1 s "
+                                      r"\(env.timeout_s\) on the row whose prompt starts"):
+        task.score("408", task.rows[0])
+    assert time.perf_counter() - t0 < 10
+    task, _ = build("env.max_steps=1", "env.turn_env=null", "env.taskset={task: {hang_on: 12}}", "env.timeout_s=1",
+                    "env.reward_errors=zero")
+    assert task.score("408", task.rows[0])["correct"] == 0.0 and task.reward_error_count == 4
     assert task.score("442", task.rows[1])["correct"] == 1.0
 
 

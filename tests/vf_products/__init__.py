@@ -1,7 +1,9 @@
 """A small verifiers (v1) environment for the tests: "What is a * b?" with a calculator tool server. Its task
 pays `correct` (weight 1) for the product in the last reply, `brief` (weight 0.5) for a reply under 40
 characters, `used_calculator` (weight 0.25) for a tool result in the episode, and records a `turns` metric.
-Tasks whose `a` is `raise_on` make `correct` raise."""
+Tasks whose `a` is `raise_on` make `correct` raise; those whose `a` is `hang_on`, never return."""
+import asyncio
+
 import verifiers.v1 as vf
 
 
@@ -20,6 +22,7 @@ class Calculator(vf.Toolset):
 class ProductTaskConfig(vf.TaskConfig):
     calculator: vf.ToolsetConfig = vf.ToolsetConfig()
     raise_on: int = -1
+    hang_on: int = -1
 
 
 class ProductTask(vf.Task[ProductData, vf.State, ProductTaskConfig]):
@@ -31,6 +34,8 @@ class ProductTask(vf.Task[ProductData, vf.State, ProductTaskConfig]):
     async def correct(self, trace: vf.Trace) -> float:
         if self.data.a == self.config.raise_on:
             raise RuntimeError("no product for this one")
+        if self.data.a == self.config.hang_on:
+            await asyncio.sleep(3600)
         return float(self.data.answer in trace.last_reply)
 
     @vf.reward(weight=0.5)
