@@ -588,18 +588,39 @@ if __name__ == "__main__":
     main(int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4])
 
 
-def test_a_rank_that_never_joins_stops_the_rendezvous_in_one_line_at_the_deadline(tmp_path):
-    """Rank 0 of two, the other never started: the process group's rendezvous gives up at its deadline with one line
-    naming the rank and the deadline, instead of waiting forever."""
+def _in_a_process_of_its_own(target, *args, timeout=180):
+    """``target(*args, queue)`` in a fresh spawned process (a process group of its own: the suite's worker may hold
+    one); what it put on the queue."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, queue))
+    proc.start()
+    try:
+        return queue.get(timeout=timeout)
+    finally:
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+
+
+def _rendezvous_alone(store: str, queue) -> None:
     from torchrl_grpo.parallel.ranks import process_group
 
     t0 = time.perf_counter()
-    with pytest.raises(RunError, match=r"^data-parallel rank 0: not all 2 ranks joined the process group within 2 s "
-                                       r"\(a rank that failed to start says why in its output; RuntimeError: "):
-        with process_group(0, 2, f"file://{tmp_path / 'store'}", timeout_s=2):
-            pass
-    assert time.perf_counter() - t0 < 2 + 10
-    assert not torch.distributed.is_initialized()
+    try:
+        with process_group(0, 2, store, timeout_s=2):
+            queue.put(("joined", None, None))
+    except RunError as err:
+        queue.put((str(err), time.perf_counter() - t0, torch.distributed.is_initialized()))
+
+
+def test_a_rank_that_never_joins_stops_the_rendezvous_in_one_line_at_the_deadline(tmp_path):
+    """Rank 0 of two, the other never started: the process group's rendezvous gives up at its deadline with one line
+    naming the rank and the deadline, instead of waiting forever."""
+    message, seconds, initialized = _in_a_process_of_its_own(_rendezvous_alone, f"file://{tmp_path / 'store'}")
+    assert message.startswith("data-parallel rank 0: not all 2 ranks joined the process group within 2 s (a rank "
+                              "that failed to start says why in its output; RuntimeError: "), message
+    assert seconds < 2 + 10 and not initialized
 
 
 @dataclasses.dataclass
@@ -613,24 +634,28 @@ def _stalling_follower(spec, parallel):
     time.sleep(3600)
 
 
-def test_a_rank_that_stops_answering_stops_the_run_in_one_line_at_train_rank_timeout(tmp_path, monkeypatch):
-    """Two ranks, the follower alive but stalled: rank 0's next collective gives up at train.rank_timeout_s with one
-    line naming the key and how to resume, and the follower is killed."""
+def _rank_0_with_a_stalled_follower(run_dir: str, queue) -> None:
     from types import SimpleNamespace
 
     from torchrl_grpo.parallel.launcher import data_parallel_ranks
 
-    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")  # data_parallel_ranks sets it: restored after
     # 20 s: the follower starts (imports torch) within the rendezvous, which the same deadline bounds
     spec = _RankSpec(SimpleNamespace(strategy="fsdp", ranks=2), SimpleNamespace(rank_timeout_s=20.0))
     t0 = time.perf_counter()
-    with pytest.raises(RunError) as stopped:
-        with data_parallel_ranks(spec, tmp_path, _stalling_follower):
+    try:
+        with data_parallel_ranks(spec, Path(run_dir), _stalling_follower):
             torch.distributed.all_reduce(torch.zeros(1))
-    message = str(stopped.value)
+        queue.put(("answered", None, None, None))
+    except RunError as err:
+        queue.put((str(err), time.perf_counter() - t0, torch.distributed.is_initialized(),
+                   [c.pid for c in multiprocessing.active_children() if c.is_alive()]))
+
+
+def test_a_rank_that_stops_answering_stops_the_run_in_one_line_at_train_rank_timeout(tmp_path):
+    """Two ranks, the follower alive but stalled: rank 0's next collective gives up at train.rank_timeout_s with one
+    line naming the key and how to resume, and the follower is killed."""
+    message, seconds, initialized, alive = _in_a_process_of_its_own(_rank_0_with_a_stalled_follower, str(tmp_path))
     assert message.startswith("data-parallel: a rank did not answer within train.rank_timeout_s=20 s (stalled, or "
                               "rank 0's own work took longer: raise the key; "), message
     assert message.endswith(f"the last checkpoint continues with train.resume=auto hydra.run.dir={tmp_path}")
-    assert "\n" not in message and time.perf_counter() - t0 < 90
-    assert not torch.distributed.is_initialized()
-    assert not [c for c in multiprocessing.active_children() if c.is_alive()]
+    assert "\n" not in message and seconds < 90 and not initialized and not alive
