@@ -136,6 +136,25 @@ def fail_pending_calls_when_the_engine_dies(llm) -> None:
 
 
 @contextlib.contextmanager
+def _killing_after(seconds: float, kill) -> Iterator[threading.Event]:
+    """``kill()`` from a timer thread should the block still run after ``seconds``; yields the event that says
+    it did."""
+    fired = threading.Event()
+
+    def fire() -> None:
+        fired.set()
+        kill()
+
+    timer = threading.Timer(seconds, fire)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield fired
+    finally:
+        timer.cancel()
+
+
+@contextlib.contextmanager
 def started_in_time(own: bool, seconds: float, device) -> Iterator[None]:
     """An engine starting in a process of its own (``own``) that is not up within ``seconds``
     (``inference_model.start_timeout_s``: a load that stalls, a GPU that hangs) has the processes it started
@@ -144,26 +163,20 @@ def started_in_time(own: bool, seconds: float, device) -> Iterator[None]:
         yield
         return
     before = {p.pid for p in multiprocessing.active_children()}
-    fired = threading.Event()
 
     def kill() -> None:
-        fired.set()
         for process in multiprocessing.active_children():
             if process.pid not in before:
                 process.kill()
 
-    timer = threading.Timer(seconds, kill)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    except Exception as err:
-        if fired.is_set():
-            raise RunError(f"the vLLM engine on {device} did not start within inference_model.start_timeout_s="
-                           f"{seconds:g} s and was killed ({one_line(err)[:200]})") from None
-        raise
-    finally:
-        timer.cancel()
+    with _killing_after(seconds, kill) as fired:
+        try:
+            yield
+        except Exception as err:
+            if fired.is_set():
+                raise RunError(f"the vLLM engine on {device} did not start within inference_model.start_timeout_s="
+                               f"{seconds:g} s and was killed ({one_line(err)[:200]})") from None
+            raise
 
 
 def engine_pids(llm) -> list[int]:
@@ -182,29 +195,21 @@ def killed_when_stalled(llm, seconds: float, call: str, key: str) -> Iterator[No
     in time (a push past its deadline, a RunError) kills it too."""
     from torchrl_grpo.engines.base import EngineStalled
 
-    fired = threading.Event()
-
     def kill() -> None:
-        fired.set()
         for pid in engine_pids(llm):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    timer = threading.Timer(seconds, kill)
-    timer.daemon = True
-    timer.start()
-    try:
-        yield
-    except BaseException as err:
-        if not fired.is_set() and not isinstance(err, RunError) or isinstance(err, EngineStalled):
-            raise
-        timer.cancel()
-        if not fired.is_set():
-            kill()
-        raise EngineStalled(f"the vLLM engine's process answered no {call} within {key}={seconds:g} s and was "
-                            "killed") from err
-    finally:
-        timer.cancel()
+    with _killing_after(seconds, kill) as fired:
+        try:
+            yield
+        except BaseException as err:
+            if isinstance(err, EngineStalled) or not (fired.is_set() or isinstance(err, RunError)):
+                raise
+            if not fired.is_set():
+                kill()
+            raise EngineStalled(f"the vLLM engine's process answered no {call} within {key}={seconds:g} s and "
+                                "was killed") from err
 
 
 def wants_own_process(engine_process: str, on_cpu: bool) -> bool:
