@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from memory import ROOT, GiB, reset_peak, status  # noqa: E402
 from step_breakdown import GSM8K_DATA, workload_config  # noqa: E402
 from torchrl_grpo.engines.weight_stream import wire_dtype  # noqa: E402
-from torchrl_grpo.training.weight_sync import snapshot  # noqa: E402
+from torchrl_grpo.training.weight_sync import PolicyWeights, snapshot  # noqa: E402
 from train_throughput import SHAPES, random_model  # noqa: E402
 
 
@@ -63,16 +63,17 @@ def main() -> None:
     workers = [p.pid for p in psutil.Process().children(recursive=True) if "Worker" in p.name()]
     watched = {"trainer process": "self", **{f"engine worker {pid}": pid for pid in workers}}
     weights = sum(p.numel() * p.element_size() for p in trainer.policy.parameters()) / GiB
+    export = PolicyWeights(trainer.policy)
     if opts.lora_sync == "adapter":
-        sent = trainer.adapter().nbytes / GiB
+        sent = export.adapter().nbytes / GiB
 
         def push():
-            engine.push_adapter(trainer.adapter())
+            engine.push_adapter(export.adapter())
     else:
-        sent = sum(t.numel() * wire_dtype(t, engine.dtype).itemsize for t in snapshot(trainer).values()) / GiB
+        sent = sum(t.numel() * wire_dtype(t, engine.dtype).itemsize for t in snapshot(export).values()) / GiB
 
         def push():
-            engine.push_weights(trainer.weights())
+            engine.push_weights(export.weights())
     try:
         push()  # the first push makes the push folder or file
         before = {name: status(pid)["VmRSS"] for name, pid in watched.items()}
@@ -121,7 +122,7 @@ def actor_pushes(common, pushes: int) -> None:
         times, sent = [], None
         for version in range(1, pushes + 2):
             started = time.perf_counter()
-            weights = snapshot(common.trainer, dtype)
+            weights = snapshot(PolicyWeights(common.trainer.policy), dtype)
             pool.push(weights, version)
             for landed in list(pool.pushes):  # a link's future, or the object store push's Ray reference
                 landed.result() if hasattr(landed, "result") else pool.ray.get(landed)

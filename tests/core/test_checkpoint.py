@@ -76,21 +76,25 @@ def test_a_damaged_checkpoint_named_explicitly_is_a_one_line_error(checkpoints):
     assert find_resume_point(str(checkpoints[1]), checkpoints[0].parent) == checkpoints[1]
 
 
-class FakeTrainer:
-    """What RunState needs of a trainer: its state, a policy that saves, and whether training diverged."""
-
-    def __init__(self, diverged=None):
-        self.diverged = diverged
-        self.policy = self
-
+class FakePolicy:
     def save_pretrained(self, directory, **kwargs):
         save_file({"w": torch.zeros(3)}, str(directory / "model.safetensors"))
 
     def parameters(self):
         return iter([torch.zeros(3)])
 
-    def state_dict(self):
-        return {"optimizer": {}, "shuffle_rng": torch.Generator().get_state()}
+
+class FakeTrainer:
+    """What RunState needs of a trainer: a policy that saves, an optimizer, the micro-batch shuffle, and whether
+    training diverged."""
+
+    parallel = scheduler = critic = None
+
+    def __init__(self, diverged=None):
+        self.diverged = diverged
+        self.policy = FakePolicy()
+        self.optimizer = torch.optim.SGD([torch.zeros(3, requires_grad=True)], lr=0.1)
+        self.shuffle = torch.Generator()
 
     def divergence(self):
         return self.diverged

@@ -229,23 +229,15 @@ def test_vllm_push_weights_tied_embeddings_smollm2():
 
 @needs_vllm
 def test_weights_sent_cast_to_a_bf16_engine_load_as_the_float32_ones(tiny_model_path, bf16_engine):
-    """grpo-async.py sends its pushes' matrices cast to the engines' dtype (``weight_sync.snapshot(trainer,
+    """grpo-async.py sends its pushes' matrices cast to the engines' dtype (``weight_sync.snapshot(export,
     dtype)``): a bf16 engine casts float32 weights on load to the very values it is sent cast, so its scores are equal
     bit for bit. Vectors travel as they are: on a CPU with AMX vLLM keeps small layers' biases in float32, and biases
     sent rounded to bf16 moved the scores by 1e-3."""
-    from torchrl_grpo.config.settings import TrainSettings
-    from torchrl_grpo.objective.loss import GRPOLoss
-    from torchrl_grpo.training.trainer import Trainer
-    from torchrl_grpo.training.weight_sync import snapshot
+    from torchrl_grpo.training.weight_sync import PolicyWeights, snapshot
 
     policy = _policy(tiny_model_path)
     perturb(policy, scale=0.05)
-    settings = TrainSettings(group_size=2, micro_batch=2, accumulation=1, epochs=1, temperature=1.0,
-                             recompute_old_log_probs=False, kl_in_reward_coeff=0.0, reward_scale="group",
-                             clip_grad_norm=None, mixed_precision=False, max_nonfinite_updates=3, seed=0)
-    trainer = Trainer(policy, None, GRPOLoss(policy, temperature=1.0), torch.optim.SGD(policy.parameters(), lr=0.0),
-                      settings, torch.device("cpu"), None)
-    sent = snapshot(trainer, torch.bfloat16)
+    sent = snapshot(PolicyWeights(policy), torch.bfloat16)
     assert {name: t.dtype for name, t in sent.items()} == {
         name: torch.bfloat16 if t.dim() == 2 else torch.float32 for name, t in policy.state_dict().items()}
     tokens = list(range(5, 60))

@@ -84,7 +84,7 @@ def test_per_token_advantages_value_and_gradient_against_hand_computation(level)
     loss_fn = GRPOLoss(model, clip_epsilon_low=0.2, clip_epsilon_high=0.28, aggregation="token_mean",
                        importance_level=level)
     out = loss_fn(loss_batch(tokens, mask, adv, old, None))
-    assert loss_fn.signal_rows(loss_batch(tokens, mask, adv * ~mask, old, None)).tolist() == [False] * 3  # 99s ignored
+    assert loss_fn.rows(loss_batch(tokens, mask, adv * ~mask, old, None)).signal.tolist() == [False] * 3  # 99s ignored
 
     def term(logp, i, t):
         w, a = torch.exp(logp[i, t] - old[i, t]), adv[i, t]

@@ -398,14 +398,14 @@ def test_a_batch_without_any_loss_token_is_zero_not_nan():
 @pytest.mark.parametrize("name", ["overlong_mask", "gspo", "all_token", "dr_grpo"])
 def test_micro_batches_weighted_by_the_loss_equal_the_whole(name):
     """The loop's contract: sum_k loss_k * w_k / sum_k w_k == loss of the whole batch, with w_k from
-    GRPOLoss.accumulation_weight (which knows the rows overlong=mask leaves out)."""
+    GRPOLoss.rows' weight (which knows the rows overlong=mask leaves out)."""
     v = VARIANTS[name]
     model = TableLM()
     batch = _variant_batch(model)
     loss = _loss_for(model, v)
     whole = loss(batch)["loss_objective"].item()
     parts = [batch[torch.tensor(idx)] for idx in ([0, 4], [1, 2, 3], [5])]
-    weights = [loss.accumulation_weight(p) for p in parts]
+    weights = [loss.rows(p).weight() for p in parts]
     acc = sum(loss(p)["loss_objective"].item() * w for p, w in zip(parts, weights)) / sum(weights)
     assert acc == pytest.approx(whole, abs=1e-6)
 

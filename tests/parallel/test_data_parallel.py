@@ -54,8 +54,10 @@ from torchrl_grpo.objective import log_probs
 from torchrl_grpo.objective.aggregation import AGGREGATIONS
 from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.parallel.ranks import DataParallel, gathered, process_group, shard_model
+from torchrl_grpo.run.state import TrainerState
 from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.trainer import Trainer
+from torchrl_grpo.training.weight_sync import PolicyWeights
 
 WORLD = 2
 GROUP = 4
@@ -150,13 +152,13 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
     batch = make_batch(policy.config.vocab_size)
     metrics = trainer.prepare(batch)
     metrics.update(trainer.optimize(batch))
-    trainer.save_pretrained(save_to / name)
+    TrainerState(trainer).save_pretrained(save_to / name)
     # resumed as a run resumes: a fresh optimizer takes the checkpoint's state (data-parallel: each rank its
     # shards), then a second step; a state that did not load would make this step differ from one process's
     fresh = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3, eps=1e-6)
     resumed = Trainer(policy, ref, loss, fresh, settings, torch.device("cpu"), torch.device("cpu"), parallel,
                       critic=critic())
-    resumed.load_state_dict(trainer.state_dict(), save_to / name)
+    TrainerState(resumed).load_state_dict(TrainerState(trainer).state_dict(), save_to / name)
     again = resumed.prepare(batch)
     again.update(resumed.optimize(batch))
     metrics.update({f"resumed/{k}": v for k, v in again.items()})
@@ -167,7 +169,7 @@ def run_case(model_path: str, name: str, parallel: DataParallel | None, save_to:
         if keep:
             weights[key] = tensor.clone()
     if lora is not None:  # the adapter an adapter push sends, gathered from the shards
-        adapter = trainer.adapter()
+        adapter = PolicyWeights(policy, parallel).adapter()
         weights.update({f"adapter.{k}": t.clone() for k, t in adapter.tensors.items()} if keep else {})
     if critic_model is not None:
         state = gathered(((k, t.detach()) for k, t in critic_model.state_dict().items()), keep=keep)

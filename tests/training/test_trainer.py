@@ -8,7 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_grpo.config.settings import OptimizerSettings, TrainSettings
-from torchrl_grpo.objective.loss import GRPOLoss
+from torchrl_grpo.objective.loss import GRPOLoss, LossRows
 from torchrl_grpo.training.micro_batches import by_length
 from torchrl_grpo.training.trainer import Trainer
 
@@ -76,7 +76,7 @@ def test_prepare_adds_log_probs_kl_penalty_and_advantages():
     torch.testing.assert_close(batch["advantage"], expected_adv.view(-1).float())
     assert metrics["kl_penalty_in_reward"] == torch.tensor(kl.mean().item()).item()
     assert metrics["engine_trainer_logp_gap_max"] > 0  # the batch's sample log-probs are not the policy's
-    assert metrics["signal_fraction"] == 1.0  # no group ties once the KL penalty is in the reward
+    assert trainer.loss.rows(batch).signal.all()  # no group ties once the KL penalty is in the reward
 
 
 def test_signal_fraction_counts_completions_with_an_advantage_and_a_loss_token():
@@ -85,9 +85,12 @@ def test_signal_fraction_counts_completions_with_an_advantage_and_a_loss_token()
     batch["truncated"] = torch.tensor([False, False, True, False])
     settings = dataclasses.replace(SETTINGS, kl_in_reward_coeff=0.0)
     for overlong, expected in (("none", 0.5), ("mask", 0.25)):  # masked: row 2's tokens leave the loss
-        trainer = Trainer(policy, None, loss=GRPOLoss(policy, overlong=overlong), optimizer=None, settings=settings,
+        trainer = Trainer(policy, None, loss=GRPOLoss(policy, overlong=overlong),
+                          optimizer=torch.optim.SGD(policy.parameters(), lr=0.0), settings=settings,
                           device=torch.device("cpu"), ref_device=torch.device("cpu"))
-        assert trainer.prepare(batch.clone())["signal_fraction"] == expected
+        prepared = batch.clone()
+        trainer.prepare(prepared)
+        assert trainer.optimize(prepared)["signal_fraction"] == expected
 
 
 def test_the_no_signal_watch_names_the_cause_every_patience_steps_and_resets():
@@ -137,11 +140,9 @@ class PoisonedLoss(torch.nn.Module):
         super().__init__()
         self.policy, self.poisoned = policy, True
 
-    def accumulation_weight(self, batch) -> float:
-        return float(len(batch))
-
-    def moving_rows(self, batch) -> torch.Tensor:
-        return torch.ones(len(batch), dtype=torch.bool)
+    def rows(self, batch) -> LossRows:
+        every = torch.ones(len(batch), dtype=torch.bool)
+        return LossRows(batch["completion_mask"], every, every, "constant_sum")  # each row weighs 1
 
     def forward(self, batch):
         scale = torch.tensor(float("nan") if self.poisoned else 1.0)
@@ -225,7 +226,8 @@ def test_rows_without_signal_skip_the_forward_and_the_update_is_the_one_computin
         policy.forward = lambda input_ids, **kw: rows_seen.append(len(input_ids)) or forward(input_ids, **kw)
         loss = GRPOLoss(policy, aggregation=aggregation, aggregation_constant=5.0, temperature=0.7)
         if not skip:  # every row computed
-            loss.moving_rows = lambda batch: torch.ones(len(batch), dtype=torch.bool)
+            asked = loss.rows
+            loss.rows = lambda batch: dataclasses.replace(asked(batch), moving=torch.ones(len(batch), dtype=torch.bool))
         settings = dataclasses.replace(SETTINGS, kl_in_reward_coeff=0.0, micro_batch=micro_batch,
                                        accumulation=4 // micro_batch)
         trainer = Trainer(policy, None, loss, torch.optim.SGD(policy.parameters(), lr=1.0), settings,
@@ -245,10 +247,14 @@ def test_moving_rows_are_those_with_an_advantage_and_a_loss_token_or_any_token_u
     batch = make_batch()
     batch["advantage"] = torch.tensor([0.0, 1.0, -2.0, 0.0])
     batch["truncated"] = torch.tensor([False, False, True, False])
-    assert GRPOLoss(TableLM(1)).moving_rows(batch).tolist() == [False, True, True, False]
-    assert GRPOLoss(TableLM(1), overlong="mask").moving_rows(batch).tolist() == [False, True, False, False]
-    assert GRPOLoss(TableLM(1), overlong="mask", kl_to_ref_coeff=0.1).moving_rows(batch).tolist() == [
-        True, True, False, True]
+    assert GRPOLoss(TableLM(1)).rows(batch).moving.tolist() == [False, True, True, False]
+    masked = GRPOLoss(TableLM(1), overlong="mask").rows(batch)
+    assert masked.moving.tolist() == masked.signal.tolist() == [False, True, False, False]
+    regularised = GRPOLoss(TableLM(1), overlong="mask", kl_to_ref_coeff=0.1).rows(batch)
+    assert regularised.moving.tolist() == [True, True, False, True]
+    assert regularised.signal.tolist() == [False, True, False, False]
+    # the truncated row's tokens leave the loss mask, and with them its weight (sequence_mean: one per row)
+    assert masked.weight() == 3.0 and masked.weight(torch.tensor([1, 2])) == 1.0
 
 
 def test_micro_batches_are_cut_from_rows_sorted_by_length():
@@ -349,6 +355,7 @@ def test_the_learning_rate_follows_its_schedule_skips_with_an_update_and_resumes
 
     from helpers import cfg_with
     from torchrl_grpo.run.build import build_scheduler
+    from torchrl_grpo.run.state import TrainerState
 
     def after_warmup(k):  # k: optimizer steps done, >= 2
         t = (k - 2) / 4
@@ -373,7 +380,7 @@ def test_the_learning_rate_follows_its_schedule_skips_with_an_update_and_resumes
         metrics = first.optimize(make_batch())
         rates += [] if metrics["skipped_updates"] else [metrics["lr"]]
     resumed = trainer(policy, loss)
-    resumed.load_state_dict(first.state_dict())
+    TrainerState(resumed).load_state_dict(TrainerState(first).state_dict())
     rates += [resumed.optimize(make_batch())["lr"] for _ in range(4)]
     assert rates == pytest.approx(expected, rel=1e-12, abs=1e-15)
 

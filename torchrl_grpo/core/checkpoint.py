@@ -73,8 +73,8 @@ def list_checkpoints(directory: Path) -> list[Path]:
 
 def save(directory: Path, step: int, model, tokenizer, state: dict, keep: int = 2, weights_bytes: int = 0) -> Path:
     """Write checkpoint ``step`` atomically into ``directory`` and keep only the newest ``keep``. ``model`` is
-    anything with HF's ``save_pretrained`` (the trainer: it gathers a sharded policy). A write that fails (a full
-    disk, a read-only or vanished folder) leaves no partial checkpoint and every earlier one intact, and raises
+    anything with HF's ``save_pretrained`` (a run's trainer state: it gathers a sharded policy). A write that fails
+    (a full disk, a read-only or vanished folder) leaves no partial checkpoint and every earlier one intact, and raises
     a one-line RunError naming the folder, the space left and about how much a checkpoint takes (the newest
     one's size, else ``weights_bytes`` and the tensors of ``state``)."""
     final = directory / f"step_{step:06d}"

@@ -80,3 +80,15 @@ def bf16_peak_flops(gpu_name: str) -> float | None:
     """The dense bf16 FLOP/s of the GPU named ``gpu_name`` (:data:`BF16_DENSE_PEAK`); None for one not listed."""
     words = set(re.findall(r"[A-Z0-9]+", gpu_name.upper()))
     return next((peak for wanted, peak in BF16_DENSE_PEAK if set(wanted) <= words), None)
+
+
+def training_peak_flops(policy: torch.nn.Module, device: torch.device, bf16_compute: bool, ranks: int) -> float | None:
+    """What ``mfu`` divides by: the dense bf16 peak of the GPUs ``policy`` trains on, all ``ranks``' (data-parallel),
+    when its matmuls run in bf16 (``bf16_compute``: autocast, or bf16 weights); None elsewhere (a CPU, float32, a GPU
+    not in the table)."""
+    if device.type != "cuda":
+        return None
+    if not (bf16_compute or policy.get_input_embeddings().weight.dtype == torch.bfloat16):
+        return None
+    peak = bf16_peak_flops(torch.cuda.get_device_name(device))
+    return None if peak is None else peak * len({p.device for p in policy.parameters()}) * ranks

@@ -9,6 +9,7 @@ whose key is set, so a new variant is a registered function, a preset line and a
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 from tensordict import TensorDict, TensorDictBase
@@ -36,6 +37,24 @@ def _inside(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``values`` as float32 with 0 outside ``mask``: whatever a batch holds in prompt or padding positions
     can then never reach an exp (an inf there would make a NaN even multiplied by zero)."""
     return torch.where(mask, values.float(), torch.zeros((), dtype=torch.float32, device=values.device))
+
+
+@dataclass(frozen=True)
+class LossRows:
+    """What the loss says of a step's rows (:meth:`GRPOLoss.rows`), so that the trainer plans its micro-batches and
+    weighs them from one answer."""
+
+    mask: torch.Tensor  # [N, L] bool: the tokens that enter the loss (:func:`loss_token_mask`)
+    signal: torch.Tensor  # [N] bool: the rows the reward teaches from, a nonzero advantage on one of their loss tokens
+    # [N] bool: the rows whose loss can move the weights: ``signal``, or with a regulariser (KL, entropy) acting on
+    # every loss token every row with one; every other row's loss is exactly 0 whatever the weights, and its gradient
+    moving: torch.Tensor
+    aggregation: str  # loss.aggregation, which says how much a set of rows counts in an optimizer step
+
+    def weight(self, rows: torch.Tensor | None = None) -> float:
+        """The accumulation weight of ``rows`` (batch indices; None: all) under the loss's aggregation
+        (:func:`accumulation_weight`, on their loss mask: completions dropped by ``overlong="mask"`` do not count)."""
+        return accumulation_weight(self.aggregation, self.mask if rows is None else self.mask[rows])
 
 
 class GRPOLoss(LossModule):
@@ -147,24 +166,12 @@ class GRPOLoss(LossModule):
         truncated = batch[Batch.TRUNCATED] if Batch.TRUNCATED in batch.keys() else None
         return loss_token_mask(batch[Batch.COMPLETION_MASK], truncated, self.overlong)
 
-    def signal_rows(self, batch: TensorDictBase) -> torch.Tensor:
-        """[N] bool: the rows the reward teaches from: a nonzero advantage on one of their loss tokens (the advantage
-        per completion [N], or per token [N, L])."""
-        mask, advantage = self.token_mask(batch), batch[Batch.ADVANTAGE]
-        return (mask & (token_advantages(advantage) != 0)).any(-1)
-
-    def moving_rows(self, batch: TensorDictBase) -> torch.Tensor:
-        """[N] bool: the rows whose loss can move the weights: :meth:`signal_rows`, or with a regulariser (KL,
-        entropy) acting on every loss token every row with one. Every other row's loss is exactly 0 whatever the
-        weights, and so is its gradient."""
-        if self.kl_to_ref_coeff > 0 or self.kl_to_inference_coeff > 0 or self.entropy_coeff > 0:
-            return self.token_mask(batch).any(-1)
-        return self.signal_rows(batch)
-
-    def accumulation_weight(self, batch: TensorDictBase) -> float:
-        """:func:`accumulation_weight` of this loss's aggregation on the micro-batch's loss mask (so that
-        completions dropped by ``overlong="mask"`` do not count)."""
-        return accumulation_weight(self.aggregation, self.token_mask(batch))
+    def rows(self, batch: TensorDictBase) -> "LossRows":
+        """What this loss says of a prepared batch's rows (:class:`LossRows`), asked once per step."""
+        mask = self.token_mask(batch)
+        signal = (mask & (token_advantages(batch[Batch.ADVANTAGE]) != 0)).any(-1)
+        regularised = self.kl_to_ref_coeff > 0 or self.kl_to_inference_coeff > 0 or self.entropy_coeff > 0
+        return LossRows(mask, signal, mask.any(-1) if regularised else signal, self.aggregation)
 
     def forward(self, batch: TensorDictBase) -> TensorDict:
         completion = batch[Batch.COMPLETION_MASK]
@@ -176,7 +183,7 @@ class GRPOLoss(LossModule):
         logp = _inside(logp, completion)
         sample = _inside(batch[Batch.SAMPLE_LOG_PROBS], completion)
         # no old log-probs: this forward's own are the policy's before its update (Trainer.prepare)
-        own_old = "old_log_probs" not in batch.keys()
+        own_old = Batch.OLD_LOG_PROBS not in batch.keys()
         inputs = SurrogateInputs(
             logp=logp, logp_old=logp.detach() if own_old else _inside(batch[Batch.OLD_LOG_PROBS], completion),
             logp_sample=sample,

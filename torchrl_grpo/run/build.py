@@ -36,11 +36,11 @@ from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.loop import Run
 from torchrl_grpo.run.memory import check_memory
 from torchrl_grpo.run.sources import ActorSource, LocalSource
-from torchrl_grpo.run.state import RunState
+from torchrl_grpo.run.state import RunState, TrainerState
 from torchrl_grpo.tasks import Task, check_env, eval_env_config
 from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.trainer import Trainer
-from torchrl_grpo.training.weight_sync import ActorSync, EngineSync, samples_with_policy
+from torchrl_grpo.training.weight_sync import ActorSync, EngineSync, PolicyWeights, samples_with_policy
 
 
 def seed_everything(seed: int) -> None:
@@ -117,7 +117,7 @@ def build_weight_check(settings: TrainSettings, trainer: Trainer, tokenizer, dty
     if not settings.weight_sync_check:
         return None
     return WeightCheck(trainer.policy, tokenizer, dtype, settings.weight_sync_tolerance,
-                       log_probs=trainer.probe_log_probs)
+                       log_probs=PolicyWeights(trainer.policy, trainer.parallel).probe_log_probs)
 
 
 def build_optimizer(opt: OptimizerSettings, policy, lr: float | None = None) -> torch.optim.Optimizer:
@@ -262,10 +262,11 @@ def check_packing_keeps_rows_apart(policy, read=None) -> None:
                           "ids); set train.micro_batch_tokens=null")
 
 
-def build_follower(spec: RunSpec, parallel: DataParallel) -> tuple[Trainer, object]:
+def build_follower(spec: RunSpec, parallel: DataParallel) -> tuple[object, ...]:
     """What a data-parallel follower rank holds (:func:`torchrl_grpo.parallel.launcher.follow_rank`): the trainer
-    rank 0 builds, sharded alike, and the transformers engine over its policy, for its share of what rank 0
-    samples with the sharded policy (the transformers engine, async evaluation)."""
+    rank 0 builds, sharded alike, what a checkpoint and a push gather of it, and the transformers engine over its
+    policy, for its share of what rank 0 samples with the sharded policy (the transformers engine, async
+    evaluation)."""
     from torchrl_grpo.engines.factory import policy_engine
     from torchrl_grpo.models.loading import load_tokenizer
     from torchrl_grpo.models.sources import resolve_model
@@ -274,7 +275,8 @@ def build_follower(spec: RunSpec, parallel: DataParallel) -> tuple[Trainer, obje
     trust = spec.model.trust_remote_code
     model_path = resolve_model(spec.model.name, trust)
     trainer = build_trainer(spec, model_path, parallel)
-    return trainer, policy_engine(trainer.policy, load_tokenizer(model_path, trust), parallel=parallel)
+    return (trainer, TrainerState(trainer), PolicyWeights(trainer.policy, parallel),
+            policy_engine(trainer.policy, load_tokenizer(model_path, trust), parallel=parallel))
 
 
 @dataclass

@@ -24,9 +24,11 @@ from pathlib import Path
 from torchrl_grpo.config.settings import CheckpointSettings
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core import checkpoint
-from torchrl_grpo.core.checkpoint import Key
+from torchrl_grpo.core.checkpoint import CRITIC_DIR, OPTIMIZER_SHARDS, Key
 from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.core.secrets import masker
+from torchrl_grpo.parallel.ranks import collective, gathered, load_optimizer, save_optimizer
+from torchrl_grpo.training.trainer import Trainer
 
 
 class RunState:
@@ -76,7 +78,7 @@ class RunState:
         A fresh run has nothing to restore."""
         if self._saved is None:
             return
-        trainer.load_state_dict(self._saved, self.resume_from)
+        TrainerState(trainer).load_state_dict(self._saved, self.resume_from)
         data.load_state_dict(self._saved[Key.SAMPLER])
         checkpoint.set_rng_state(self._saved[Key.RNG])
         if engine is not None and self._saved.get(Key.ENGINE_RNG) is not None:
@@ -98,12 +100,13 @@ class RunState:
         with ``state_dict``; ``engine``: an engine whose sampling state to keep, when nothing samples from it
         meanwhile)."""
         self.step = step
-        state = {Key.STEP: step, **trainer.state_dict(), Key.SAMPLER: data.state_dict(),
+        saved = TrainerState(trainer)
+        state = {Key.STEP: step, **saved.state_dict(), Key.SAMPLER: data.state_dict(),
                  Key.RNG: checkpoint.rng_state(),
                  Key.ENGINE_RNG: engine.sampling_state() if engine is not None else None,
                  Key.CONFIG: masker().tree(self.config)}
         weights = sum(p.numel() * p.element_size() for p in trainer.policy.parameters())
-        return checkpoint.save(self.directory, step, trainer, tokenizer, state, keep=self.keep, weights_bytes=weights)
+        return checkpoint.save(self.directory, step, saved, tokenizer, state, keep=self.keep, weights_bytes=weights)
 
     def after_step(self, step: int, total_steps: int, trainer, tokenizer, data, stop_requested: Callable[[], bool],
                    engine=None, fault: str | None = None) -> str | None:
@@ -157,6 +160,76 @@ def check_world_size(settings: CheckpointSettings, saved: dict, resume_from: Pat
 
 def _ranks(n: int) -> str:
     return f"{n} data-parallel ranks (train.strategy=fsdp)" if n > 1 else "one process"
+
+
+class TrainerState:
+    """What a checkpoint keeps of a :class:`~torchrl_grpo.training.trainer.Trainer`: the policy in HF format (the LoRA
+    adapter with LoRA) and an actor-critic run's value model in ``critic/``, the optimizers and schedules, the
+    micro-batch shuffle. Data-parallel, every rank takes part in :meth:`save_pretrained` and :meth:`load_state_dict`
+    (:func:`~torchrl_grpo.parallel.ranks.collective`)."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, self.parallel = trainer, trainer.parallel
+
+    @collective
+    def save_pretrained(self, path, safe_serialization: bool = True) -> None:
+        """The models into ``path`` (``checkpoint.save`` calls it as HF's): data-parallel, the weights gathered
+        whole from the shards and written by rank 0, and the optimizer state as the ranks hold it, each rank its
+        shards, in ``path/optimizer_shards`` (``path/critic/optimizer_shards`` for the critic's; a folder every rank
+        can write)."""
+        t = self.trainer
+        self._save_model(t.policy, t.optimizer, Path(path), safe_serialization)
+        if t.critic is not None:
+            self._save_model(t.critic.model, t.critic.optimizer, Path(path) / CRITIC_DIR, safe_serialization)
+
+    def _save_model(self, model, optimizer, path: Path, safe_serialization: bool) -> None:
+        if self.parallel is None:
+            model.save_pretrained(path, safe_serialization=safe_serialization)
+            return
+        state = gathered(((name, t.detach()) for name, t in model.state_dict().items()), keep=self.parallel.rank == 0)
+        if self.parallel.rank == 0:
+            model.save_pretrained(path, state_dict=state, safe_serialization=safe_serialization)
+        save_optimizer(model, optimizer, path / OPTIMIZER_SHARDS)
+
+    def state_dict(self) -> dict:
+        """The optimizers, schedules and the micro-batch shuffle: what ``trainer_state.pt`` holds of the trainer.
+        Data-parallel: the world size instead of the optimizers, whose shards :meth:`save_pretrained` writes."""
+        t = self.trainer
+        common = {Key.SHUFFLE_RNG: t.shuffle.get_state(), Key.SCHEDULER: _state(t.scheduler)}
+        if t.critic is not None:
+            common[Key.CRITIC_SCHEDULER] = _state(t.critic.scheduler)
+            common[Key.CRITIC_OPTIMIZER] = None if self.parallel else t.critic.optimizer.state_dict()
+        if self.parallel is None:
+            return {Key.OPTIMIZER: t.optimizer.state_dict(), **common}
+        return {Key.OPTIMIZER: None, Key.WORLD_SIZE: self.parallel.world_size, **common}
+
+    @collective
+    def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
+        """:meth:`state_dict` back; data-parallel: on every rank, with the optimizers' shards read from
+        ``checkpoint_dir`` (the same world size: :func:`check_world_size`). A checkpoint without a critic's state
+        (a run without one) leaves the critic's optimizer fresh."""
+        t = self.trainer
+        if self.parallel is None:
+            t.optimizer.load_state_dict(state[Key.OPTIMIZER])
+        else:
+            load_optimizer(t.policy, t.optimizer, Path(checkpoint_dir) / OPTIMIZER_SHARDS)
+        t.shuffle.set_state(state[Key.SHUFFLE_RNG])
+        _load_state(t.scheduler, state.get(Key.SCHEDULER))  # older checkpoints have none
+        if t.critic is not None and Key.CRITIC_SCHEDULER in state:
+            if self.parallel is None:
+                t.critic.optimizer.load_state_dict(state[Key.CRITIC_OPTIMIZER])
+            else:
+                load_optimizer(t.critic.model, t.critic.optimizer, Path(checkpoint_dir) / CRITIC_DIR / OPTIMIZER_SHARDS)
+            _load_state(t.critic.scheduler, state[Key.CRITIC_SCHEDULER])
+
+
+def _state(scheduler) -> dict | None:
+    return None if scheduler is None else scheduler.state_dict()
+
+
+def _load_state(scheduler, state: dict | None) -> None:
+    if scheduler is not None and state is not None:
+        scheduler.load_state_dict(state)
 
 
 class AsyncProgress:

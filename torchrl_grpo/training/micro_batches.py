@@ -5,17 +5,49 @@ token loads. :func:`rows_to_train` leaves out the rows that cannot move the weig
 columns no row uses.
 
 The update does not depend on how a step's rows are cut: each micro-batch's loss is weighted by its share of the
-step's aggregation (:meth:`~torchrl_grpo.objective.loss.GRPOLoss.accumulation_weight`), so only the float rounding
+step's aggregation (:meth:`~torchrl_grpo.objective.loss.LossRows.weight`), so only the float rounding
 of the sum changes. What packing changes is the work: no padding (the forward reads the rows packed, see
 :func:`~torchrl_grpo.objective.log_probs.packed_inputs`), and micro-batches as full as the budget allows whatever
 the rows' lengths, where a fixed number of rows is sized for the longest.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from torchrl_grpo.core.batch import Batch
 from torchrl_grpo.core.errors import RunError
+from torchrl_grpo.parallel.ranks import DataParallel
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How this rank cuts a step's rows into micro-batches: ``rows`` rows of similar lengths each (``train.
+    optim_batch_size``; data-parallel: this rank's share of them), or packed by ``tokens`` (``train.
+    micro_batch_tokens``). Every rank gets as many micro-batches."""
+
+    rows: int
+    tokens: int | None = None
+    parallel: DataParallel | None = None  # None: one process
+
+    @property
+    def fill(self) -> int:
+        """What the rows trained are filled up to a multiple of (:func:`rows_to_train`): a micro-batch's rows, or
+        with packing, a row per rank (each takes part in every micro-batch)."""
+        if self.tokens is None:
+            return self.rows
+        return 1 if self.parallel is None else self.parallel.world_size
+
+    def cut(self, rows: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's rows (batch indices) of each micro-batch over ``rows``."""
+        parallel = self.parallel
+        if self.tokens is not None:
+            ranks, rank = (1, 0) if parallel is None else (parallel.world_size, parallel.rank)
+            plan = packed_micro_batches(rows, attention_mask[rows].sum(-1), self.tokens, ranks)
+            return [shares[rank] for shares in plan]
+        order = by_length(rows, attention_mask).split(self.rows)
+        return list(order) if parallel is None else [idx[parallel.share(len(idx))] for idx in order]
 
 
 def packed_micro_batches(rows: torch.Tensor, lengths: torch.Tensor, budget: int,

@@ -1,10 +1,13 @@
-"""The trainer: policy, reference, optimizer and loss. It turns a collected batch into an update and gives
-the weights to push; the piece that data-parallel training shards.
+"""The trainer: policy, reference, optimizer and loss. It turns a collected batch into an update; the piece that
+data-parallel training shards. What a checkpoint keeps of it is :class:`torchrl_grpo.run.state.TrainerState`'s, the
+weights an engine loads :class:`torchrl_grpo.training.weight_sync.PolicyWeights`'.
 
 A step is :meth:`Trainer.prepare` (the log-probs only the policy's holder can compute, the KL penalty in
 the reward, group advantages) then :meth:`Trainer.optimize` (``epochs`` passes of shuffled micro-batches,
 gradient accumulation weighted so that an optimizer step sees exactly its whole batch's loss, clipping)
-then the weights to the engine(s) (:mod:`torchrl_grpo.training.weight_sync` pushes them).
+then the weights to the engine(s) (:mod:`torchrl_grpo.training.weight_sync` pushes them). The loss is asked about
+a batch's rows once per step (:meth:`~torchrl_grpo.objective.loss.GRPOLoss.rows`): which tokens enter it, which rows
+can move the weights, how much each micro-batch weighs.
 
 With ``parallel`` (:mod:`torchrl_grpo.parallel.ranks`), the same loop runs on each of N ranks over a
 policy sharded with FSDP2: every rank holds the whole batch and takes its share of each micro-batch, the
@@ -18,18 +21,12 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from torchrl_grpo.config.settings import TrainSettings
 from torchrl_grpo.core.batch import Batch
-from torchrl_grpo.core.checkpoint import CRITIC_DIR, OPTIMIZER_SHARDS, Key
-from torchrl_grpo.engines.weight_check import probe_log_probs
-from torchrl_grpo.engines.weight_stream import StreamedWeights
-from torchrl_grpo.models.adapter import Adapter, adapter_config, adapter_weights
-from torchrl_grpo.models.flops import bf16_peak_flops, model_shape, update_flops
-from torchrl_grpo.models.loading import merged_state_dict, merged_weights
+from torchrl_grpo.models.flops import model_shape, training_peak_flops, update_flops
 from torchrl_grpo.objective.advantages import group_advantages
 from torchrl_grpo.objective.aggregation import aggregate
 from torchrl_grpo.objective.critic import (
@@ -41,10 +38,10 @@ from torchrl_grpo.objective.critic import (
     whiten,
 )
 from torchrl_grpo.objective.log_probs import token_log_probs
-from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, total_loss
-from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor, gathered, load_optimizer, save_optimizer
+from torchrl_grpo.objective.loss import MAX_METRICS, GRPOLoss, LossRows, total_loss
+from torchrl_grpo.parallel.ranks import DataParallel, collective, full_tensor
 from torchrl_grpo.training.critic import Critic
-from torchrl_grpo.training.micro_batches import by_length, packed_micro_batches, rows_to_train, trim_padding
+from torchrl_grpo.training.micro_batches import MicroBatching, rows_to_train, trim_padding
 from torchrl_grpo.training.no_signal import NoSignalWatch
 from torchrl_grpo.training.recast import weights_recast_in_backward
 
@@ -83,18 +80,10 @@ class Trainer:
         self.no_signal = NoSignalWatch(settings.no_signal_patience, settings.min_ess, settings.no_signal_stop)
         shapes = [model_shape(m) for m in (policy, *([] if critic is None else [critic.model]))]
         self.model_shapes = None if None in shapes else shapes  # None: a model without a transformers config
-        self.peak_flops = self._peak_flops()
-
-    def _peak_flops(self) -> float | None:
-        """What ``mfu`` divides by: the dense bf16 peak of the GPUs the policy trains on (all ranks'), when its
-        matmuls run in bf16 (autocast, or bf16 weights); None elsewhere (a CPU, float32, a GPU not in the table)."""
-        if self.model_shapes is None or self.device.type != "cuda":
-            return None
-        if not (self.settings.mixed_precision or self.policy.get_input_embeddings().weight.dtype == torch.bfloat16):
-            return None
-        peak = bf16_peak_flops(torch.cuda.get_device_name(self.device))
-        devices = len({p.device for p in self.policy.parameters()}) * (self.parallel.world_size if self.parallel else 1)
-        return None if peak is None else peak * devices
+        self.micro = MicroBatching(settings.micro_batch, settings.micro_batch_tokens, parallel)
+        ranks = 1 if parallel is None else parallel.world_size
+        self.peak_flops = None if self.model_shapes is None else training_peak_flops(
+            policy, device, settings.mixed_precision, ranks)
 
     @collective
     def prepare(self, batch) -> dict:
@@ -121,19 +110,19 @@ class Trainer:
                 kl = kl_tokens.sum(-1)
                 batch[Batch.REWARD] = batch[Batch.REWARD] - s.kl_in_reward_coeff * kl
                 metrics["kl_penalty_in_reward"] = kl.mean().item()
-        loss_mask = self.loss.token_mask(batch)
         if self.critic is None:
             advantage, tied = group_advantages(batch[Batch.REWARD], s.group_size, s.reward_scale)
             metrics["tied_group_fraction"] = tied.float().mean().item()
+            advantage_abs = advantage.abs().mean()
         else:
+            loss_mask = self.loss.token_mask(batch)
             advantage = self.critic_advantages(batch, task_reward, kl_tokens, loss_mask, metrics)
+            advantage_abs = advantage.abs()[loss_mask].mean()
         batch[Batch.ADVANTAGE] = advantage
         metrics.update({
-            "signal_fraction": self.loss.signal_rows(batch).float().mean().item(),
             "reward": batch[Batch.REWARD].mean().item(),
             "reward_std": batch[Batch.REWARD].std().item() if len(batch) > 1 else 0.0,
-            "advantage_abs_mean": (advantage.abs().mean() if advantage.dim() == 1
-                                   else advantage.abs()[loss_mask].mean()).item(),
+            "advantage_abs_mean": advantage_abs.item(),
             "prepare_time": time.perf_counter() - started,
         })
         return metrics
@@ -174,41 +163,21 @@ class Trainer:
     @torch.no_grad()
     def _per_row(self, compute, device: torch.device, batch) -> torch.Tensor:
         """``compute(micro-batch)`` -> [n, l] per token over ``batch``, in the training's micro-batches
-        (:meth:`_micro_batches`) on ``device``, as float32 [N, L] on the CPU. Data-parallel: each rank its shares,
+        (:attr:`micro`) on ``device``, as float32 [N, L] on the CPU. Data-parallel: each rank its shares,
         then every rank's rows put together."""
         out = torch.zeros_like(batch[Batch.SAMPLE_LOG_PROBS])
-        for idx in self._micro_batches(torch.arange(len(batch)), batch[Batch.ATTENTION_MASK]):
+        for idx in self.micro.cut(torch.arange(len(batch)), batch[Batch.ATTENTION_MASK]):
             mb = trim_padding(batch[idx]).to(device)
             with self._autocast(device):
                 values = compute(mb)
             out[idx, : values.shape[1]] = values.float().cpu()
         return out if self.parallel is None else self.parallel.sum_rows(out)
 
-    @property
-    def _rows_per_micro_batch(self) -> int:
-        """What the rows trained are filled up to a multiple of: a micro-batch's rows, or with packing, a row per
-        rank (each takes part in every micro-batch)."""
-        if self.settings.micro_batch_tokens is None:
-            return self.settings.micro_batch
-        return 1 if self.parallel is None else self.parallel.world_size
-
-    def _micro_batches(self, rows: torch.Tensor, attention_mask: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's rows (batch indices) of each micro-batch over ``rows``: ``train.optim_batch_size`` rows of
-        similar lengths (data-parallel: this rank's share of them), or packed by ``train.micro_batch_tokens``
-        (:func:`~torchrl_grpo.training.micro_batches.packed_micro_batches`). Every rank gets as many micro-batches."""
-        s, parallel = self.settings, self.parallel
-        if s.micro_batch_tokens is not None:
-            ranks, rank = (1, 0) if parallel is None else (parallel.world_size, parallel.rank)
-            plan = packed_micro_batches(rows, attention_mask[rows].sum(-1), s.micro_batch_tokens, ranks)
-            return [shares[rank] for shares in plan]
-        order = by_length(rows, attention_mask).split(s.micro_batch)
-        return list(order) if parallel is None else [idx[parallel.share(len(idx))] for idx in order]
-
     @collective
     def optimize(self, batch) -> dict:
         """``epochs`` passes of shuffled micro-batches; one optimizer step per ``accumulation`` micro-batches.
         A non-finite gradient norm skips that update (counted in ``skipped_updates``). An optimizer step none of
-        whose rows can move the weights (:meth:`GRPOLoss.moving_rows`: every advantage 0, no regulariser) is not
+        whose rows can move the weights (:attr:`LossRows.moving`: every advantage 0, no regulariser) is not
         taken (counted in ``still_updates``): its loss and diagnostics come from a forward without gradients, no
         backward runs, and neither the optimizer's state nor the learning-rate schedule moves, as if its rows had
         not been drawn (taken with a zero gradient, AdamW's momentum and weight decay would still move the
@@ -218,48 +187,53 @@ class Trainer:
         then over the rows trained (``trained_row_fraction``). With a critic, its value loss is aggregated and
         weighted like the policy's in the same micro-batches, every row with a loss token trains it, and it steps
         with its own optimizer beside the policy's. Data-parallel: this rank's share of each micro-batch, weights
-        normalised over the whole window's. ``train_flops_per_s``: the model FLOPs of every forward and backward
-        (:mod:`torchrl_grpo.models.flops`; all ranks') over ``train_time``; ``mfu``: that over :meth:`_peak_flops`."""
+        normalised over the whole window's. ``signal_fraction``: the share of rows the reward teaches from.
+        ``train_flops_per_s``: the model FLOPs of every forward and backward (:mod:`torchrl_grpo.models.flops`; all
+        ranks') over ``train_time``; ``mfu``: that over :func:`~torchrl_grpo.models.flops.training_peak_flops`."""
         tally, started = Tally(), time.perf_counter()
+        rows = self.loss.rows(batch)  # every rank holds the whole batch: they agree
         self._train_mode(True)
         for _ in range(self.settings.epochs):
             # each optimizer step's rows: a shuffled window
             size = self.settings.micro_batch * self.settings.accumulation
             for window in torch.randperm(len(batch), generator=self.shuffle).split(size):
-                self._optimizer_step(batch, window, tally)
+                self._optimizer_step(batch, rows, window, tally)
         self._train_mode(False)
-        return self._metrics(tally, len(batch), time.perf_counter() - started)
+        return {"signal_fraction": rows.signal.float().mean().item(),
+                **self._metrics(tally, len(batch), time.perf_counter() - started)}
 
-    def _optimizer_step(self, batch, window: torch.Tensor, tally: Tally) -> None:
+    def _optimizer_step(self, batch, rows: LossRows, window: torch.Tensor, tally: Tally) -> None:
         """One optimizer step over the rows ``window``: its micro-batches planned (rows of similar lengths, or
         packed), each one's forward and backward, then the update (not taken when no row can move the weights)."""
-        # every rank holds the whole batch: they agree; the critic learns from every row with a loss token
-        moving = (self.loss.moving_rows(batch[window]) if self.critic is None
-                  else self.loss.token_mask(batch[window]).any(-1))
+        # the critic learns from every row with a loss token
+        moving = rows.moving[window] if self.critic is None else rows.mask[window].any(-1)
         moves = bool(moving.any())
-        rows = rows_to_train(window, moving, self._rows_per_micro_batch) if moves else window
-        tally.trained_rows += len(rows) if moves else 0
-        order = self._micro_batches(rows, batch[Batch.ATTENTION_MASK])
+        trained = rows_to_train(window, moving, self.micro.fill) if moves else window
+        tally.trained_rows += len(trained) if moves else 0
+        order = self.micro.cut(trained, batch[Batch.ATTENTION_MASK])
         micro = [trim_padding(batch[idx]).to(self.device) for idx in order]
-        weights = [self.loss.accumulation_weight(mb) for mb in micro]
-        total = self.loss.accumulation_weight(batch[window])  # every row of the window counts
+        weights = [rows.weight(idx) for idx in order]
+        total = rows.weight(window)  # every row of the window counts
         tally.share_weights += weights
         for mb, weight, idx in zip(micro, weights, order):
             lengths = batch[Batch.ATTENTION_MASK][idx].sum(-1).tolist()  # from the batch as collected: no sync
-            self._forward_backward(mb, weight / max(total, 1e-9), moves, lengths, tally)
+            mask = rows.mask[idx][:, : mb[Batch.TOKENS].shape[1]].to(self.device)
+            self._forward_backward(mb, mask, weight / max(total, 1e-9), moves, lengths, tally)
         if not moves:
             tally.still += 1
             tally.add("grad_norm", 0.0)
             return
         self._update(tally)
 
-    def _forward_backward(self, mb, share: float, moves: bool, lengths: list[int], tally: Tally) -> None:
-        """One micro-batch: its losses (and the critic's value loss), and when the step ``moves`` their backward,
-        weighted by the micro-batch's ``share`` of the optimizer step's accumulation weight."""
+    def _forward_backward(self, mb, mask: torch.Tensor, share: float, moves: bool, lengths: list[int],
+                          tally: Tally) -> None:
+        """One micro-batch (``mask``: its loss tokens): its losses (and the critic's value loss), and when the step
+        ``moves`` their backward, weighted by the micro-batch's ``share`` of the optimizer step's accumulation
+        weight."""
         with self._autocast(), weights_recast_in_backward(), torch.set_grad_enabled(moves):
             losses = self.loss(mb)
             if self.critic is not None:
-                losses.update(self._value_loss(mb))
+                losses.update(self._value_loss(mb, mask))
         if moves:
             objective = total_loss(losses) + (0 if self.critic is None else losses["value_loss"])
             (objective * share).backward()
@@ -317,10 +291,9 @@ class Trainer:
             metrics["mfu"] = metrics["train_flops_per_s"] / self.peak_flops
         return metrics
 
-    def _value_loss(self, mb) -> dict[str, torch.Tensor]:
+    def _value_loss(self, mb, mask: torch.Tensor) -> dict[str, torch.Tensor]:
         """The critic's clipped value loss on a micro-batch (:func:`clipped_value_loss`), aggregated over its loss
-        tokens like the policy's loss, and the share of them whose clipped branch was taken."""
-        mask = self.loss.token_mask(mb)
+        tokens (``mask``) like the policy's loss, and the share of them whose clipped branch was taken."""
         values = token_values(self.critic.model, mb[Batch.TOKENS], mb[Batch.ATTENTION_MASK], mb[Batch.COMPLETION_MASK],
                               self.settings.micro_batch_tokens is not None)
         loss, clipped = clipped_value_loss(values, mb[Batch.VALUE_OLD], mb[Batch.RETURN],
@@ -350,91 +323,6 @@ class Trainer:
         if self.settings.mixed_precision and device.type in ("cuda", "cpu"):
             return torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False)
         return contextlib.nullcontext()
-
-    @collective
-    def weights(self) -> dict[str, torch.Tensor] | StreamedWeights:
-        """The policy's HF-named weights (LoRA merged in): what an engine loads. Data-parallel: on rank 0 each
-        is gathered from the shards when the consumer reaches it (:class:`StreamedWeights`: read them once, to
-        the end), while the other ranks gather them all in step and keep none (an empty dict)."""
-        if self.parallel is None:
-            return merged_state_dict(self.policy)
-        if self.parallel.rank == 0:
-            return StreamedWeights(list(merged_weights(self.policy, shapes_only=True)), merged_weights(self.policy))
-        return gathered(merged_weights(self.policy), keep=False)
-
-    @collective
-    def adapter(self) -> Adapter | None:
-        """The policy's LoRA adapter (``train_model.lora.sync=adapter``: what an engine loads beside its base weights),
-        as CPU tensors (on a CPU, the live ones: read them before the next update). Data-parallel: gathered from the
-        shards on every rank in step, kept on rank 0 (None on the others)."""
-        keep = self.parallel is None or self.parallel.rank == 0
-        tensors = gathered(adapter_weights(self.policy), keep=keep)
-        return Adapter(adapter_config(self.policy), tensors) if keep else None
-
-    @collective
-    def probe_log_probs(self, token_ids: list[int]) -> torch.Tensor:
-        """The weight sync check's probe under the policy (:func:`probe_log_probs`)."""
-        return probe_log_probs(self.policy, token_ids)
-
-    @collective
-    def save_pretrained(self, path, safe_serialization: bool = True) -> None:
-        """What a checkpoint holds of the policy: HF format (the LoRA adapter with LoRA), and an actor-critic
-        run's value model in ``path/critic``. Data-parallel: the weights gathered whole from the shards and
-        written by rank 0, and the optimizer state as the ranks hold it, each rank its shards, in
-        ``path/optimizer_shards`` (``path/critic/optimizer_shards`` for the critic's; a folder every rank can
-        write)."""
-        self._save_model(self.policy, self.optimizer, Path(path), safe_serialization)
-        if self.critic is not None:
-            self._save_model(self.critic.model, self.critic.optimizer, Path(path) / CRITIC_DIR, safe_serialization)
-
-    def _save_model(self, model, optimizer, path: Path, safe_serialization: bool) -> None:
-        if self.parallel is None:
-            model.save_pretrained(path, safe_serialization=safe_serialization)
-            return
-        state = gathered(((name, t.detach()) for name, t in model.state_dict().items()), keep=self.parallel.rank == 0)
-        if self.parallel.rank == 0:
-            model.save_pretrained(path, state_dict=state, safe_serialization=safe_serialization)
-        save_optimizer(model, optimizer, path / OPTIMIZER_SHARDS)
-
-    def state_dict(self) -> dict:
-        """The optimizers and the micro-batch shuffle: what a checkpoint needs besides the weights. Data-parallel:
-        the world size instead of the optimizers, whose shards :meth:`save_pretrained` writes."""
-        common = {Key.SHUFFLE_RNG: self.shuffle.get_state(), Key.SCHEDULER: _state(self.scheduler)}
-        if self.critic is not None:
-            common[Key.CRITIC_SCHEDULER] = _state(self.critic.scheduler)
-            common[Key.CRITIC_OPTIMIZER] = None if self.parallel else self.critic.optimizer.state_dict()
-        if self.parallel is None:
-            return {Key.OPTIMIZER: self.optimizer.state_dict(), **common}
-        return {Key.OPTIMIZER: None, Key.WORLD_SIZE: self.parallel.world_size, **common}
-
-    @collective
-    def load_state_dict(self, state: dict, checkpoint_dir=None) -> None:
-        """:meth:`state_dict` back; data-parallel: on every rank, with the optimizers' shards read from
-        ``checkpoint_dir`` (the same world size: :class:`torchrl_grpo.run.state.RunState` checks it). A checkpoint
-        without a critic's state (a run without one) leaves the critic's optimizer fresh."""
-        if self.parallel is None:
-            self.optimizer.load_state_dict(state[Key.OPTIMIZER])
-        else:
-            load_optimizer(self.policy, self.optimizer, Path(checkpoint_dir) / OPTIMIZER_SHARDS)
-        self.shuffle.set_state(state[Key.SHUFFLE_RNG])
-        _load_state(self.scheduler, state.get(Key.SCHEDULER))  # older checkpoints have none
-        if self.critic is not None and Key.CRITIC_SCHEDULER in state:
-            if self.parallel is None:
-                self.critic.optimizer.load_state_dict(state[Key.CRITIC_OPTIMIZER])
-            else:
-                load_optimizer(self.critic.model, self.critic.optimizer,
-                               Path(checkpoint_dir) / CRITIC_DIR / OPTIMIZER_SHARDS)
-            _load_state(self.critic.scheduler, state[Key.CRITIC_SCHEDULER])
-
-
-def _state(scheduler) -> dict | None:
-    return None if scheduler is None else scheduler.state_dict()
-
-
-def _load_state(scheduler, state: dict | None) -> None:
-    if scheduler is not None and state is not None:
-        scheduler.load_state_dict(state)
-
 
 def clipped_step(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler, clip: float | None):
     """One optimizer step on the accumulated gradients of ``params``, clipped to norm ``clip`` (None: not clipped),

@@ -9,7 +9,8 @@ implementation per destination:
 - :class:`ActorSync`: Ray rollout actors, as numbered policy versions (their transports:
   :mod:`torchrl_grpo.collect.actor_weights`), each actor checking itself.
 
-Both check with ``train.weight_sync_check``'s probe (:class:`~torchrl_grpo.engines.weight_check.WeightCheck`).
+Both check with ``train.weight_sync_check``'s probe (:class:`~torchrl_grpo.engines.weight_check.WeightCheck`), and
+send what :class:`PolicyWeights` exports of the trained policy.
 """
 from __future__ import annotations
 
@@ -17,9 +18,46 @@ import time
 
 import torch
 
-from torchrl_grpo.engines.weight_check import Probe, WeightCheck
-from torchrl_grpo.engines.weight_stream import wire_dtype
+from torchrl_grpo.engines.weight_check import Probe, WeightCheck, probe_log_probs
+from torchrl_grpo.engines.weight_stream import StreamedWeights, wire_dtype
+from torchrl_grpo.models.adapter import Adapter, adapter_config, adapter_weights
+from torchrl_grpo.models.loading import merged_state_dict, merged_weights
+from torchrl_grpo.parallel.ranks import DataParallel, collective, gathered
 from torchrl_grpo.training.trainer import Trainer
+
+
+class PolicyWeights:
+    """The trained policy's weights as engines take them: whole and HF-named (LoRA merged in), the LoRA adapter, and
+    the weight check's probe under the policy. Data-parallel (``parallel``), each is gathered from the shards with
+    every rank taking part: its methods are :func:`~torchrl_grpo.parallel.ranks.collective`."""
+
+    def __init__(self, policy: torch.nn.Module, parallel: DataParallel | None = None):
+        self.policy, self.parallel = policy, parallel
+
+    @collective
+    def weights(self) -> dict[str, torch.Tensor] | StreamedWeights:
+        """The policy's HF-named weights (LoRA merged in): what an engine loads. Data-parallel: on rank 0 each
+        is gathered from the shards when the consumer reaches it (:class:`StreamedWeights`: read them once, to
+        the end), while the other ranks gather them all in step and keep none (an empty dict)."""
+        if self.parallel is None:
+            return merged_state_dict(self.policy)
+        if self.parallel.rank == 0:
+            return StreamedWeights(list(merged_weights(self.policy, shapes_only=True)), merged_weights(self.policy))
+        return gathered(merged_weights(self.policy), keep=False)
+
+    @collective
+    def adapter(self) -> Adapter | None:
+        """The policy's LoRA adapter (``train_model.lora.sync=adapter``: what an engine loads beside its base weights),
+        as CPU tensors (on a CPU, the live ones: read them before the next update). Data-parallel: gathered from the
+        shards on every rank in step, kept on rank 0 (None on the others)."""
+        keep = self.parallel is None or self.parallel.rank == 0
+        tensors = gathered(adapter_weights(self.policy), keep=keep)
+        return Adapter(adapter_config(self.policy), tensors) if keep else None
+
+    @collective
+    def probe_log_probs(self, token_ids: list[int]) -> torch.Tensor:
+        """The weight sync check's probe under the policy (:func:`probe_log_probs`)."""
+        return probe_log_probs(self.policy, token_ids)
 
 
 def samples_with_policy(trainer: Trainer, engine) -> bool:
@@ -28,12 +66,12 @@ def samples_with_policy(trainer: Trainer, engine) -> bool:
     return getattr(engine, "model", None) is trainer.policy
 
 
-def snapshot(trainer: Trainer, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-    """The trainer's weights (:meth:`Trainer.weights`) as CPU tensors of their own, for engines in other processes
+def snapshot(export: PolicyWeights, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The trainer's weights (:meth:`PolicyWeights.weights`) as CPU tensors of their own, for engines in other processes
     (rollout actors get them while the trainer goes on); floating-point matrices in ``dtype`` (the engines') when
     given (:func:`~torchrl_grpo.engines.weight_stream.wire_dtype`): an engine casts what it loads to its dtype anyway,
     so float32 master weights sent cast to bf16 give it the same weights in half the bytes."""
-    return {name: t.detach().to("cpu", wire_dtype(t, dtype), copy=True) for name, t in trainer.weights().items()}
+    return {name: t.detach().to("cpu", wire_dtype(t, dtype), copy=True) for name, t in export.weights().items()}
 
 
 class WeightSync:
@@ -45,6 +83,7 @@ class WeightSync:
 
     def __init__(self, trainer: Trainer, check: WeightCheck | None = None):
         self.trainer, self.check = trainer, check
+        self.export = PolicyWeights(trainer.policy, trainer.parallel)
         self.pushed = trainer.updates  # the trainer's update count the engines' weights are from
 
     @property
@@ -107,9 +146,9 @@ class EngineSync(WeightSync):
         if samples_with_policy(self.trainer, self.engine):
             return
         if self.adapter:
-            self.engine.push_adapter(self.trainer.adapter())
+            self.engine.push_adapter(self.export.adapter())
         else:
-            self.engine.push_weights(self.trainer.weights())
+            self.engine.push_weights(self.export.weights())
 
     def _verify(self) -> dict:
         """Checked here, before the next generation."""
@@ -148,7 +187,7 @@ class ActorSync(WeightSync):
         return None if self.check is None else self.check.startup(self.pool)
 
     def _send(self, version: int) -> None:
-        weights = self.trainer.adapter() if self.adapter else snapshot(self.trainer, self.engine_dtype)
+        weights = self.export.adapter() if self.adapter else snapshot(self.export, self.engine_dtype)
         self.pool.push(weights, version, self._probe())
 
     def landed(self) -> dict:
