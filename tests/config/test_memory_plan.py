@@ -249,22 +249,20 @@ def test_data_parallel_gpus_each_hold_a_rank_and_a_tensor_parallel_share_of_the_
     """``torchrl-grpo plan --gpus 8``: eight FSDP2 ranks, each on its GPU with its share of the weights and of each
     micro-batch; an engine over four of them, a quarter of its weights on each."""
     from torchrl_grpo.core.errors import ConfigError
-    from torchrl_grpo.engines.vllm_releases import with_sleep
     from torchrl_grpo.run.memory import PlanOptions, plan_options, run_memory_plan
 
     options, rest = plan_options(["--gpus", "8", "--device-memory=80", "train_model.num_devices=8",
                                   "inference_model.num_devices=4"])
     assert options == PlanOptions(None, 80.0, 8) and rest == ["train_model.num_devices=8",
                                                               "inference_model.num_devices=4"]
-    spec = with_sleep(resolve_run(cfg_with("model=tiny", "train.strategy=fsdp", "train.optim_batch_size=8",
-                                                 *rest), gpu_count=8))
+    spec = resolve_run(cfg_with("model=tiny", "train.strategy=fsdp", "train.optim_batch_size=8", *rest), gpu_count=8)
     devices, prompt = run_memory_plan(spec, prompt_tokens=100, device_gib=80)
     assert [d.name for d in devices] == [f"cuda:{i}" for i in range(8)]
     assert [[r.name for r in d.roles] for d in devices] == [["trainer", "engine"]] * 4 + [["trainer"]] * 4
     assert all(d.capacity == 80 * GiB for d in devices)
     one = resolve_run(cfg_with("model=tiny", "train.optim_batch_size=8", "train_model.num_devices=1",
                                "inference_model.num_devices=1"), gpu_count=1)
-    [single], _ = run_memory_plan(with_sleep(one), prompt_tokens=100, device_gib=80)
+    [single], _ = run_memory_plan(one, prompt_tokens=100, device_gib=80)
     rank, whole = role_items(devices[0].roles[0]), role_items(single.roles[0])
     assert rank["activations"] * 8 == whole["activations"]  # one row of the micro-batch's eight
     assert role_items(devices[0].roles[1])["weights"] * 4 == role_items(single.roles[1])["weights"]

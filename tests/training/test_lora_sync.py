@@ -9,8 +9,8 @@ import torch
 from helpers import FLOAT32, SMALL, cfg_with, metric_rows, needs_ray_and_vllm, needs_vllm, run, run_async
 from torchrl_grpo.config.spec import resolve_run
 from torchrl_grpo.config.validate import check_lora, engine_lora_rank, lora_sync
+from torchrl_grpo.config.vllm_releases import choose_sleep
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.engines.vllm_releases import choose_sleep
 from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.models.adapter import CONFIG_FILE, WEIGHTS_FILE, Adapter, AdapterOff, adapter_config, adapter_weights
 from torchrl_grpo.models.loading import load_policy

@@ -138,6 +138,7 @@ class EvalSettings:
     max_tokens: int              # eval.max_tokens, null resolved to inference_model.max_tokens
     max_model_len: int           # inference_model.max_model_len: a multi-turn episode ends before passing it
     every: int                   # logging.eval_frequency: the trainer evaluates every N steps (0: never)
+    responses: str | None = None  # eval.responses
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> EvalSettings:
@@ -145,7 +146,8 @@ class EvalSettings:
         return cls(num_prompts=None if e.num_prompts is None else int(e.num_prompts), samples=int(e.samples),
                    temperature=float(e.temperature),
                    max_tokens=plan.max_tokens if e.max_tokens is None else int(e.max_tokens),
-                   max_model_len=int(cfg.inference_model.max_model_len), every=int(cfg.logging.eval_frequency))
+                   max_model_len=int(cfg.inference_model.max_model_len), every=int(cfg.logging.eval_frequency),
+                   responses=None if e.responses is None else str(e.responses))
 
 
 def kl_split(cfg: DictConfig) -> tuple[float, float]:

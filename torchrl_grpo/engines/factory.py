@@ -23,8 +23,7 @@ def engine_options(settings: EngineSettings) -> dict:
     return {"gpu_memory_utilization": settings.gpu_memory_utilization, "max_model_len": settings.max_model_len,
             "kv_cache_tokens": kv_cache_tokens(settings), "trust_remote_code": settings.trust_remote_code,
             "engine_process": settings.engine_process, "weight_transfer": settings.weight_transfer,
-            # resolved by the trainer's run (vllm_releases.with_sleep); unresolved, no training shares the engine's GPU
-            "sleep_level": 0 if settings.sleep == "auto" else int(settings.sleep),
+            "sleep_level": int(settings.sleep),  # resolved by config.spec.resolve_run
             "lora_rank": settings.lora_rank, "push_timeout_s": settings.push_timeout_s,
             "generate_timeout_s": settings.generate_timeout_s, "start_timeout_s": settings.start_timeout_s}
 

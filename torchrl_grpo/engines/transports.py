@@ -24,7 +24,6 @@ from typing import Protocol
 
 import torch
 
-from torchrl_grpo.engines.vllm_releases import choose_weight_transfer
 from torchrl_grpo.engines.weight_stream import WeightStream, receive_weights
 
 PUSH_DIR_PREFIX = "torchrl_grpo_push_"  # + the pushing process id: a weight stream's folder in /dev/shm
@@ -168,15 +167,17 @@ class AdapterSlot:
             shutil.rmtree(directory, ignore_errors=True)
 
 
-def transport_for(asked: str, llm, *, in_process: bool, devices: Sequence[torch.device],
+def transport_for(weight_transfer: str, llm, *, in_process: bool, devices: Sequence[torch.device],
                   dtype: torch.dtype, push_timeout_s: float) -> Transport:
-    """The transport of an engine made by ``llm`` on ``devices``: in place in this process, else what
-    ``inference_model.weight_transfer`` (``asked``) resolves to for an engine whose trainer shares none of its
-    devices (:func:`~torchrl_grpo.engines.vllm_releases.choose_weight_transfer`; a run resolves it against its
-    trainer's devices first)."""
+    """The transport of an engine made by ``llm`` on ``devices``: in place in this process, else the one
+    ``inference_model.weight_transfer`` names, as the run spec resolved it (``collective`` or ``shm``:
+    :func:`~torchrl_grpo.config.spec.with_weight_transfer`)."""
     if in_process:
         return InPlace(llm)
-    if choose_weight_transfer(asked, [str(d) for d in devices], ()) == "collective":
+    if weight_transfer == "collective":
         return Collective(llm, devices, dtype, push_timeout_s)
+    if weight_transfer != "shm":
+        raise ValueError(f"weight_transfer={weight_transfer!r} for an engine in its own process: give collective or "
+                         "shm (a run's spec resolves inference_model.weight_transfer: config.spec.resolve_run)")
     on_cpu = devices[0].type == "cpu"
     return Stream(llm, dtype, workers=1 if on_cpu else len(devices), timeout_s=push_timeout_s)

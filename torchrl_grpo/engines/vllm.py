@@ -64,8 +64,9 @@ class VLLMEngine(Engine):
     list of devices shows them all and shards the model over them (``tensor_parallel_size``).
     ``gpu_memory_utilization`` is the fraction of that GPU vLLM may take.
 
-    ``weight_transfer`` (``inference_model.weight_transfer``) is how pushes reach an engine in its own process:
-    :attr:`transport`, chosen by :func:`~torchrl_grpo.engines.transports.transport_for` (``collective`` through
+    ``weight_transfer`` (``inference_model.weight_transfer`` as the run spec resolved it:
+    :func:`~torchrl_grpo.config.vllm_releases.choose_weight_transfer`) is how pushes reach an engine in its own
+    process: :attr:`transport` (:func:`~torchrl_grpo.engines.transports.transport_for`; ``collective`` through
     vLLM's weight-transfer API, ``shm`` streamed through a bounded buffer in /dev/shm). An engine in this process
     takes the tensors in place. ``push_timeout_s`` (``inference_model.push_timeout_s``): how long a push waits
     for the engine's workers to join its group and to take each bucket; ``generate_timeout_s``
@@ -100,7 +101,7 @@ class VLLMEngine(Engine):
         kv_cache_tokens: int | None = None,
         trust_remote_code: bool = False,
         engine_process: str = "auto",
-        weight_transfer: str = "auto",
+        weight_transfer: str = "collective",
         sleep_level: int = 0,
         lora_rank: int | None = None,
         push_timeout_s: float = 300.0,

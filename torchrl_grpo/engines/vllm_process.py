@@ -15,16 +15,16 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from torchrl_grpo.config import vllm_releases
 from torchrl_grpo.config.schema import ENGINE_PROCESSES
 from torchrl_grpo.core.console import child_process_quiet_env
 from torchrl_grpo.core.errors import ConfigError, RunError, one_line
 from torchrl_grpo.core.gpus import children_see
-from torchrl_grpo.engines import vllm_releases
 
 
 def import_vllm():
     """``import vllm``, or a one-line ConfigError naming inference_model.backend and the fix: also for a release outside
-    the supported range (:mod:`~torchrl_grpo.engines.vllm_releases`), and where vLLM finds no device it can run on (its
+    the supported range (:mod:`~torchrl_grpo.config.vllm_releases`), and where vLLM finds no device it can run on (its
     CUDA build on a machine without a GPU fails deep in its engine's start)."""
     try:
         import vllm

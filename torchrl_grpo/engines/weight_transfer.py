@@ -3,7 +3,7 @@
 ``update_weights`` / ``finish_weight_update``, driven from the trainer by a trainer-side engine (for a Ray
 rollout actor's engine, through a client whose push is one actor call: :mod:`torchrl_grpo.collect.actor_weights`).
 
-On GPUs the transport is vLLM's own NCCL engine (vLLM 0.32 and later: :mod:`~torchrl_grpo.engines.vllm_releases`).
+On GPUs the transport is vLLM's own NCCL engine (vLLM 0.32 and later: :mod:`~torchrl_grpo.config.vllm_releases`).
 On CPUs it is :class:`GlooWeightTransferEngine`, ours, registered in vLLM's worker factory under ``gloo``: the
 trainer (rank 0) and the engine's workers form a gloo group of their own (a TCP store the trainer opens on a free
 port; nothing touches the default process group, which data-parallel ranks use), and the trainer broadcasts the

@@ -24,7 +24,6 @@ from torchrl_grpo.config.settings import LossSettings, ModelSettings, OptimizerS
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.engines.vllm_releases import check_actor_engines, choose_weight_transfer, with_sleep
 from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.episodes.lengths import fit_prompts
 from torchrl_grpo.episodes.setup import build_episode_task
@@ -303,7 +302,7 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     once, and the other ranks find it there."""
     if (launch := torchrun_launch()) is not None:
         adopt_torchrun_ranks(cfg, launch)
-    spec = with_sleep(with_weight_transfer(resolve_run(cfg)))
+    spec = resolve_run(cfg)
     check_task_keys(spec)
     seed_everything(spec.train.seed)
     state = RunState(spec, run_dir)
@@ -318,21 +317,6 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     tokenizer = load_tokenizer(model_path, spec.model.trust_remote_code)
     fit_lengths(spec, model_path, tokenizer, (task, turns), eval_task)
     return Inputs(spec, state, task, turns, eval_task, model_path, tokenizer)
-
-
-def with_weight_transfer(spec: RunSpec) -> RunSpec:
-    """``inference_model.weight_transfer`` resolved for where the engines run and the vLLM installed
-    (:func:`~torchrl_grpo.engines.vllm_releases.choose_weight_transfer`: a one-line error where it cannot work), for
-    the devices the engines may be on: the rollout actors' (one that may share a GPU with training takes no NCCL
-    push), else the inference model's; an engine in this process takes no push."""
-    engine = spec.engine
-    if engine.backend != "vllm" or (spec.actors is None and engine.engine_process == "same"):
-        return spec
-    engines = spec.placement.inference if spec.actors is None else spec.placement.actors.devices
-    if spec.actors is not None:
-        check_actor_engines(engines)
-    chosen = choose_weight_transfer(engine.weight_transfer, engines, spec.placement.train)
-    return dataclasses.replace(spec, engine=dataclasses.replace(engine, weight_transfer=chosen))
 
 
 def fit_lengths(spec: RunSpec, model_path: str, tokenizer, task: tuple[Task, Turns] | None,

@@ -149,16 +149,16 @@ def evaluate(cfg: DictConfig, run_dir: Path) -> None:
 
     check_task_keys(spec)
     task, turns = build_eval_task(spec)
-    if cfg.eval.responses:
-        metrics, records = score_responses(task, *read_responses(cfg.eval.responses, task))
-        source = str(cfg.eval.responses)
+    if spec.eval.responses:
+        metrics, records = score_responses(task, *read_responses(spec.eval.responses, task))
+        source = spec.eval.responses
     else:
         engine, tokenizer = build_eval_engine(spec, task, turns)
         try:
             metrics, records = evaluate_with_engine(engine, task, tokenizer, spec.eval, turns)
         finally:
             engine.close()
-        source = str(cfg.model.name)
+        source = spec.model.name
     with open(run_dir / "eval_responses.jsonl", "w") as f:
         for record in records:
             f.write(json.dumps(record, default=str) + "\n")

