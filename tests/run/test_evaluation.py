@@ -8,9 +8,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import GSM8K, needs_files, needs_vllm, run
+from torchrl_grpo.config.spec import eval_env
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.run.evaluation import ks_for, match_rows, pass_at_k, read_responses, score_responses
-from torchrl_grpo.tasks import build_task, eval_env_config
+from torchrl_grpo.tasks import build_task
 
 
 def brute_pass_at_k(outcomes: list[bool], k: int) -> float:
@@ -125,9 +126,9 @@ def test_read_responses_prompt_matching_nothing_is_one_line(tmp_path):
 
 def test_eval_env_merges_the_eval_block_over_env():
     env = OmegaConf.create({"dataset": "openai/gsm8k", "split": "train", "data_path": "/d", "eval": {"split": "test"}})
-    merged = eval_env_config(env)
+    merged = eval_env(env)
     assert merged == {"dataset": "openai/gsm8k", "split": "test", "data_path": "/d"}
-    assert eval_env_config({**env, "eval": None}) == {"dataset": "openai/gsm8k", "split": "train", "data_path": "/d"}
+    assert eval_env({**env, "eval": None}) == {"dataset": "openai/gsm8k", "split": "train", "data_path": "/d"}
 
 
 def evaluate(args, cwd, env_extra=None):

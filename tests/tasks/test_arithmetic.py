@@ -6,8 +6,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import FIRST_COMMAND, cfg_with, metric_rows, needs_vllm, run
+from torchrl_grpo.config.spec import eval_env
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.tasks import build_task, eval_env_config
+from torchrl_grpo.tasks import build_task
 from torchrl_grpo.tasks.arithmetic import split_of
 
 
@@ -47,7 +48,7 @@ def test_the_test_split_is_a_quarter_of_the_questions_by_their_text():
 
 def test_default_config_evaluates_on_questions_never_trained_on():
     cfg = cfg_with("env=arithmetic")
-    train, test = build_task(cfg.env), build_task(eval_env_config(cfg.env))
+    train, test = build_task(cfg.env), build_task(eval_env(cfg.env))
     assert not set(train.rows["question"]) & set(test.rows["question"])
     assert set(test.rows["task"]) == {"products", "chain_sum"} and len(test) >= 50
 

@@ -8,9 +8,10 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import SMALL, cfg_with, metric_rows, needs_vllm, run
+from torchrl_grpo.config.spec import eval_env
 from torchrl_grpo.config.validate import validate
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.tasks import build_task, eval_env_config
+from torchrl_grpo.tasks import build_task
 from torchrl_grpo.tasks.competition_math import equivalent, last_boxed, normalize_answer
 
 # hand-written rows in MATH's layout (problem, level, type, solution) and in MATH-500's (answer, subject)
@@ -107,7 +108,7 @@ def test_grpo_math_and_grpo_countdown_compose_and_validate():
     math_cfg = cfg_with(name="grpo_math")
     assert (math_cfg.env.dataset, math_cfg.model.name, math_cfg.inference_model.max_tokens) == \
         ("math", "Qwen/Qwen2.5-1.5B-Instruct", 1024)
-    assert eval_env_config(math_cfg.env)["split"] == "test"
+    assert eval_env(math_cfg.env)["split"] == "test"
     countdown = cfg_with(name="grpo_countdown")
     assert countdown.env.tasks[0].name == "countdown" and countdown.inference_model.max_tokens == 512
     for cfg in (math_cfg, countdown):
@@ -116,7 +117,7 @@ def test_grpo_math_and_grpo_countdown_compose_and_validate():
 
 def test_countdown_is_generated_offline_and_scored_by_its_checker():
     env = cfg_with("env=countdown", "env.size=20", "env.eval.size=5").env
-    task, held_out = build_task(env), build_task(eval_env_config(env))
+    task, held_out = build_task(env), build_task(eval_env(env))
     assert len(task) == 20 and len(held_out) == 5 and set(task.rows["task"]) == {"countdown"}
     assert not set(task.rows["question"]) & set(held_out.rows["question"])
     row = task.rows[0]

@@ -4,8 +4,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from helpers import SMALL, cfg_with, metric_rows, needs_vllm, run
+from torchrl_grpo.config.spec import eval_env
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.tasks import build_task, eval_env_config, per_task_means
+from torchrl_grpo.tasks import build_task, per_task_means
 from torchrl_grpo.tasks.reasoning_gym_tasks import answer_text
 
 
@@ -50,7 +51,7 @@ def test_a_row_from_other_generation_settings_is_refused():
 
 def test_held_out_evaluation_split_from_the_default_config():
     cfg = cfg_with("env=reasoning_gym", "env.size=4", "env.eval.size=2")
-    train, held = build_task(cfg.env), build_task(eval_env_config(cfg.env))
+    train, held = build_task(cfg.env), build_task(eval_env(cfg.env))
     train_tasks, eval_tasks = set(train.rows["task"]), set(held.rows["task"])
     assert train_tasks == {"number_filtering", "string_insertion", "family_relationships", "maze"}
     assert eval_tasks == train_tasks | {"base_conversion"}

@@ -35,6 +35,38 @@ class Placement:
         return f"train on {','.join(self.train)}, {engines}, reference on {','.join(self.ref)}{note}"
 
 
+def _check_cpu_only(cfg: DictConfig, roles: list[str], ranks: bool) -> None:
+    """On a machine without GPUs: a role asking for GPUs is a one-line ConfigError (data-parallel ranks are gloo
+    processes there)."""
+    for role in roles:
+        devices = cfg[role].get("devices")
+        if devices:
+            raise ConfigError(f"{role}.devices={list(devices)} but this machine has no GPU: "
+                              f"set {role}.devices=null to run on the CPU")
+        if cfg[role].get("num_devices", 1) > 1 and not (role == "train_model" and ranks):
+            fix = " (or train.strategy=fsdp: gloo ranks)" if role == "train_model" else ""
+            raise ConfigError(f"{role}.num_devices={cfg[role].num_devices} but this machine has no GPU: set "
+                              f"{role}.num_devices=1 to run on the CPU{fix}")
+
+
+def _asked_gpus(cfg: DictConfig, roles: list[str], ranks: bool, gpu_count: int) -> dict[str, list[int]]:
+    """The GPU ids the roles name (``<role>.devices``), each checked to exist on this machine."""
+    if ranks and cfg.train_model.get("devices"):
+        raise ConfigError(f"train_model.devices={list(cfg.train_model.devices)} with train.strategy=fsdp: rank r "
+                          "trains on GPU r of its machine (its LOCAL_RANK); set train_model.devices=null and pick the "
+                          "GPUs with CUDA_VISIBLE_DEVICES")
+    chosen: dict[str, list[int]] = {}
+    for role in roles:
+        devices = cfg[role].get("devices")
+        if devices:
+            missing = [d for d in devices if not 0 <= int(d) < gpu_count]
+            if missing:
+                raise ConfigError(f"{role}.devices={list(devices)}: GPU(s) {missing} do not exist "
+                                  f"(this machine has {gpu_count}: 0..{gpu_count - 1})")
+            chosen[role] = [int(d) for d in devices]
+    return chosen
+
+
 def place(cfg: DictConfig, needs_ref: bool, gpu_count: int) -> Placement:
     """Assign devices to the roles of ``cfg`` on a machine with ``gpu_count`` GPUs."""
     strategy = train_strategy(cfg)
@@ -45,30 +77,9 @@ def place(cfg: DictConfig, needs_ref: bool, gpu_count: int) -> Placement:
     if ranks and needs_ref:
         _check_ref_follows_ranks(cfg)
     if gpu_count == 0:
-        for role in roles:
-            devices = cfg[role].get("devices")
-            if devices:
-                raise ConfigError(f"{role}.devices={list(devices)} but this machine has no GPU: "
-                                  f"set {role}.devices=null to run on the CPU")
-            if cfg[role].get("num_devices", 1) > 1 and not (role == "train_model" and ranks):
-                fix = " (or train.strategy=fsdp: gloo ranks)" if role == "train_model" else ""
-                raise ConfigError(f"{role}.num_devices={cfg[role].num_devices} but this machine has no GPU: set "
-                                  f"{role}.num_devices=1 to run on the CPU{fix}")
+        _check_cpu_only(cfg, roles, ranks)
         return Placement(["cpu"], ["cpu"], ["cpu"], shared=True, strategy=strategy, ranks=world)
-
-    chosen: dict[str, list[int]] = {}
-    if ranks and cfg.train_model.get("devices"):
-        raise ConfigError(f"train_model.devices={list(cfg.train_model.devices)} with train.strategy=fsdp: rank r "
-                          "trains on GPU r of its machine (its LOCAL_RANK); set train_model.devices=null and pick the "
-                          "GPUs with CUDA_VISIBLE_DEVICES")
-    for role in roles:
-        devices = cfg[role].get("devices")
-        if devices:
-            missing = [d for d in devices if not 0 <= int(d) < gpu_count]
-            if missing:
-                raise ConfigError(f"{role}.devices={list(devices)}: GPU(s) {missing} do not exist "
-                                  f"(this machine has {gpu_count}: 0..{gpu_count - 1})")
-            chosen[role] = [int(d) for d in devices]
+    chosen = _asked_gpus(cfg, roles, ranks, gpu_count)
     wanted = {r: int(cfg[r].get("num_devices", 1)) for r in roles if r not in chosen}
     if ranks:  # the ranks on this machine, each on the GPU of its local rank: 0, 1, ...
         launch, local = torchrun_launch(), wanted.pop("train_model")

@@ -10,6 +10,7 @@ its spec from here; below it nothing reads the config, so no ``auto`` is resolve
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,6 +60,20 @@ class RunSpec:
     def task(self) -> dict[str, Any]:
         """The env section: what builds the task (the trainer's and each actor's)."""
         return self.config["env"]
+
+    @property
+    def eval_task(self) -> dict[str, Any]:
+        """The env section of the task's evaluation split (:func:`eval_env`)."""
+        return eval_env(self.task)
+
+
+def eval_env(env: Mapping[str, Any]) -> dict[str, Any]:
+    """The env config of a task's evaluation split, as a plain dict: ``env`` with its ``env.eval`` block merged
+    over it (e.g. ``{split: test}`` for GSM8K, another seed for generated tasks, held-out tasks for
+    reasoning-gym)."""
+    base = OmegaConf.create(env if isinstance(env, DictConfig) else dict(env))
+    overrides = base.pop("eval", None) or {}
+    return OmegaConf.to_container(OmegaConf.merge(base, overrides), resolve=True)
 
 
 def resolve_run(cfg: DictConfig, training: bool = True, gpu_count: int | None = None) -> RunSpec:

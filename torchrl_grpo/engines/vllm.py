@@ -36,6 +36,110 @@ log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 30.0  # how long close() lets an engine process exit by itself
 
 
+def _llm_arguments(model_path: str, dtype: str, devices: list[torch.device], *, max_model_len: int, seed: int,
+                   gpu_memory_utilization: float, enable_prefix_caching: bool, trust_remote_code: bool,
+                   kv_cache_tokens: int | None, sleep_level: int, lora_rank: int | None) -> dict:
+    """``vllm.LLM``'s arguments for an engine over ``model_path`` on ``devices`` (see :class:`VLLMEngine`)."""
+    on_cpu = devices[0].type == "cpu"
+    kwargs = dict(
+        model=model_path,
+        tokenizer=model_path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        gpu_memory_utilization=gpu_memory_utilization,
+        enable_prefix_caching=enable_prefix_caching,
+        trust_remote_code=trust_remote_code,  # model.trust_remote_code, never on by default
+        # temperature-scaled (and top-p renormalised) log-probs: see Engine's log-prob contract
+        logprobs_mode="processed_logprobs",
+        use_tqdm_on_load=False,  # a progress bar for a load the start-up line times anyway
+    )
+    if on_cpu and not os.environ.get(KV_CACHE_ENV):  # else vLLM takes gpu_memory_utilization of the RAM
+        kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES if kv_cache_tokens is None else (
+            kv_cache_bytes(model_path, dtype, kv_cache_tokens, trust_remote_code))
+    if on_cpu:
+        kwargs["enforce_eager"] = True
+    elif len(devices) > 1:
+        kwargs["tensor_parallel_size"] = len(devices)
+    if sleep_level:
+        kwargs["enable_sleep_mode"] = True
+    if lora_rank is not None:  # one adapter at a time, beside the base weights (:meth:`VLLMEngine.push_adapter`)
+        kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1, max_cpu_loras=1)
+    return kwargs
+
+
+def _ties_embeddings(llm) -> bool:
+    """Whether the engine's model ties its output head to its input embedding (its text model's config says)."""
+    hf_config = llm.llm_engine.model_config.hf_config
+    text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+    return bool(getattr(text_config, "tie_word_embeddings", False))
+
+
+def lora_request(adapter: AdapterSlot | None) -> dict:
+    """``generate``'s ``lora_request`` once an adapter was pushed (none asked of an engine without one)."""
+    request = None if adapter is None else adapter.request
+    return {} if request is None else {"lora_request": request}
+
+
+class SamplingStream:
+    """Where an engine's samples draw their randomness, kept so that a checkpoint continues it exactly.
+
+    In one process on a CPU, vLLM samples from the global torch generator: the engine keeps a state of its own
+    (seeded ``seed``) and swaps it in around each call (:meth:`drawing`). An engine in its own process, or on a GPU,
+    gives each request a seed of its own instead (:meth:`request_seeds`)."""
+
+    def __init__(self, seed: int, seeded_requests: bool):
+        self.seeded_requests = seeded_requests
+        self.rng_state = torch.Generator().manual_seed(seed).get_state()
+        self.seed, self.generate_calls = seed, 0
+
+    @contextlib.contextmanager
+    def drawing(self) -> Iterator[None]:
+        """In one process on a CPU, sample from the engine's generator state, then give the caller's back."""
+        if self.seeded_requests:
+            yield
+            return
+        caller = torch.get_rng_state()
+        torch.set_rng_state(self.rng_state)
+        try:
+            yield
+        finally:
+            self.rng_state = torch.get_rng_state()
+            torch.set_rng_state(caller)
+
+    def request_seeds(self, count: int) -> list[int | None]:
+        """A seed per request for an engine in its own process or on a GPU, else None (an in-process CPU engine's
+        generator: :meth:`drawing`). An engine core in its own process starts scheduling while requests
+        still arrive, so the batch a request is sampled in, and the draws it gets from one shared generator,
+        varied from run to run (three runs of one seed gave three different first steps); on CUDA, vLLM's V2
+        model runner draws an unseeded request's samples from numpy's global generator, which neither this
+        class nor a checkpoint holds, even in this process. A seed of its own per request (vLLM gives a
+        prompt's n samples seed + i) makes each sample independent of both. The seeds follow the engine's seed
+        and its count of calls."""
+        if not self.seeded_requests:
+            return [None] * count
+        self.generate_calls += 1
+        state = np.random.SeedSequence([self.seed, self.generate_calls]).generate_state(count)
+        return [int(s) for s in state]
+
+    def state(self) -> dict:
+        """What the next samples follow from: in one process on a CPU, the torch generator state vLLM samples
+        from; otherwise the seed and count of calls the requests' seeds are drawn from."""
+        if not self.seeded_requests:
+            return {"torch": self.rng_state.clone()}
+        return {"seed": self.seed, "generate_calls": self.generate_calls}
+
+    def load(self, state: dict) -> None:
+        """Continue from a :meth:`state`; one of an engine in the other kind of process (the run was resumed with
+        another ``inference_model.engine_process``) cannot be continued: this engine keeps its seed."""
+        if not self.seeded_requests and "torch" in state:
+            self.rng_state = state["torch"].clone()
+        elif self.seeded_requests and "seed" in state:
+            self.seed, self.generate_calls = int(state["seed"]), int(state["generate_calls"])
+        else:
+            log.warning("the checkpoint's sampling state is another engine process's: sampling is reseeded")
+
+
 class VLLMEngine(Engine):
     """A ``vllm.LLM`` that samples G completions per prompt with sampling log-probs and takes new weights.
 
@@ -56,7 +160,7 @@ class VLLMEngine(Engine):
     from the global torch CPU generator; this class restores the caller's RNG states after startup and
     swaps in the engine's own generator state around each ``generate``, so the caller's RNG stream and the
     engine's samples do not disturb each other. An engine in its own process is given a seed per request
-    (:meth:`_request_seeds`), so its samples, too, follow from the seed and a state a checkpoint keeps.
+    (:meth:`SamplingStream.request_seeds`), so its samples, too, follow from the seed and a state a checkpoint keeps.
 
     GPU (official vllm, untested here): vLLM's default engine process; ``device="cuda:K"`` is passed to
     it by setting ``CUDA_VISIBLE_DEVICES`` to that one GPU while the engine starts (vLLM always uses the
@@ -131,111 +235,53 @@ class VLLMEngine(Engine):
         vllm = import_vllm()
         if self._on_cpu:
             vllm_cpu_fixes.skip_rank_count_compile()
-        kwargs = dict(
-            model=self.model_path,
-            tokenizer=self.model_path,
-            dtype=dtype,
-            max_model_len=max_model_len,
-            seed=seed,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            trust_remote_code=trust_remote_code,  # model.trust_remote_code, never on by default
-            # temperature-scaled (and top-p renormalised) log-probs: see Engine's log-prob contract
-            logprobs_mode="processed_logprobs",
-            use_tqdm_on_load=False,  # a progress bar for a load the start-up line times anyway
-        )
-        if self._on_cpu and not os.environ.get(KV_CACHE_ENV):  # else vLLM takes gpu_memory_utilization of the RAM
-            kwargs["kv_cache_memory_bytes"] = DEFAULT_CPU_KV_CACHE_BYTES if kv_cache_tokens is None else (
-                kv_cache_bytes(self.model_path, dtype, kv_cache_tokens, trust_remote_code))
-        if self._on_cpu:
-            kwargs["enforce_eager"] = True
-        elif len(self.devices) > 1:
-            kwargs["tensor_parallel_size"] = len(self.devices)
-        if sleep_level:
-            kwargs["enable_sleep_mode"] = True
-        if lora_rank is not None:  # one adapter at a time, beside the base weights (:meth:`push_adapter`)
-            kwargs.update(enable_lora=True, max_lora_rank=lora_rank, max_loras=1, max_cpu_loras=1)
-        kwargs.update(llm_kwargs)
+        kwargs = _llm_arguments(self.model_path, dtype, self.devices, max_model_len=max_model_len, seed=seed,
+                                gpu_memory_utilization=gpu_memory_utilization,
+                                enable_prefix_caching=enable_prefix_caching, trust_remote_code=trust_remote_code,
+                                kv_cache_tokens=kv_cache_tokens, sleep_level=sleep_level, lora_rank=lora_rank)
         t0 = time.perf_counter()
-        on_gpus_here = self._in_process and not self._on_cpu
-        before = {d: torch.cuda.memory_allocated(d) for d in self.devices} if on_gpus_here else {}
-        with (preserved_global_rng(), visible_cuda_devices(self.devices), engine_process_env(own_process),
-              vllm_process.started_in_time(own_process, start_timeout_s, self.device)):
-            self.llm = vllm.LLM(**kwargs)
-        # what this engine holds through this process's torch allocator (telemetry takes it off the trainer's)
-        self.cuda_bytes_in_process = {d: torch.cuda.memory_allocated(d) - n for d, n in before.items()}
+        self.llm = self._start(vllm, {**kwargs, **llm_kwargs}, own_process, start_timeout_s)
         self.sleeping = Sleep(self.llm, sleep_level)
-        if self._in_process:
-            vllm_process.IN_PROCESS_ENGINES.add(id(self))
-        else:
-            fail_pending_calls_when_the_engine_dies(self.llm)
-        if own_process:
-            self.llm.collective_rpc(vllm_cpu_fixes.apply_in_worker, args=(self._on_cpu,))
-        if self._on_cpu:
-            self.llm.collective_rpc(vllm_cpu_fixes.redispatch_cpu_gemm)  # drops the input embedding's packed copy
         self.start_s = time.perf_counter() - t0
-        # The engine's own stream for the (in-process) global torch generator vLLM samples from.
-        self._rng_state = torch.Generator().manual_seed(seed).get_state()
-        # an engine in its own process, or on a GPU, seeds each request (:meth:`_request_seeds`)
-        self._seeded_requests = not (self._in_process and self._on_cpu)
-        self._seed, self._generate_calls = seed, 0
+        # an engine in its own process, or on a GPU, seeds each request (SamplingStream.request_seeds)
+        self.sampling = SamplingStream(seed, seeded_requests=not (self._in_process and self._on_cpu))
         self._sampling_params_cls = vllm.SamplingParams
         self.tokenizer = self.llm.get_tokenizer()
-        hf_config = self.llm.llm_engine.model_config.hf_config
-        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
-        self.tied_embeddings = bool(getattr(text_config, "tie_word_embeddings", False))
+        self.tied_embeddings = _ties_embeddings(self.llm)
         self.transport = transport_for(weight_transfer, self.llm, in_process=self._in_process, devices=self.devices,
                                        dtype=self.dtype, push_timeout_s=push_timeout_s)
         self.adapter = AdapterSlot(self.llm) if lora_rank is not None else None
         log.info("vLLM engine on %s started in %.1f s (%s, %s)", self.device, self.start_s, self.model_path, dtype)
 
+    def _start(self, vllm, kwargs: dict, own_process: bool, start_timeout_s: float):
+        """``vllm.LLM(**kwargs)`` started where it should run (this process or its own, on :attr:`devices`), the
+        caller's RNGs kept, within ``start_timeout_s``; then the CPU fixes applied in its workers."""
+        on_gpus_here = self._in_process and not self._on_cpu
+        before = {d: torch.cuda.memory_allocated(d) for d in self.devices} if on_gpus_here else {}
+        with (preserved_global_rng(), visible_cuda_devices(self.devices), engine_process_env(own_process),
+              vllm_process.started_in_time(own_process, start_timeout_s, self.device)):
+            llm = vllm.LLM(**kwargs)
+        # what this engine holds through this process's torch allocator (telemetry takes it off the trainer's)
+        self.cuda_bytes_in_process = {d: torch.cuda.memory_allocated(d) - n for d, n in before.items()}
+        if self._in_process:
+            vllm_process.IN_PROCESS_ENGINES.add(id(self))
+        else:
+            fail_pending_calls_when_the_engine_dies(llm)
+        if own_process:
+            llm.collective_rpc(vllm_cpu_fixes.apply_in_worker, args=(self._on_cpu,))
+        if self._on_cpu:
+            llm.collective_rpc(vllm_cpu_fixes.redispatch_cpu_gemm)  # drops the input embedding's packed copy
+        return llm
+
     # -- sampling ------------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def _engine_rng(self) -> Iterator[None]:
-        """In one process on a CPU, sample from the engine's generator state, then give the caller's back."""
-        if self._seeded_requests:
-            yield
-            return
-        caller = torch.get_rng_state()
-        torch.set_rng_state(self._rng_state)
-        try:
-            yield
-        finally:
-            self._rng_state = torch.get_rng_state()
-            torch.set_rng_state(caller)
-
-    def _request_seeds(self, count: int) -> list[int | None]:
-        """A seed per request for an engine in its own process or on a GPU, else None (an in-process CPU engine's
-        generator: :meth:`_engine_rng`). An engine core in its own process starts scheduling while requests
-        still arrive, so the batch a request is sampled in, and the draws it gets from one shared generator,
-        varied from run to run (three runs of one seed gave three different first steps); on CUDA, vLLM's V2
-        model runner draws an unseeded request's samples from numpy's global generator, which neither this
-        class nor a checkpoint holds, even in this process. A seed of its own per request (vLLM gives a
-        prompt's n samples seed + i) makes each sample independent of both. The seeds follow the engine's seed
-        and its count of calls."""
-        if not self._seeded_requests:
-            return [None] * count
-        self._generate_calls += 1
-        state = np.random.SeedSequence([self._seed, self._generate_calls]).generate_state(count)
-        return [int(s) for s in state]
-
     def sampling_state(self) -> dict:
-        """What the next samples follow from: in one process on a CPU, the torch generator state vLLM samples
-        from; otherwise the seed and count of calls the requests' seeds are drawn from."""
-        if not self._seeded_requests:
-            return {"torch": self._rng_state.clone()}
-        return {"seed": self._seed, "generate_calls": self._generate_calls}
+        """What the next samples follow from (:meth:`SamplingStream.state`)."""
+        return self.sampling.state()
 
     def load_sampling_state(self, state: dict) -> None:
-        """Continue from a :meth:`sampling_state`; one of an engine in the other kind of process (the run was
-        resumed with another ``inference_model.engine_process``) cannot be continued: this engine keeps its seed."""
-        if not self._seeded_requests and "torch" in state:
-            self._rng_state = state["torch"].clone()
-        elif self._seeded_requests and "seed" in state:
-            self._seed, self._generate_calls = int(state["seed"]), int(state["generate_calls"])
-        else:
-            log.warning("the checkpoint's sampling state is another engine process's: sampling is reseeded")
+        """Continue from a :meth:`sampling_state` (:meth:`SamplingStream.load`)."""
+        self.sampling.load(state)
 
     def generate(
         self,
@@ -257,9 +303,9 @@ class VLLMEngine(Engine):
         params = [self._sampling_params_cls(n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                             top_k=top_k if top_k > 0 else 0, min_p=min_p, logprobs=0,
                                             detokenize=False, seed=seed)
-                  for seed in self._request_seeds(len(prompts))]
-        with self._engine_rng(), self._answered_in_time("generate"):
-            outputs = self.llm.generate(prompts, params, use_tqdm=False, **self._adapter_kwargs())
+                  for seed in self.sampling.request_seeds(len(prompts))]
+        with self.sampling.drawing(), self._answered_in_time("generate"):
+            outputs = self.llm.generate(prompts, params, use_tqdm=False, **lora_request(self.adapter))
         completions = []
         for index, out in enumerate(outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
@@ -280,7 +326,7 @@ class VLLMEngine(Engine):
         ids = [int(t) for t in token_ids]
         params = self._sampling_params_cls(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         with self._answered_in_time("generate"):
-            out = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False, **self._adapter_kwargs())[0]
+            [out] = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False, **lora_request(self.adapter))
         return [float(step[tok].logprob) for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
 
     # -- weights -------------------------------------------------------------------------------------
@@ -326,11 +372,6 @@ class VLLMEngine(Engine):
         with self.sleeping.for_push():
             self.adapter.push(adapter)
         self.llm.reset_prefix_cache()
-
-    def _adapter_kwargs(self) -> dict:
-        """``generate``'s ``lora_request`` once an adapter was pushed (none asked of an engine without one)."""
-        request = None if self.adapter is None else self.adapter.request
-        return {} if request is None else {"lora_request": request}
 
     def sleep(self) -> None:
         """While the trainer trains: with ``sleep_level`` (``inference_model.sleep``), release the GPU's memory

@@ -64,22 +64,9 @@ def data_parallel_ranks(spec: RunSpec, run_dir: Path, build_follower: BuildFollo
             try:
                 yield parallel
             except BaseException as err:
-                if isinstance(err, RuntimeError):  # a collective failed: did a follower die?
-                    for follower in followers:
-                        follower.join(timeout=5)
-                dead = [f"rank {r} (exit code {f.exitcode})" for r, f in enumerate(followers, 1) if f.exitcode]
-                if launch is not None and isinstance(err, RuntimeError):
-                    dead = ["a rank"]  # torchrun's: it reports which, and stops the others
-                for follower in followers:  # they may wait in a collective this rank will not reach
-                    follower.kill()
-                resume = f"the last checkpoint continues with train.resume=auto hydra.run.dir={run_dir}"
-                if dead and isinstance(err, RuntimeError):
-                    raise RunError(f"data-parallel {', '.join(dead)} stopped (its output is above): "
-                                   f"{str(err).splitlines()[0][:300]}; {resume}") from None
-                if isinstance(err, RuntimeError) and "timed out" in str(err).lower():  # alive, not answering
-                    raise RunError(f"data-parallel: a rank did not answer within train.rank_timeout_s="
-                                   f"{timeout_s:g} s (stalled, or rank 0's own work took longer: raise the key; "
-                                   f"{one_line(err)[:200]}); {resume}") from None
+                failure = _follower_failure(err, followers, launch is not None, run_dir, timeout_s)
+                if failure is not None:
+                    raise failure from None
                 raise
             parallel.announce(None)
     finally:
@@ -90,6 +77,30 @@ def data_parallel_ranks(spec: RunSpec, run_dir: Path, build_follower: BuildFollo
                 follower.join()
         if store is not None:
             shutil.rmtree(store, ignore_errors=True)
+
+
+def _follower_failure(err: BaseException, followers: list, torchrun: bool, run_dir: Path,
+                      timeout_s: float) -> RunError | None:
+    """Rank 0's run failed with ``err``: the followers killed (they may wait in a collective this rank will not
+    reach), and the one-line error when a failed collective was a follower's doing (one died, or stalled past
+    ``timeout_s``); None when the error is rank 0's own."""
+    collective = isinstance(err, RuntimeError)
+    if collective:  # a collective failed: did a follower die?
+        for follower in followers:
+            follower.join(timeout=5)
+    dead = [f"rank {r} (exit code {f.exitcode})" for r, f in enumerate(followers, 1) if f.exitcode]
+    if torchrun and collective:
+        dead = ["a rank"]  # torchrun's: it reports which, and stops the others
+    for follower in followers:
+        follower.kill()
+    resume = f"the last checkpoint continues with train.resume=auto hydra.run.dir={run_dir}"
+    if dead and collective:
+        return RunError(f"data-parallel {', '.join(dead)} stopped (its output is above): "
+                        f"{str(err).splitlines()[0][:300]}; {resume}")
+    if collective and "timed out" in str(err).lower():  # alive, not answering
+        return RunError(f"data-parallel: a rank did not answer within train.rank_timeout_s={timeout_s:g} s (stalled, "
+                        f"or rank 0's own work took longer: raise the key; {one_line(err)[:200]}); {resume}")
+    return None
 
 
 def torchrun_follower(build_follower: BuildFollower) -> bool:

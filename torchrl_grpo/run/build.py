@@ -36,7 +36,7 @@ from torchrl_grpo.run.loop import Run
 from torchrl_grpo.run.memory import check_memory
 from torchrl_grpo.run.sources import ActorSource, LocalSource
 from torchrl_grpo.run.state import RunState, TrainerState
-from torchrl_grpo.tasks import Task, check_env, eval_env_config
+from torchrl_grpo.tasks import Task, check_env
 from torchrl_grpo.training.critic import Critic
 from torchrl_grpo.training.trainer import Trainer
 from torchrl_grpo.training.weight_sync import ActorSync, EngineSync, PolicyWeights, samples_with_policy
@@ -162,7 +162,7 @@ def check_task_keys(spec: RunSpec) -> None:
 def build_eval_task(spec: RunSpec) -> tuple[Task, Turns]:
     """The task's evaluation split and its episodes' turns: ``env`` with ``env.eval`` merged over it (GSM8K's test
     split, another seed for generated tasks, reasoning-gym's held-out tasks)."""
-    return build_episode_task(eval_env_config(spec.task))
+    return build_episode_task(spec.eval_task)
 
 
 def build_eval_engine(spec: RunSpec, task: Task, turns: Turns):

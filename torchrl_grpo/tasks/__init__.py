@@ -122,18 +122,6 @@ def add_scorers(task: Task, env_cfg: Any) -> Task:
     return task
 
 
-def eval_env_config(env_cfg: Any) -> dict:
-    """The env config of the task's evaluation split, as a plain dict: ``env`` with its ``env.eval`` block merged
-    over it (e.g. ``{split: test}`` for GSM8K, another seed for generated tasks, held-out tasks for
-    reasoning-gym)."""
-    from omegaconf import OmegaConf
-
-    plain = env_cfg if env_cfg is None or isinstance(env_cfg, dict) else OmegaConf.to_container(env_cfg, resolve=True)
-    base = OmegaConf.create(plain or {})
-    overrides = base.pop("eval", None) or {}
-    return OmegaConf.to_container(OmegaConf.merge(base, overrides), resolve=True)
-
-
 def add_custom_rewards(task: Task, entries) -> Task:
     """Append the rewards of ``env.rewards``: each entry names a function, ``fn(completion, row) -> float`` or
     TRL's ``fn(completions, **kwargs) -> list`` (:mod:`torchrl_grpo.tasks.scoring`), by its import path
@@ -167,4 +155,4 @@ def add_custom_rewards(task: Task, entries) -> Task:
 
 
 __all__ = ["REGISTERED_REWARDS", "Reward", "RewardFn", "Task", "TASK_BUILDERS", "add_custom_rewards", "build_task",
-           "check_env", "eval_env_config", "per_task_means", "register_reward", "register_task"]
+           "check_env", "per_task_means", "register_reward", "register_task"]
