@@ -32,14 +32,21 @@ from pathlib import Path
 import torch
 
 from torchrl_grpo.collect.actor_weights import actor_transport, from_arrays
+from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.config.settings import ActorSettings
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.console import quiet_libraries
 from torchrl_grpo.core.errors import ConfigError, one_line
 from torchrl_grpo.core.gpus import children_see
 from torchrl_grpo.core.secrets import mask_output, secret_names
+from torchrl_grpo.engines.factory import run_engine
 from torchrl_grpo.engines.weight_check import Probe
+from torchrl_grpo.episodes.lengths import fit_prompts
+from torchrl_grpo.episodes.setup import build_episode_task
+from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.models.adapter import Adapter
+from torchrl_grpo.models.loading import load_tokenizer
+from torchrl_grpo.models.sources import resolve_model
 
 EXIT_GRACE_S = 5  # an actor asked to exit (after its collect in flight) is killed after this long
 
@@ -57,14 +64,6 @@ class RolloutActor:
 
     def __init__(self, spec: RunSpec, index: int, engine_seed: int, sampler_state: dict | None = None,
                  log_file: str | None = None):
-        from torchrl_grpo.collect.collector import Collector
-        from torchrl_grpo.engines.factory import run_engine
-        from torchrl_grpo.episodes.lengths import fit_prompts
-        from torchrl_grpo.episodes.setup import build_episode_task
-        from torchrl_grpo.episodes.trajectories import PromptSampler
-        from torchrl_grpo.models.loading import load_tokenizer
-        from torchrl_grpo.models.sources import resolve_model
-
         quiet_libraries(spec.logging.verbose, log_file)
         mask_output(names=secret_names(spec.task))  # its console (which Ray forwards) and its tools' replies
         self.version = 0

@@ -10,6 +10,10 @@ from torchrl_grpo.config.precision import dtype_name
 from torchrl_grpo.config.settings import EngineSettings
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.base import Engine
+from torchrl_grpo.engines.hf import TransformersEngine
+from torchrl_grpo.engines.vllm import VLLMEngine
+from torchrl_grpo.engines.vllm_process import import_vllm
+from torchrl_grpo.models.loading import load_policy, load_tokenizer
 
 # vllm.LLM arguments the transformers backend ignores, so that one config can drive either backend.
 _VLLM_ONLY_KWARGS = ("gpu_memory_utilization", "max_model_len", "enable_prefix_caching", "kv_cache_tokens",
@@ -59,14 +63,9 @@ def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
     """
     # vLLM and transformers import in seconds: only the backend asked for
     if backend == "vllm":
-        from torchrl_grpo.engines.vllm import VLLMEngine
-        from torchrl_grpo.engines.vllm_process import import_vllm
-
         import_vllm()
         return VLLMEngine(model_path, **kwargs)
     if backend == "transformers":
-        from torchrl_grpo.models.loading import load_policy, load_tokenizer
-
         for key in _VLLM_ONLY_KWARGS:
             kwargs.pop(key, None)
         seed = kwargs.pop("seed", 0)
@@ -89,6 +88,4 @@ def make_engine(backend: str, model_path: str, **kwargs) -> Engine:
 def policy_engine(model, tokenizer, *, seed: int = 0, parallel=None) -> Engine:
     """The transformers engine sampling with ``model`` itself (the trained policy: no weights to push); with
     ``parallel``, ``model`` is sharded over those data-parallel ranks, which sample together."""
-    from torchrl_grpo.engines.hf import TransformersEngine
-
     return TransformersEngine(model, tokenizer, seed=seed, parallel=parallel)

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from torchrl_grpo.engines.base import Completion, Engine
+from torchrl_grpo.engines.weight_check import probe_log_probs
 from torchrl_grpo.parallel.ranks import collective
 
 
@@ -190,8 +191,6 @@ class TransformersEngine(Engine):
                 for i, k in enumerate(lengths.tolist())]
 
     def score(self, token_ids: Sequence[int]) -> list[float]:
-        from torchrl_grpo.engines.weight_check import probe_log_probs
-
         self.model.eval()
         return probe_log_probs(self.model, token_ids).tolist()
 

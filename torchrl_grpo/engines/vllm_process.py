@@ -20,6 +20,7 @@ from torchrl_grpo.config.schema import ENGINE_PROCESSES
 from torchrl_grpo.core.console import child_process_quiet_env
 from torchrl_grpo.core.errors import ConfigError, RunError, one_line
 from torchrl_grpo.core.gpus import children_see
+from torchrl_grpo.engines.base import EngineStalled
 
 
 def import_vllm():
@@ -193,8 +194,6 @@ def killed_when_stalled(llm, seconds: float, call: str, key: str) -> Iterator[No
     death does (:func:`fail_pending_calls_when_the_engine_dies`), and the call's error becomes an
     :class:`~torchrl_grpo.engines.base.EngineStalled` that says so. A call that itself gives up on the engine
     in time (a push past its deadline, a RunError) kills it too."""
-    from torchrl_grpo.engines.base import EngineStalled
-
     def kill() -> None:
         for pid in engine_pids(llm):
             with contextlib.suppress(ProcessLookupError):

@@ -26,7 +26,16 @@ from pathlib import Path
 from typing import Any
 
 from torchrl_grpo.config import CONFIG_DIR
-from torchrl_grpo.run.entry import DEFAULT_CONFIG
+from torchrl_grpo.config.command_line import apply_settings, check_overrides, compose_config, group_choices
+from torchrl_grpo.core.checkpoint import list_checkpoints
+from torchrl_grpo.core.console import quiet_libraries
+from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.models.loading import load_tokenizer
+from torchrl_grpo.models.sources import resolve_model
+from torchrl_grpo.run.entry import DEFAULT_CONFIG, train_async, train_sync
+from torchrl_grpo.run.entry import evaluate as evaluate_run
+from torchrl_grpo.run.export import checkpoint_dir, export, run_config
+from torchrl_grpo.tasks import register_reward
 
 
 class Run(os.PathLike):
@@ -59,19 +68,12 @@ class Run(os.PathLike):
     @property
     def checkpoint(self) -> Path | None:
         """The last checkpoint's folder (the policy in Hugging Face's format, or its LoRA adapter), if any."""
-        from torchrl_grpo.core.checkpoint import list_checkpoints
-        from torchrl_grpo.run.export import checkpoint_dir, run_config
-
         found = list_checkpoints(checkpoint_dir(self.run_dir, run_config(self.run_dir)))
         return found[-1] if found else None
 
     def load_policy(self):
         """(model, tokenizer) of the last checkpoint on the CPU in float32, LoRA merged: for generation."""
         from transformers import AutoModelForCausalLM
-
-        from torchrl_grpo.core.errors import ConfigError
-        from torchrl_grpo.models.loading import load_tokenizer
-        from torchrl_grpo.models.sources import resolve_model
 
         checkpoint = self.checkpoint
         if checkpoint is None:
@@ -93,8 +95,6 @@ class Run(os.PathLike):
 
     def export(self, dest: str | Path, **kwargs) -> Path:
         """:func:`torchrl_grpo.run.export.export` of this run."""
-        from torchrl_grpo.run.export import export
-
         return export(self.run_dir, dest, **kwargs)
 
 
@@ -104,11 +104,7 @@ def train(overrides: Sequence[str] = (), config_name: str = DEFAULT_CONFIG, *, d
     """Train (``mode``: ``sync`` as ``grpo.py``, ``async`` as ``grpo-async.py``); the finished :class:`Run`.
     ``run_dir``: where to write (default ``outputs/<date>/<time>``, as the command); with
     ``train.resume=auto`` an earlier run's directory continues that run. ``settings``: the module docstring."""
-    from torchrl_grpo.run.entry import train_async, train_sync
-
     if mode not in ("sync", "async"):
-        from torchrl_grpo.core.errors import ConfigError
-
         raise ConfigError(f"mode={mode!r}: use sync or async")
     overrides = [*(["mode=async"] if mode == "async" else []), *_as_list(overrides)]
     return Run(_run("grpo" if mode == "sync" else "grpo-async", train_sync if mode == "sync" else train_async,
@@ -119,8 +115,6 @@ def evaluate(overrides: Sequence[str] = (), config_name: str = DEFAULT_CONFIG, *
              reward_funcs: Iterable[Callable] = (), run_dir: str | Path | None = None, **settings: Any) -> Path:
     """Evaluate as ``evaluate.py`` does; the run directory (its ``eval_metrics.json`` holds the metrics). With a
     ``dataset``, every one of its prompts is evaluated (``env.part=all``)."""
-    from torchrl_grpo.run.entry import evaluate as evaluate_run
-
     extra = ["env.part=all", "env.eval.part=all"] if dataset is not None else []
     return _run("evaluate", evaluate_run, [*extra, *_as_list(overrides)], config_name, dataset, reward_funcs, run_dir,
                 settings)
@@ -133,10 +127,6 @@ def _as_list(overrides: str | Sequence[str]) -> list[str]:
 def _run(job: str, main: Callable, overrides: list[str], config_name: str, dataset: Any,
          reward_funcs: Iterable[Callable], run_dir: str | Path | None, settings: Mapping[str, Any]) -> Path:
     from omegaconf import OmegaConf, open_dict
-
-    from torchrl_grpo.config.command_line import apply_settings, check_overrides, compose_config, group_choices
-    from torchrl_grpo.core.console import quiet_libraries
-    from torchrl_grpo.tasks import register_reward
 
     choices, values = group_choices(str(CONFIG_DIR), settings)
     run_dir = _new_run_dir() if run_dir is None else Path(run_dir).resolve()
@@ -182,8 +172,6 @@ def _new_run_dir() -> Path:
 def _write_prompts(dataset: Any, path: Path) -> None:
     """A ``datasets.Dataset`` or a list of dicts as JSON lines (the run's record of them, and what Ray actors
     and data-parallel ranks read)."""
-    from torchrl_grpo.core.errors import ConfigError
-
     if hasattr(dataset, "to_list"):
         dataset = dataset.to_list()
     if not isinstance(dataset, (list, tuple)) or not dataset or not all(isinstance(r, dict) for r in dataset):

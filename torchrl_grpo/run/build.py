@@ -24,11 +24,18 @@ from torchrl_grpo.config.settings import LossSettings, ModelSettings, OptimizerS
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.allocator import describe_allocator
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.engines.factory import policy_engine, run_engine
 from torchrl_grpo.engines.weight_check import WeightCheck
 from torchrl_grpo.episodes.lengths import fit_prompts
 from torchrl_grpo.episodes.setup import build_episode_task
 from torchrl_grpo.episodes.trajectories import PromptSampler
 from torchrl_grpo.episodes.turn_envs import Turns
+from torchrl_grpo.models.adapter import AdapterOff, is_lora
+from torchrl_grpo.models.loading import load_policy, load_tokenizer, sparse_tied_embedding_gradient, without_dropout
+from torchrl_grpo.models.packed_attention import attend_by_row
+from torchrl_grpo.models.sources import context_limit, resolve_model
+from torchrl_grpo.objective.critic import token_values
+from torchrl_grpo.objective.log_probs import packing_gap
 from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.parallel.ranks import DataParallel, hf_model, shard_model
 from torchrl_grpo.run.evaluation import Evaluator
@@ -53,8 +60,6 @@ def build_policy(model: ModelSettings, model_path: str, devices: list[str], dtyp
     """The trained policy, its weights in ``dtype``: base weights (or, resuming, the checkpoint's: ``state`` says
     which), LoRA if enabled, dropout off (so that the ratio is exactly 1 on fresh data), in eval mode outside
     optimisation."""
-    from torchrl_grpo.models.loading import load_policy, without_dropout
-
     lora = model.lora
     policy = load_policy(
         state.policy_folder(model_path, lora is not None) if state is not None else model_path,
@@ -79,9 +84,6 @@ def build_critic(spec: RunSpec, model_path: str, devices: list[str], parallel: D
     resuming one that has it, else ``critic.model`` (null: the policy's starting model) under a fresh value head; in
     the trained weights' precision on the policy's devices, sharded like it; its own optimizer (``critic.lr``) and
     schedule."""
-    from torchrl_grpo.models.loading import load_policy
-    from torchrl_grpo.models.sources import resolve_model
-
     trust, critic = spec.model.trust_remote_code, spec.critic
     saved = None if state is None else state.critic_folder()
     if saved is not None:
@@ -103,8 +105,6 @@ def build_engine(spec: RunSpec, model_path: str, policy, tokenizer, seed: int,
     """The rollout engine: vLLM on its device(s) (in the process ``engine_process`` says, default
     ``inference_model.engine_process``), or the transformers fallback sharing the trained policy (with
     ``parallel``, sharded over the ranks, which sample together)."""
-    from torchrl_grpo.engines.factory import policy_engine, run_engine
-
     if spec.engine.backend == "transformers":
         return policy_engine(policy, tokenizer, seed=seed, parallel=parallel)
     return run_engine(spec.engine, spec.precision.engine, model_path, spec.placement.inference, seed,
@@ -168,9 +168,6 @@ def build_eval_task(spec: RunSpec) -> tuple[Task, Turns]:
 def build_eval_engine(spec: RunSpec, task: Task, turns: Turns):
     """(engine, tokenizer) for ``evaluate.py``: the configured backend on ``model.name``, no trainer; the rows of
     the evaluation ``task`` that cannot fit the engine's context left out first (:func:`fit_lengths`)."""
-    from torchrl_grpo.models.loading import load_policy, load_tokenizer
-    from torchrl_grpo.models.sources import resolve_model
-
     trust = spec.model.trust_remote_code
     model_path = resolve_model(spec.model.name, trust)
     tokenizer = load_tokenizer(model_path, trust)
@@ -188,9 +185,6 @@ def build_trainer(spec: RunSpec, model_path: str, parallel: DataParallel | None 
     with its adapter off: :class:`~torchrl_grpo.models.adapter.AdapterOff`), loss and optimizer; with
     ``parallel`` both models on the rank's own device (its GPU, or the CPU) and sharded over the ranks (FSDP2,
     with its bf16 policy under mixed precision) before the optimizer is built."""
-    from torchrl_grpo.models.adapter import AdapterOff, is_lora
-    from torchrl_grpo.models.loading import load_policy, sparse_tied_embedding_gradient
-
     train_on, ref_on, precision = spec.placement.train, spec.placement.ref, spec.precision
     if parallel is not None:
         train_on = ref_on = [str(parallel.device)]
@@ -217,9 +211,6 @@ def build_trainer(spec: RunSpec, model_path: str, parallel: DataParallel | None 
     if spec.critic.enabled:
         critic = build_critic(spec, model_path, train_on, parallel, state)
     if spec.train.micro_batch_tokens is not None:
-        from torchrl_grpo.models.packed_attention import attend_by_row
-        from torchrl_grpo.objective.critic import token_values
-
         for model in (policy, ref_policy, None if critic is None else critic.model):
             if model is not None:
                 attend_by_row(model)
@@ -251,8 +242,6 @@ def check_packing_keeps_rows_apart(policy, read=None) -> None:
     """``train.micro_batch_tokens`` reads rows packed end to end: refused in one line for a model (the policy, or with
     ``read`` the critic) whose attention lets a row see the one before it
     (:func:`~torchrl_grpo.objective.log_probs.packing_gap`)."""
-    from torchrl_grpo.objective.log_probs import packing_gap
-
     gap = packing_gap(policy, read)
     if gap > 1e-3:  # 0 on the CPU in float32 and bf16; a row that sees another moves by 0.4 (tiny) to 2.8 (SmolLM2)
         name = type(hf_model(policy)).__name__
@@ -266,10 +255,6 @@ def build_follower(spec: RunSpec, parallel: DataParallel) -> tuple[object, ...]:
     rank 0 builds, sharded alike, what a checkpoint and a push gather of it, and the transformers engine over its
     policy, for its share of what rank 0 samples with the sharded policy (the transformers engine, async
     evaluation)."""
-    from torchrl_grpo.engines.factory import policy_engine
-    from torchrl_grpo.models.loading import load_tokenizer
-    from torchrl_grpo.models.sources import resolve_model
-
     seed_everything(spec.train.seed)
     trust = spec.model.trust_remote_code
     model_path = resolve_model(spec.model.name, trust)
@@ -308,8 +293,6 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     state = RunState(spec, run_dir)
     task, turns = build_episode_task(spec.task)
     eval_task = build_eval_task(spec) if spec.eval.every > 0 else None
-    from torchrl_grpo.models.loading import load_tokenizer
-    from torchrl_grpo.models.sources import resolve_model
 
     model_path = resolve_model(spec.model.name, spec.model.trust_remote_code)
     if spec.critic.enabled and spec.critic.model is not None:  # a bad critic.model fails here, in one line
@@ -325,8 +308,6 @@ def fit_lengths(spec: RunSpec, model_path: str, tokenizer, task: tuple[Task, Tur
     of ``task`` (and ``eval_task``, with the evaluation's completion budget) whose prompt and completion cannot
     fit it left out with one warning line, or refused (``env.overlong_prompts``;
     :mod:`torchrl_grpo.episodes.lengths`)."""
-    from torchrl_grpo.models.sources import context_limit
-
     max_model_len, limit = spec.collect.max_model_len, context_limit(model_path)
     if limit is not None and max_model_len > limit:
         raise ConfigError(f"inference_model.max_model_len={max_model_len} is longer than the model's context "

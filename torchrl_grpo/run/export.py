@@ -15,7 +15,7 @@ from pathlib import Path
 
 from torchrl_grpo.core.checkpoint import CRITIC_DIR, OPTIMIZER_SHARDS, STATE_FILE, list_checkpoints
 from torchrl_grpo.core.errors import ConfigError
-from torchrl_grpo.models.sources import BUILD_MARKER
+from torchrl_grpo.models.sources import BUILD_MARKER, resolve_model
 from torchrl_grpo.telemetry.recorder import metrics_rows
 
 NOT_THE_MODEL = {STATE_FILE, OPTIMIZER_SHARDS, CRITIC_DIR, BUILD_MARKER}  # resume state, the model cache's marker
@@ -49,8 +49,6 @@ def export(run_dir: str | Path, dest: str | Path, *, step: int | None = None, ad
     partial.mkdir(parents=True)
     source = checkpoint
     if lora and not adapter:
-        from torchrl_grpo.models.sources import resolve_model
-
         source = Path(resolve_model(str(checkpoint), bool(config.get("model", {}).get("trust_remote_code"))))
     for item in source.iterdir():
         if item.name not in NOT_THE_MODEL and item.is_file():  # the content: checkpoints are written private

@@ -13,6 +13,8 @@ from omegaconf import DictConfig
 from torchrl_grpo.config.memory_plan import Device, Engine, GiB, ModelShape, fixes, micro_batch, plan_memory, table
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.engines.factory import kv_cache_tokens
+from torchrl_grpo.models.sources import model_config
 from torchrl_grpo.run.step_time import step_time_line
 
 
@@ -38,8 +40,6 @@ def longest_prompt(spec: RunSpec) -> int:
 def model_shape(spec: RunSpec, model_path: str | None = None) -> ModelShape:
     """The policy's shape from ``model_path``'s config.json (resolved) or ``model.name``'s (local, cached or
     shipped)."""
-    from torchrl_grpo.models.sources import model_config
-
     if model_path:
         return ModelShape.from_config(json.loads((Path(model_path) / "config.json").read_text()))
     return ModelShape.from_config(model_config(spec.model.name, spec.model.trust_remote_code))
@@ -50,9 +50,6 @@ def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None, device_gib:
     """The plan's devices for ``spec`` with prompts of ``prompt_tokens`` (default :func:`longest_prompt`), GPUs of
     ``device_gib`` GiB where given, the model's ``shape`` (default: :func:`model_shape`); and the prompt length
     used."""
-    from torchrl_grpo.engines.factory import kv_cache_tokens
-    from torchrl_grpo.models.sources import model_config
-
     shape = shape or model_shape(spec)
     critic = None
     if spec.critic.enabled and spec.critic.model is not None:

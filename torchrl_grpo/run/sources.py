@@ -34,6 +34,7 @@ from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.batch import Batch
 from torchrl_grpo.core.errors import RunError
 from torchrl_grpo.engines.base import engine_death
+from torchrl_grpo.engines.factory import policy_engine
 from torchrl_grpo.run.loop import Delivery
 from torchrl_grpo.run.state import AsyncProgress, RunState
 from torchrl_grpo.training.weight_sync import ActorSync, EngineSync
@@ -206,8 +207,6 @@ class ActorSource:
     def eval_engine(self, trainer):
         """The transformers engine over the trained policy itself (the actors may hold older weights;
         data-parallel ranks sample it together)."""
-        from torchrl_grpo.engines.factory import policy_engine
-
         return policy_engine(trainer.policy, self.tokenizer, seed=int(trainer.settings.seed), parallel=trainer.parallel)
 
     def ready(self) -> None:

@@ -27,6 +27,7 @@ from torchrl_grpo.core import checkpoint
 from torchrl_grpo.core.checkpoint import CRITIC_DIR, OPTIMIZER_SHARDS, Key
 from torchrl_grpo.core.errors import ConfigError, RunError
 from torchrl_grpo.core.secrets import masker
+from torchrl_grpo.models.adapter import WEIGHTS_FILE
 from torchrl_grpo.parallel.ranks import collective, gathered, load_optimizer, save_optimizer
 from torchrl_grpo.training.trainer import Trainer
 
@@ -61,8 +62,6 @@ class RunState:
             return
         from peft import set_peft_model_state_dict
         from safetensors.torch import load_file
-
-        from torchrl_grpo.models.adapter import WEIGHTS_FILE
 
         set_peft_model_state_dict(policy, load_file(str(self.resume_from / WEIGHTS_FILE)))
 

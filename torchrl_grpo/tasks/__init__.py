@@ -20,7 +20,9 @@ from torchrl_grpo.tasks import (  # noqa: F401
     verifiers_tasks,
 )
 from torchrl_grpo.tasks.base import Reward, RewardFn, Task, per_task_means
+from torchrl_grpo.tasks.judge import judge_entry
 from torchrl_grpo.tasks.registry import TASK_BUILDERS, chosen_builder, register_task, task_settings
+from torchrl_grpo.tasks.reward_model import reward_model_entry
 
 DEFAULT_DATASET = "openai/gsm8k"
 # reward callables handed over as Python objects (the Python API's reward_funcs), by their env.rewards _target_
@@ -106,9 +108,6 @@ def register_reward(fn: RewardFn) -> dict:
 
 def add_scorers(task: Task, env_cfg: Any) -> Task:
     """Append the reward model (``env.reward_model``) and the LLM judge (``env.judge``) the config asks for."""
-    from torchrl_grpo.tasks.judge import judge_entry
-    from torchrl_grpo.tasks.reward_model import reward_model_entry
-
     for key in ("reward_model", "judge"):
         spec = env_cfg.get(key)
         if not spec:

@@ -35,6 +35,7 @@ from typing import Any
 import datasets
 
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.core.paths import cache_root
 from torchrl_grpo.tasks.base import Reward, Task
 from torchrl_grpo.tasks.registry import register_task
 from torchrl_grpo.tasks.sources import load_rows
@@ -61,7 +62,6 @@ _PUNKT_FILES = ("collocations.tab", "sent_starters.txt", "abbrev_types.txt", "or
 
 
 def _nltk_data_root() -> Path:
-    from torchrl_grpo.core.paths import cache_root
 
     return cache_root() / "nltk_data"
 

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from torchrl_grpo.config.settings import LoggingSettings
 from torchrl_grpo.core.files import append_whole, write_replacing
 from torchrl_grpo.core.secrets import masker
+from torchrl_grpo.telemetry.plots import write_run_plots
 from torchrl_grpo.telemetry.trackers import start_trackers
 
 # (metric, or the first present of several; its label): shown when the step has it
@@ -178,8 +179,6 @@ class Telemetry:
 
     def write_plots(self) -> None:
         """The run's figures in ``<run dir>/plots/`` and one line saying where; never raises."""
-        from torchrl_grpo.telemetry.plots import write_run_plots
-
         write_run_plots(self.csv.path.parent, say=self.print)
 
     def summary(self, reward_names: list[str], total_steps: int) -> dict[str, Trend]:
