@@ -215,22 +215,21 @@ def test_a_step_that_took_no_update_pushes_nothing():
     pushes = []
 
     class Counting:
-        policy = object()  # not the engine's model: the engine takes pushes
-
-        def weights(self):
-            return {"w": self.updates}
+        policy = torch.nn.Linear(1, 1, bias=False)  # not the engine's model: the engine takes pushes
+        parallel = None
+        updates = 0
 
     class Engine:
         needs_weights = False
 
         def push_weights(self, weights):
-            pushes.append(weights["w"])
+            pushes.append(weights["weight"].item())
 
     trainer, engine = Counting(), Engine()
-    trainer.updates = 0
     sync = EngineSync(trainer, engine)
     assert sync.push(0) == {} and pushes == []
     trainer.updates = 1
+    trainer.policy.weight.data.fill_(1.0)
     assert "weight_push_time" in sync.push(1) and pushes == [1]
     assert sync.push(2) == {} and pushes == [1]
     engine.needs_weights = True  # it slept at level 2: the same weights are pushed again
@@ -243,16 +242,15 @@ def test_actors_get_no_push_and_no_new_version_after_a_step_without_update():
     sent = []
 
     class Trainer:
+        policy = torch.nn.Linear(1, 1, bias=False)  # its one weight: the update count
+        parallel = None
         updates = 0
-
-        def weights(self):
-            return {"w": torch.tensor(float(self.updates))}
 
     class Pool:
         version = 0
 
         def push(self, weights, version, probe):
-            sent.append((weights["w"].item(), version))
+            sent.append((weights["weight"].item(), version))
 
         def settle_pushes(self):
             sent.append("settled")
@@ -262,8 +260,10 @@ def test_actors_get_no_push_and_no_new_version_after_a_step_without_update():
     sync.attach(Pool())
     assert not sync.changed
     trainer.updates = 2
+    trainer.policy.weight.data.fill_(2.0)
     assert sync.changed
     assert "weight_push_time" in sync.push(1) and sent == [(2, 1)] and not sync.changed
     trainer.updates = 3
+    trainer.policy.weight.data.fill_(3.0)
     sync.resume()
     assert not sync.changed and sent == [(2, 1), (3, 0), "settled"]
