@@ -274,7 +274,9 @@ def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path, m
         print(f"{name}: max |weight diff| {gap:.1e} (the update moved them up to {moved:.1e}), |loss diff| "
               f"{abs(metrics['loss'] - dp_metrics['loss']):.1e} (loss {metrics['loss']:.4f}), |grad_norm diff| "
               f"{abs(metrics['grad_norm'] - dp_metrics['grad_norm']):.1e} (grad_norm {metrics['grad_norm']:.4f})")
-        assert gap <= 1e-5, (name, gap)
+        # summed in another order, a gradient entry near 0 moves Adam's first step (about lr * sign(g)) by a share of
+        # it that depends on the CPU's kernels: held to half a percent of the largest move (0.02% to 0.17% seen)
+        assert gap <= 5e-3 * moved, (name, gap, moved)
         assert moved > 1e-4, (name, moved)  # the update did something
         saved = sorted(str(p.relative_to(tmp_path / "one" / name))
                        for p in (tmp_path / "one" / name).rglob("*.safetensors"))
