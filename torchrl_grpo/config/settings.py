@@ -171,11 +171,11 @@ class LossSettings:
     packed: bool                    # train.micro_batch_tokens set: the policy reads rows packed
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> LossSettings:
+    def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> LossSettings:
         return cls(section=OmegaConf.to_container(cfg.loss, resolve=True),
                    max_tokens=int(cfg.inference_model.max_tokens), temperature=float(cfg.inference_model.temperature),
                    kl_to_ref_coeff=kl_split(cfg)[0], kl_to_inference_coeff=float(cfg.train.kl_to_inference_coeff),
-                   entropy_coeff=float(cfg.train.entropy_coeff), packed=cfg.train.micro_batch_tokens is not None)
+                   entropy_coeff=float(cfg.train.entropy_coeff), packed=plan.micro_batch_tokens is not None)
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ class TrainSettings:
         clip = cfg.optimizer.clip_grad_norm
         return cls(
             group_size=plan.group_size, micro_batch=plan.micro_batch, accumulation=plan.accumulation,
-            micro_batch_tokens=None if cfg.train.micro_batch_tokens is None else int(cfg.train.micro_batch_tokens),
+            micro_batch_tokens=plan.micro_batch_tokens,
             epochs=plan.epochs, temperature=float(cfg.inference_model.temperature),
             recompute_old_log_probs=precision.trainer_old_log_probs,
             kl_in_reward_coeff=kl_split(cfg)[1],

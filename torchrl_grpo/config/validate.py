@@ -39,7 +39,7 @@ class BatchPlan:
     optimizer_steps_per_step: int
     total_steps: int
     max_tokens: int
-    micro_batch_tokens: int | None = None  # packed micro-batches of at most this many tokens (None: micro_batch rows)
+    micro_batch_tokens: int | None = None  # train.micro_batch_tokens: packed micro-batches (None: micro_batch rows)
 
     def table(self) -> str:
         cut = [("completions per micro-batch", f"{self.micro_batch}", "train.optim_batch_size"),
@@ -143,11 +143,11 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
                           "forever; use auto or own")
 
 
-def check_packing(cfg: DictConfig) -> None:
+def check_packing(cfg: DictConfig, plan: BatchPlan) -> None:
     """``train.micro_batch_tokens`` holds the longest row a step can have (``inference_model.max_model_len``), twice
     over with data-parallel ranks, so that every rank has a share of every micro-batch
     (:func:`~torchrl_grpo.training.micro_batches.packed_micro_batches`)."""
-    tokens = _get(cfg, "train.micro_batch_tokens")
+    tokens = plan.micro_batch_tokens
     if tokens is None:
         return
     longest = _get(cfg, "inference_model.max_model_len")
@@ -217,7 +217,7 @@ def validate(cfg: DictConfig) -> BatchPlan:
             f"{max(1, plan.max_tokens // 5)})"
         )
     check_strategy(cfg, plan)
-    check_packing(cfg)
+    check_packing(cfg, plan)
     samples, temperature = _get(cfg, "eval.samples"), _get(cfg, "eval.temperature")
     if samples > 1 and temperature == 0:
         raise ConfigError(f"eval.samples={samples} with eval.temperature=0: greedy decoding gives {samples} identical "
