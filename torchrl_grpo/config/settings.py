@@ -113,7 +113,7 @@ class EngineSettings:
         """``engine_on``: the device the engines run on (a GPU's or the CPU); ``memory_share``: each engine's share of
         its GPU (a rollout actor's ``ray.actor_num_gpus``), which scales its ``gpu_memory_utilization``: two actors
         with half a GPU each take half of what one engine would."""
-        inference, lora = cfg.inference_model, cfg.train_model.get("lora")
+        inference, lora = cfg.inference_model, cfg.train_model.lora
         adapter = lora_sync(lora, str(inference.backend), engine_on.startswith("cuda")) == "adapter"
         utilization = float(inference.gpu_memory_utilization) * memory_share
         return cls(backend=str(inference.backend), gpu_memory_utilization=utilization,
@@ -299,14 +299,14 @@ class LoggingSettings:
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> LoggingSettings:
-        log, wandb, mlflow = cfg.logging, cfg.logging.wandb, cfg.logging.get("mlflow") or {}
+        log, wandb, mlflow = cfg.logging, cfg.logging.wandb, cfg.logging.mlflow
         return cls(log_frequency=max(1, int(log.log_frequency)), samples_frequency=int(log.samples_frequency),
                    show_completions=int(log.show_completions), progress_bar=bool(log.progress_bar),
-                   verbose=log.verbose is True, wandb=bool(wandb.enabled), wandb_mode=str(wandb.get("mode", "auto")),
-                   wandb_project=wandb.get("project"), run_name=log.experiment_name or None,
-                   exp_name=str(cfg.train.exp_name), tensorboard=bool(log.get("tensorboard", False)),
-                   mlflow=bool(mlflow.get("enabled", False)), mlflow_tracking_uri=mlflow.get("tracking_uri"),
-                   mlflow_experiment=mlflow.get("experiment"))
+                   verbose=log.verbose is True, wandb=bool(wandb.enabled), wandb_mode=str(wandb.mode),
+                   wandb_project=wandb.project, run_name=log.experiment_name or None,
+                   exp_name=str(cfg.train.exp_name), tensorboard=bool(log.tensorboard),
+                   mlflow=bool(mlflow.enabled), mlflow_tracking_uri=mlflow.tracking_uri,
+                   mlflow_experiment=mlflow.experiment)
 
 
 @dataclass(frozen=True)
