@@ -151,8 +151,9 @@ class Train:
     no_signal_stop: bool = key("bool", "stop with a checkpoint at the no-signal warning instead of going on")
     weight_sync_check: bool = key("bool", "after every weight push, compare the engine's and the trainer's "
                                   "log-probs of a probe text (torchrl_grpo/engines/weight_check.py)")
-    weight_sync_tolerance: float = key("num>0", "mean |log-prob gap| the weight sync check allows (null: by dtype)",
-                                       null=True)
+    weight_sync_tolerance: float = key("num>0", "mean |log-prob gap| the weight sync check allows; null = by the "
+                                       "engine's and the trainer's dtypes, the larger of 0.005 float32, 0.02 float16, "
+                                       "0.1 bfloat16", null=True)
     check_memory: bool = key("bool", "at the start, refuse a run whose memory plan (torchrl-grpo plan) cannot fit "
                              "a device even with the shortest prompts; false starts anyway")
     kl_coef_in_loss: bool = key("bool", "KL to the reference in the loss (true) or subtracted from the reward")
@@ -206,6 +207,8 @@ class TrainModel(Devices):
 
 @dataclass
 class InferenceModel(Devices):
+    torch_dtype: str = key("str", "the engine's weights: auto = bfloat16 on GPU; on the CPU bfloat16 when the trainer "
+                           "computes in bf16 (train.mixed_precision), else float32", null=True)
     backend: str = key("choice", "rollout engine", choices=("vllm", "transformers"))
     gpu_memory_utilization: float = key("prob", "share of its GPU vLLM may take")
     temperature: float = key("num>0", "sampling temperature (the loss's log-probs use it too)")
@@ -287,7 +290,8 @@ class Logging:
 
 @dataclass
 class Eval:
-    responses: str = key("str", "evaluate.py: score this JSONL instead of generating", null=True,
+    responses: str = key("str", "evaluate.py: score this JSONL ({dataset fields..., response} or {prompt, response}) "
+                         "instead of generating", null=True,
                          hint="give the path of a JSONL file, or null to generate")
     num_prompts: int = key("int>0", "the first N prompts of the evaluation split; null = all", null=True)
     samples: int = key("int>0", "completions per prompt: pass@k for k = 1, 2, 4, ... up to it")
