@@ -1,15 +1,18 @@
 """The config schema: one dataclass per section, one field per key, each with its type, range and meaning.
 
-It is the single source of what a key may hold: :func:`check_schema` checks every field of the composed
-config against it, once, before anything heavy starts, and fails in one line naming the key (exit code 2
-through ``errors.exit_with_one_line``). The values of the defaults live in ``config/*.yaml``, where
-users read and override them; ``tests/config/test_config.py`` checks that the YAML and this schema name the same
-keys. Checks that involve several keys (the batch arithmetic, combinations of loss variants) are
-:mod:`torchrl_grpo.config.validate`'s. ``env`` holds the keys every task shares; each task's own are its settings
-class's, checked by :func:`torchrl_grpo.tasks.check_env` when the run reads its inputs.
+It is the single source of what a key may hold and what it means: :func:`check_schema` checks every field of the
+composed config against it, once, before anything heavy starts, and fails in one line naming the key (exit code 2
+through ``errors.exit_with_one_line``); docs/config-reference.md is written from it. The values of the defaults
+live in ``config/*.yaml``, where users override them; ``tests/config/test_schema.py`` checks that the YAML and this
+schema name the same keys. A mapping of fixed keys (``train_model.lora``, ``logging.wandb``) is a dataclass of its
+own nested in its section (:func:`nested`), checked alike and named by its dotted key. Checks that involve several
+keys (the batch arithmetic, combinations of loss variants) are :mod:`torchrl_grpo.config.validate`'s. ``env`` holds
+the keys every task shares; each task's own are its settings class's, checked by
+:func:`torchrl_grpo.tasks.check_env` when the run reads its inputs.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -43,6 +46,8 @@ _KINDS = {
     "unit": (lambda v: _is_num(v) and 0 <= v <= 1, "must be in [0, 1]"),
     "bool": (lambda v: isinstance(v, bool), "must be true or false"),
     "str": (lambda v: isinstance(v, str), "must be a string"),
+    "names": (lambda v: isinstance(v, str) or (isinstance(v, Sequence) and all(isinstance(n, str) for n in v)),
+              "must be a module name or a list of them"),
     "any": (lambda v: True, ""),
 }
 
@@ -59,6 +64,11 @@ def key(kind: str, doc: str, *, choices: tuple[str, ...] = (), null: bool = Fals
     """A schema field: ``kind`` (see ``_KINDS``, or ``choice`` with ``choices``), its meaning, whether null is
     allowed, and the fix a bad value's error suggests (default: the kind's complaint)."""
     return field(metadata={"kind": kind, "doc": doc, "choices": choices, "null": null, "hint": hint})
+
+
+def nested(schema: type):
+    """A schema field holding a mapping whose keys are ``schema``'s fields (each made with :func:`key`)."""
+    return field(metadata={"kind": "section", "schema": schema})
 
 
 def check_value(name: str, value: Any, meta: dict) -> None:
@@ -141,8 +151,9 @@ class Train:
     no_signal_stop: bool = key("bool", "stop with a checkpoint at the no-signal warning instead of going on")
     weight_sync_check: bool = key("bool", "after every weight push, compare the engine's and the trainer's "
                                   "log-probs of a probe text (torchrl_grpo/engines/weight_check.py)")
-    weight_sync_tolerance: float = key("num>0", "mean |log-prob gap| the weight sync check allows (null: by dtype)",
-                                       null=True)
+    weight_sync_tolerance: float = key("num>0", "mean |log-prob gap| the weight sync check allows; null = by the "
+                                       "engine's and the trainer's dtypes, the larger of 0.005 float32, 0.02 float16, "
+                                       "0.1 bfloat16", null=True)
     check_memory: bool = key("bool", "at the start, refuse a run whose memory plan (torchrl-grpo plan) cannot fit "
                              "a device even with the shortest prompts; false starts anyway")
     kl_coef_in_loss: bool = key("bool", "KL to the reference in the loss (true) or subtracted from the reward")
@@ -168,17 +179,36 @@ class Devices:
 
 
 @dataclass
+class Lora:
+    enabled: bool = key("bool", "train a LoRA adapter instead of every weight of the policy (docs/lora.md)")
+    r: int = key("int>0", "the adapter's rank", hint="must be a positive integer (e.g. 8)")
+    alpha: float = key("num>0", "the adapter's scale: its update times alpha / r",
+                       hint="must be a positive number (e.g. 2*r)")
+    dropout: float = key("share", "dropout on the adapter's input")
+    target_modules: str | list = key("names", "the linear layers that get an adapter: all-linear | a module name | a "
+                                     "list of them, e.g. [q_proj, v_proj]; null = all-linear", null=True)
+    rslora: bool = key("bool", "rank-stabilised scaling: alpha / sqrt(r) instead of alpha / r",
+                       hint="must be true or false (rank-stabilised scaling, alpha/sqrt(r))")
+    modules_to_save: list = key("names", "whole modules trained beside the adapter, e.g. [lm_head]; pushes are then "
+                                "merged", null=True)
+    sync: str = key("choice", "what a push sends a vLLM engine: adapter (only the adapter's tensors) | merged (every "
+                    "weight, the adapter merged in) | auto (the adapter to a vLLM engine on a GPU that can serve it, "
+                    "else merged)", choices=LORA_SYNCS)
+
+
+@dataclass
 class TrainModel(Devices):
     torch_dtype: str = key("str", "the master weights: auto = float32 (the compute follows train.mixed_precision)",
                            null=True)
     gradient_checkpointing: bool = key("bool", "recompute activations in the backward pass (memory)")
     attn_implementation: str = key("str", "transformers' attention implementation (sdpa, eager, ...)")
-    lora: dict = key("any", "LoRA: enabled, r, alpha, dropout, target_modules, rslora, modules_to_save, sync "
-                            "(auto | adapter | merged: what a push sends the engine)")
+    lora: Lora = nested(Lora)
 
 
 @dataclass
 class InferenceModel(Devices):
+    torch_dtype: str = key("str", "the engine's weights: auto = bfloat16 on GPU; on the CPU bfloat16 when the trainer "
+                           "computes in bf16 (train.mixed_precision), else float32", null=True)
     backend: str = key("choice", "rollout engine", choices=("vllm", "transformers"))
     gpu_memory_utilization: float = key("prob", "share of its GPU vLLM may take")
     temperature: float = key("num>0", "sampling temperature (the loss's log-probs use it too)")
@@ -225,6 +255,22 @@ class Optimizer:
 
 
 @dataclass
+class Wandb:
+    enabled: bool = key("bool", "log each step to Weights & Biases")
+    project: str = key("str", "the wandb project", null=True)
+    mode: str = key("choice", "auto (online with a WANDB_API_KEY, offline otherwise) | online | offline | disabled",
+                    choices=("auto", "online", "offline", "disabled"))
+
+
+@dataclass
+class Mlflow:
+    enabled: bool = key("bool", "log each step to MLflow (the trackers extra)")
+    tracking_uri: str = key("str", "the MLflow store; null = sqlite:///<run dir>/mlflow.db, a local one (mlflow ui "
+                            "--backend-store-uri ...)", null=True)
+    experiment: str = key("str", "the MLflow experiment; null = train.exp_name", null=True)
+
+
+@dataclass
 class Logging:
     experiment_name: str = key("any", "wandb run name (null: the run directory's)", null=True)
     checkpoint_dir: str = key("str", "relative to the run directory")
@@ -237,15 +283,15 @@ class Logging:
     verbose: bool = key("bool", "library warnings and progress bars on the console too (always in grpo.log)")
     samples_frequency: int = key("int>=0", "steps between writes of the step's completions, their prompts, rewards "
                                  "and advantages to samples.jsonl (0: never)")
-    wandb: dict = key("any", "enabled, project, mode (auto = online with a WANDB_API_KEY)")
+    wandb: Wandb = nested(Wandb)
     tensorboard: bool = key("bool", "TensorBoard event files in <run dir>/tensorboard (tensorboard --logdir outputs)")
-    mlflow: dict = key("any", "enabled, tracking_uri (null = sqlite:///<run dir>/mlflow.db, a local store), "
-                       "experiment (null = train.exp_name)")
+    mlflow: Mlflow = nested(Mlflow)
 
 
 @dataclass
 class Eval:
-    responses: str = key("str", "evaluate.py: score this JSONL instead of generating", null=True,
+    responses: str = key("str", "evaluate.py: score this JSONL ({dataset fields..., response} or {prompt, response}) "
+                         "instead of generating", null=True,
                          hint="give the path of a JSONL file, or null to generate")
     num_prompts: int = key("int>0", "the first N prompts of the evaluation split; null = all", null=True)
     samples: int = key("int>0", "completions per prompt: pass@k for k = 1, 2, 4, ... up to it")
@@ -319,6 +365,10 @@ SECTIONS: tuple[tuple[str, type], ...] = (
     ("loss", Loss), ("critic", CriticModel),
 )
 ASYNC_SECTIONS: tuple[tuple[str, type], ...] = (("ray", Ray), ("train", AsyncTrain))  # config/mode/async.yaml
+# the top-level key config/mode/*.yaml sets, which check_schema reads to know the sections
+MODE = {"kind": "choice", "choices": ("sync", "async"), "null": False, "hint": None,
+        "doc": "sync (grpo.py: collect, then train) | async (grpo-async.py and train(mode='async') add mode=async: Ray "
+               "rollout actors collect while the trainer trains; the ray section and the async train keys)"}
 
 
 def section_keys(section: str, schema: type) -> list[tuple[str, dict]]:
@@ -328,6 +378,15 @@ def section_keys(section: str, schema: type) -> list[tuple[str, dict]]:
         keys += [(name, {"kind": f"num>{MODIFIER_FLOORS[name]:g}", "choices": (), "null": True, "hint": hint,
                          "doc": "a surrogate modifier's parameter (docs/objective.md); null = off"})
                  for name, hint in MODIFIER_HINTS.items()]
+    return keys
+
+
+def leaf_keys(section: str, schema: type) -> list[tuple[str, dict]]:
+    """``(dotted key, rule)`` of each key of a section that holds a value, a nested section's keys in its place."""
+    keys = []
+    for name, rule in section_keys(section, schema):
+        dotted = f"{section}.{name}"
+        keys += leaf_keys(dotted, rule["schema"]) if rule["kind"] == "section" else [(dotted, rule)]
     return keys
 
 
@@ -341,18 +400,43 @@ def check_schema(cfg: DictConfig) -> None:
         sections += ASYNC_SECTIONS
     _no_unknown_keys(cfg, sections)
     for section, schema in sections:
-        node = cfg.get(section)
-        for field_name, rule in section_keys(section, schema):
-            name = f"{section}.{field_name}"
-            if node is None or field_name not in node:
-                raise ConfigError(f"{name} is missing from the config: "
-                                  "add it (config/grpo_gsm8k.yaml documents every key)")
-            check_value(name, node[field_name], rule)
+        _check_keys(section, section_keys(section, schema), cfg.get(section), partial=False)
+
+
+def check_nested(name: str, schema: type, node: Any, partial: bool = False) -> None:
+    """A nested section (``train_model.lora``): a mapping of ``schema``'s keys and no other, each of its kind and
+    range. ``partial``: a Python caller's mapping, whose missing keys take their defaults."""
+    keys = section_keys(name, schema)
+    if not isinstance(node, Mapping):
+        raise ConfigError(f"{name}={node!r}: give a mapping of {', '.join(key for key, _ in keys)}")
+    known = {key for key, _ in keys}
+    for key in node:
+        if key not in known:
+            raise _unknown(f"{name}.{key}")
+    _check_keys(name, keys, node, partial)
+
+
+def _check_keys(prefix: str, keys: list[tuple[str, dict]], node: Any, partial: bool) -> None:
+    for key, rule in keys:
+        name = f"{prefix}.{key}"
+        if node is None or key not in node:
+            if partial:
+                continue
+            raise ConfigError(f"{name} is missing from the config: add it (docs/config-reference.md gives its "
+                              "default)")
+        if rule["kind"] == "section":
+            check_nested(name, rule["schema"], node[key], partial)
+        else:
+            check_value(name, node[key], rule)
+
+
+def _unknown(name: str) -> ConfigError:
+    return ConfigError(f"{name}: unknown key; drop it (docs/config-reference.md lists every key)")
 
 
 def _no_unknown_keys(cfg: DictConfig, sections: tuple[tuple[str, type], ...]) -> None:
     """A key the schema does not know (added with ``+key=...``) would be silently ignored: refuse it. ``env``'s
-    are checked against its task (:func:`torchrl_grpo.tasks.check_env`)."""
+    are checked against its task (:func:`torchrl_grpo.tasks.check_env`), nested sections' with their keys."""
     known: dict[str, set[str]] = {"mode": set()}
     for section, schema in sections:
         known.setdefault(section, set()).update(name for name, _ in section_keys(section, schema))
@@ -364,5 +448,4 @@ def _no_unknown_keys(cfg: DictConfig, sections: tuple[tuple[str, type], ...]) ->
             continue
         for name in node:
             if name not in known[section]:
-                raise ConfigError(f"{section}.{name}: unknown key; drop it (config/grpo_gsm8k.yaml documents every "
-                                  "key)")
+                raise _unknown(f"{section}.{name}")

@@ -1,6 +1,7 @@
 """The settings each part of a run takes from the config, in that part's own terms: the collector's, the
 engines', an evaluation's, the trainer's, the Ray actors', telemetry's and the checkpoints'. Each is built once,
-from the checked config, by :func:`torchrl_grpo.config.spec.resolve_run`; a comment names each field's key.
+from the checked config, by :func:`torchrl_grpo.config.spec.resolve_run`. A comment names each field's key (its
+meaning: docs/config-reference.md) and says how the field differs from it, where it does (resolved, derived).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class ModelSettings:
 
     name: str                       # model.name
     trust_remote_code: bool         # model.trust_remote_code
-    compile: bool = False           # model.compile: torch.compile the policy's forward
+    compile: bool = False           # model.compile
     gradient_checkpointing: bool = False  # train_model.gradient_checkpointing
     attn_implementation: str = "sdpa"     # train_model.attn_implementation
     lora: dict[str, Any] | None = None    # train_model.lora when enabled (its keys as set), else None
@@ -40,11 +41,11 @@ class ModelSettings:
 class OptimizerSettings:
     """The optimizer and its learning-rate schedule (``optimizer.*``; the clip is the trainer's)."""
 
-    name: str                       # optimizer.name: AdamW | Adam | SGD
+    name: str                       # optimizer.name
     lr: float                       # optimizer.lr
-    eps: float                      # optimizer.eps (Adam's)
+    eps: float                      # optimizer.eps
     weight_decay: float             # optimizer.weight_decay
-    scheduler: str                  # optimizer.scheduler: constant | linear | cosine
+    scheduler: str                  # optimizer.scheduler
     warmup_steps: int               # optimizer.warmup_steps
 
     @classmethod
@@ -64,15 +65,15 @@ class CollectSettings:
     max_tokens: int              # inference_model.max_tokens
     temperature: float           # inference_model.temperature
     top_p: float                 # inference_model.top_p
-    top_k: int                   # inference_model.top_k (0: off)
-    min_p: float                 # inference_model.min_p (0: off)
+    top_k: int                   # inference_model.top_k
+    min_p: float                 # inference_model.min_p
     max_model_len: int           # inference_model.max_model_len: a multi-turn episode ends before passing it
     dynamic_sampling: bool       # loss.dynamic_sampling
     max_resample_rounds: int     # loss.max_resample_rounds
     soft_overlong: bool          # loss.overlong == "soft"
     overlong_buffer: int | None  # loss.overlong_buffer
     prompt_seed: int             # env.seed: the prompt order (an actor's: env.seed + its index)
-    overlong_prompts: str        # env.overlong_prompts: drop | error the rows that cannot fit max_model_len
+    overlong_prompts: str        # env.overlong_prompts
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> CollectSettings:
@@ -92,11 +93,11 @@ class EngineSettings:
     """What builds a run's engines, the same for the sync engine, ``evaluate.py``'s and each rollout actor's
     (``inference_model.*``; each caller adds its own dtype, devices and seed)."""
 
-    backend: str                    # inference_model.backend: vllm | transformers
+    backend: str                    # inference_model.backend
     gpu_memory_utilization: float   # inference_model.gpu_memory_utilization (x a rollout actor's share of its GPU)
     max_model_len: int              # inference_model.max_model_len
-    engine_process: str             # inference_model.engine_process: same | own | auto
-    weight_transfer: str            # inference_model.weight_transfer: auto | collective | shm
+    engine_process: str             # inference_model.engine_process
+    weight_transfer: str            # inference_model.weight_transfer
     sleep: int | str                # inference_model.sleep: auto | 0 | 1 | 2 (a level once resolved)
     trust_remote_code: bool         # model.trust_remote_code
     prompts_per_step: int           # env.num_envs: with the two below, what a step's KV cache must hold
@@ -113,7 +114,7 @@ class EngineSettings:
         """``engine_on``: the device the engines run on (a GPU's or the CPU); ``memory_share``: each engine's share of
         its GPU (a rollout actor's ``ray.actor_num_gpus``), which scales its ``gpu_memory_utilization``: two actors
         with half a GPU each take half of what one engine would."""
-        inference, lora = cfg.inference_model, cfg.train_model.get("lora")
+        inference, lora = cfg.inference_model, cfg.train_model.lora
         adapter = lora_sync(lora, str(inference.backend), engine_on.startswith("cuda")) == "adapter"
         utilization = float(inference.gpu_memory_utilization) * memory_share
         return cls(backend=str(inference.backend), gpu_memory_utilization=utilization,
@@ -132,12 +133,12 @@ class EngineSettings:
 class EvalSettings:
     """What an evaluation needs (``eval.*``; the trainer's also ``logging.eval_frequency``)."""
 
-    num_prompts: int | None      # eval.num_prompts: the first N prompts of the evaluation split (None: all)
-    samples: int                 # eval.samples: completions per prompt (pass@k up to it)
-    temperature: float           # eval.temperature (0: greedy)
+    num_prompts: int | None      # eval.num_prompts
+    samples: int                 # eval.samples
+    temperature: float           # eval.temperature
     max_tokens: int              # eval.max_tokens, null resolved to inference_model.max_tokens
     max_model_len: int           # inference_model.max_model_len: a multi-turn episode ends before passing it
-    every: int                   # logging.eval_frequency: the trainer evaluates every N steps (0: never)
+    every: int                   # logging.eval_frequency
     responses: str | None = None  # eval.responses
 
     @classmethod
@@ -171,23 +172,23 @@ class LossSettings:
     packed: bool                    # train.micro_batch_tokens set: the policy reads rows packed
 
     @classmethod
-    def from_config(cls, cfg: DictConfig) -> LossSettings:
+    def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> LossSettings:
         return cls(section=OmegaConf.to_container(cfg.loss, resolve=True),
                    max_tokens=int(cfg.inference_model.max_tokens), temperature=float(cfg.inference_model.temperature),
                    kl_to_ref_coeff=kl_split(cfg)[0], kl_to_inference_coeff=float(cfg.train.kl_to_inference_coeff),
-                   entropy_coeff=float(cfg.train.entropy_coeff), packed=cfg.train.micro_batch_tokens is not None)
+                   entropy_coeff=float(cfg.train.entropy_coeff), packed=plan.micro_batch_tokens is not None)
 
 
 @dataclass(frozen=True)
 class CriticSettings:
     """The ``critic.*`` keys the trainer reads (an actor-critic run's: ``loss.advantage=gae``)."""
 
-    gamma: float                    # critic.gamma: the discount per token
-    lmbda: float                    # critic.lmbda: GAE's lambda
-    value_clip: float | None        # critic.value_clip: V within V_old +- it in the value loss; None: unclipped
-    whiten_advantages: bool         # critic.whiten_advantages: advantages normalised over the batch's tokens
+    gamma: float                    # critic.gamma
+    lmbda: float                    # critic.lmbda
+    value_clip: float | None        # critic.value_clip
+    whiten_advantages: bool         # critic.whiten_advantages
     enabled: bool = False           # loss.advantage=gae: the run has a critic
-    model: str | None = None        # critic.model: its starting model (None: the policy's)
+    model: str | None = None        # critic.model
     lr: float = 1e-5                # critic.lr
 
     @classmethod
@@ -213,25 +214,25 @@ class TrainSettings:
     reward_scale: str               # loss.reward_scale
     clip_grad_norm: float | None    # optimizer.clip_grad_norm
     mixed_precision: bool           # train.mixed_precision resolved: bf16 autocast (Precision.autocast_bf16)
-    max_nonfinite_updates: int      # train.max_nonfinite_updates: skipped updates in a row that stop the run
-    seed: int                       # train.seed: the micro-batch shuffle
-    no_signal_patience: int = 0     # train.no_signal_patience: silent or collapsed steps in a row that warn
+    max_nonfinite_updates: int      # train.max_nonfinite_updates
+    seed: int                       # train.seed
+    no_signal_patience: int = 0     # train.no_signal_patience
     min_ess: float = 0.5            # train.min_ess
-    no_signal_stop: bool = False    # train.no_signal_stop: stop at that warning
-    micro_batch_tokens: int | None = None  # train.micro_batch_tokens: packed micro-batches of at most this many tokens
+    no_signal_stop: bool = False    # train.no_signal_stop
+    micro_batch_tokens: int | None = None  # train.micro_batch_tokens
     reference: bool = False         # train.kl_to_ref_coeff > 0: a KL to the reference model, in the loss or reward
-    sync_iter: bool = True          # train.sync_iter: false generates the next batch while this one trains
+    sync_iter: bool = True          # train.sync_iter
     weight_sync_check: bool = True  # train.weight_sync_check
-    weight_sync_tolerance: float | None = None  # train.weight_sync_tolerance (None: by dtype)
-    check_memory: bool = True       # train.check_memory: refuse a run whose memory plan cannot fit a device
-    rank_timeout_s: float = 1800.0  # train.rank_timeout_s: how long a data-parallel rank waits for the others
+    weight_sync_tolerance: float | None = None  # train.weight_sync_tolerance
+    check_memory: bool = True       # train.check_memory
+    rank_timeout_s: float = 1800.0  # train.rank_timeout_s
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan, precision: Precision) -> TrainSettings:
         clip = cfg.optimizer.clip_grad_norm
         return cls(
             group_size=plan.group_size, micro_batch=plan.micro_batch, accumulation=plan.accumulation,
-            micro_batch_tokens=None if cfg.train.micro_batch_tokens is None else int(cfg.train.micro_batch_tokens),
+            micro_batch_tokens=plan.micro_batch_tokens,
             epochs=plan.epochs, temperature=float(cfg.inference_model.temperature),
             recompute_old_log_probs=precision.trainer_old_log_probs,
             kl_in_reward_coeff=kl_split(cfg)[1],
@@ -250,8 +251,8 @@ class TrainSettings:
 class ActorSettings:
     """What the async run's Ray rollout actors need (``ray.*``, and the async ``train.*`` keys)."""
 
-    address: str | None             # ray.address: null starts a private local Ray
-    init: dict[str, Any]            # ray.init: extra ray.init keyword arguments
+    address: str | None             # ray.address
+    init: dict[str, Any]            # ray.init
     num_actors: int                 # ray.num_actors
     actor_num_cpus: float           # ray.actor_num_cpus
     collect_timeout_s: float        # ray.collect_timeout_s
@@ -288,35 +289,35 @@ class LoggingSettings:
     progress_bar: bool          # logging.progress_bar
     verbose: bool               # logging.verbose
     wandb: bool                 # logging.wandb.enabled
-    wandb_mode: str             # logging.wandb.mode: auto | online | offline | disabled
+    wandb_mode: str             # logging.wandb.mode
     wandb_project: str | None   # logging.wandb.project
-    run_name: str | None        # logging.experiment_name (None: train.exp_name and the run directory's name)
+    run_name: str | None        # logging.experiment_name
     exp_name: str               # train.exp_name
     tensorboard: bool = False   # logging.tensorboard
     mlflow: bool = False        # logging.mlflow.enabled
-    mlflow_tracking_uri: str | None = None  # logging.mlflow.tracking_uri (None: a SQLite file in the run directory)
-    mlflow_experiment: str | None = None    # logging.mlflow.experiment (None: train.exp_name)
+    mlflow_tracking_uri: str | None = None  # logging.mlflow.tracking_uri
+    mlflow_experiment: str | None = None    # logging.mlflow.experiment
 
     @classmethod
     def from_config(cls, cfg: DictConfig) -> LoggingSettings:
-        log, wandb, mlflow = cfg.logging, cfg.logging.wandb, cfg.logging.get("mlflow") or {}
+        log, wandb, mlflow = cfg.logging, cfg.logging.wandb, cfg.logging.mlflow
         return cls(log_frequency=max(1, int(log.log_frequency)), samples_frequency=int(log.samples_frequency),
                    show_completions=int(log.show_completions), progress_bar=bool(log.progress_bar),
-                   verbose=log.verbose is True, wandb=bool(wandb.enabled), wandb_mode=str(wandb.get("mode", "auto")),
-                   wandb_project=wandb.get("project"), run_name=log.experiment_name or None,
-                   exp_name=str(cfg.train.exp_name), tensorboard=bool(log.get("tensorboard", False)),
-                   mlflow=bool(mlflow.get("enabled", False)), mlflow_tracking_uri=mlflow.get("tracking_uri"),
-                   mlflow_experiment=mlflow.get("experiment"))
+                   verbose=log.verbose is True, wandb=bool(wandb.enabled), wandb_mode=str(wandb.mode),
+                   wandb_project=wandb.project, run_name=log.experiment_name or None,
+                   exp_name=str(cfg.train.exp_name), tensorboard=bool(log.tensorboard),
+                   mlflow=bool(mlflow.enabled), mlflow_tracking_uri=mlflow.tracking_uri,
+                   mlflow_experiment=mlflow.experiment)
 
 
 @dataclass(frozen=True)
 class CheckpointSettings:
     """What saves and resumes checkpoints (``logging.checkpoint_*``, ``train.resume``)."""
 
-    directory: str      # logging.checkpoint_dir, relative to the run directory
-    frequency: int      # logging.checkpoint_frequency (0: at the end only)
-    keep: int           # logging.keep_checkpoints (0: all)
-    resume: Any         # train.resume: null | auto | a checkpoint's path
+    directory: str      # logging.checkpoint_dir
+    frequency: int      # logging.checkpoint_frequency
+    keep: int           # logging.keep_checkpoints
+    resume: Any         # train.resume
     ranks: int          # the data-parallel ranks that write one (1: one process)
 
     @classmethod

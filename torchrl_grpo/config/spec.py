@@ -96,7 +96,7 @@ def resolve_run(cfg: DictConfig, training: bool = True, gpu_count: int | None = 
                    EvalSettings.from_config(cfg, plan), ModelSettings.from_config(cfg),
                    ActorSettings.from_config(cfg, placement.actors) if placement.actors is not None else None,
                    LoggingSettings.from_config(cfg), CheckpointSettings.from_config(cfg, placement),
-                   OmegaConf.to_container(cfg, resolve=True), LossSettings.from_config(cfg),
+                   OmegaConf.to_container(cfg, resolve=True), LossSettings.from_config(cfg, plan),
                    CriticSettings.from_config(cfg), OptimizerSettings.from_config(cfg))
     return with_sleep(with_weight_transfer(spec, training), training)
 

@@ -20,7 +20,7 @@ from typing import Any
 from omegaconf import DictConfig
 
 from torchrl_grpo.config.placement import train_strategy
-from torchrl_grpo.config.schema import LORA_SYNCS, check_schema, require
+from torchrl_grpo.config.schema import Lora, check_nested, check_schema, require
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.objective.advantages import GROUP_FREE_SCALES
 from torchrl_grpo.objective.rules import combination_problem
@@ -39,7 +39,7 @@ class BatchPlan:
     optimizer_steps_per_step: int
     total_steps: int
     max_tokens: int
-    micro_batch_tokens: int | None = None  # packed micro-batches of at most this many tokens (None: micro_batch rows)
+    micro_batch_tokens: int | None = None  # train.micro_batch_tokens: packed micro-batches (None: micro_batch rows)
 
     def table(self) -> str:
         cut = [("completions per micro-batch", f"{self.micro_batch}", "train.optim_batch_size"),
@@ -143,11 +143,11 @@ def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:
                           "forever; use auto or own")
 
 
-def check_packing(cfg: DictConfig) -> None:
+def check_packing(cfg: DictConfig, plan: BatchPlan) -> None:
     """``train.micro_batch_tokens`` holds the longest row a step can have (``inference_model.max_model_len``), twice
     over with data-parallel ranks, so that every rank has a share of every micro-batch
     (:func:`~torchrl_grpo.training.micro_batches.packed_micro_batches`)."""
-    tokens = _get(cfg, "train.micro_batch_tokens")
+    tokens = plan.micro_batch_tokens
     if tokens is None:
         return
     longest = _get(cfg, "inference_model.max_model_len")
@@ -165,9 +165,8 @@ def _check_trackers(cfg: DictConfig) -> None:
     """A tracker asked for whose package is not installed: one line naming the key and the extra to install."""
     import importlib.util
 
-    mlflow = _get(cfg, "logging.mlflow")
     asked = [("logging.tensorboard=true", "tensorboard", _get(cfg, "logging.tensorboard")),
-             ("logging.mlflow.enabled=true", "mlflow", hasattr(mlflow, "get") and mlflow.get("enabled"))]
+             ("logging.mlflow.enabled=true", "mlflow", _get(cfg, "logging.mlflow.enabled"))]
     for key, module, on in asked:
         if on and importlib.util.find_spec(module) is None:
             raise ConfigError(f"{key}: the {module} package is not installed; pip install -e \".[trackers]\" (or set "
@@ -182,9 +181,7 @@ def validate(cfg: DictConfig) -> BatchPlan:
     check_schema(cfg)
     plan = batch_plan(cfg)
     _check_trackers(cfg)
-    lora = _get(cfg, "train_model.lora")
-    if hasattr(lora, "get") and lora.get("enabled"):
-        lora_sync(lora, _get(cfg, "inference_model.backend"), engine_on_gpu=True)  # its errors, on any device
+    lora_sync(_get(cfg, "train_model.lora"), _get(cfg, "inference_model.backend"), engine_on_gpu=True)  # its errors
     if _get(cfg, "env.max_steps") > 1 and _get(cfg, "loss.overlong") == "soft":
         raise ConfigError(f"loss.overlong=soft with env.max_steps={_get(cfg, 'env.max_steps')}: the soft overlong "
                           "penalty is defined on one completion's length; set loss.overlong=none or mask")
@@ -217,7 +214,7 @@ def validate(cfg: DictConfig) -> BatchPlan:
             f"{max(1, plan.max_tokens // 5)})"
         )
     check_strategy(cfg, plan)
-    check_packing(cfg)
+    check_packing(cfg, plan)
     samples, temperature = _get(cfg, "eval.samples"), _get(cfg, "eval.temperature")
     if samples > 1 and temperature == 0:
         raise ConfigError(f"eval.samples={samples} with eval.temperature=0: greedy decoding gives {samples} identical "
@@ -241,35 +238,18 @@ def _check_critic(cfg: DictConfig, level: str, scale: str) -> None:
 
 
 def check_lora(lora: Mapping[str, Any]) -> dict[str, Any]:
-    """``train_model.lora``'s knobs, checked (a one-line ConfigError naming ``train_model.lora.<key>``) and with
-    their defaults: r, alpha, dropout, target_modules, rslora, modules_to_save, sync. :func:`validate` calls it
-    first."""
-    known = {"enabled", "r", "alpha", "dropout", "target_modules", "rslora", "modules_to_save", "sync"}
-    unknown = sorted(set(lora) - known)
-    if unknown:
-        raise ConfigError(f"train_model.lora.{unknown[0]}: unknown key; known: {', '.join(sorted(known))}")
-    r, alpha, dropout = lora.get("r", 8), lora.get("alpha", 16), lora.get("dropout", 0.0)
-    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
-        raise ConfigError(f"train_model.lora.r={r!r}: must be a positive integer (e.g. 8)")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
-        raise ConfigError(f"train_model.lora.alpha={alpha!r}: must be a positive number (e.g. 2*r)")
-    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-        raise ConfigError(f"train_model.lora.dropout={dropout!r}: must be in [0, 1)")
-    targets = lora.get("target_modules", "all-linear") or "all-linear"
+    """``train_model.lora``'s knobs as PEFT takes them: checked by the schema (its ``Lora``), with defaults for the
+    keys a Python caller leaves out."""
+    check_nested("train_model.lora", Lora, lora, partial=True)
+    targets = lora.get("target_modules") or "all-linear"
     if not isinstance(targets, str):
         targets = [str(t) for t in targets]  # OmegaConf ListConfig -> list
-    rslora = lora.get("rslora", False)
-    if not isinstance(rslora, bool):
-        raise ConfigError(f"train_model.lora.rslora={rslora!r}: must be true or false (rank-stabilised scaling, "
-                          "alpha/sqrt(r))")
     saved = lora.get("modules_to_save") or None
     if saved is not None:
         saved = [saved] if isinstance(saved, str) else [str(m) for m in saved]
-    sync = lora.get("sync", "auto")
-    if sync not in LORA_SYNCS:
-        raise ConfigError(f"train_model.lora.sync={sync!r}: choose one of {', '.join(LORA_SYNCS)}")
-    return {"r": r, "alpha": alpha, "dropout": float(dropout), "target_modules": targets, "rslora": rslora,
-            "modules_to_save": saved, "sync": sync}
+    return {"r": lora.get("r", 8), "alpha": lora.get("alpha", 16), "dropout": float(lora.get("dropout", 0.0)),
+            "target_modules": targets, "rslora": lora.get("rslora", False), "modules_to_save": saved,
+            "sync": lora.get("sync", "auto")}
 
 
 # vLLM's max_lora_rank takes one of these (vllm.config.lora.MaxLoRARanks): an engine is started with the smallest

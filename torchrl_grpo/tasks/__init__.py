@@ -21,7 +21,7 @@ from torchrl_grpo.tasks import (  # noqa: F401
 )
 from torchrl_grpo.tasks.base import Reward, RewardFn, Task, per_task_means
 from torchrl_grpo.tasks.judge import judge_entry
-from torchrl_grpo.tasks.registry import TASK_BUILDERS, chosen_builder, register_task, task_settings
+from torchrl_grpo.tasks.registry import TASK_BUILDERS, chosen_builder, register_task, setting, task_settings
 from torchrl_grpo.tasks.reward_model import reward_model_entry
 
 DEFAULT_DATASET = "openai/gsm8k"
@@ -154,4 +154,4 @@ def add_custom_rewards(task: Task, entries) -> Task:
 
 
 __all__ = ["REGISTERED_REWARDS", "Reward", "RewardFn", "Task", "TASK_BUILDERS", "add_custom_rewards", "build_task",
-           "check_env", "per_task_means", "register_reward", "register_task"]
+           "check_env", "per_task_means", "register_reward", "register_task", "setting"]

@@ -26,7 +26,7 @@ from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Task
 from torchrl_grpo.tasks.gsm8k import SYSTEM_PROMPT, gold_answer, gsm8k_rewards
 from torchrl_grpo.tasks.reasoning_gym_tasks import generate, interleaved
-from torchrl_grpo.tasks.registry import register_task
+from torchrl_grpo.tasks.registry import register_task, setting
 
 SPLITS = ("train", "test")
 TEST_SHARE = 4  # one question in 4 is a test question
@@ -41,11 +41,12 @@ def split_of(question: str) -> str:
 class ArithmeticSettings:
     """The ``env`` keys of the arithmetic task."""
 
-    tasks: list | None = None         # env.tasks: reasoning-gym datasets with a numeric answer, by name or {name, ...}
-    size: int = 1000                  # env.size: problems generated per task
-    seed: int = 0                     # env.seed: the generation seed
-    split: str = "train"              # env.split: train | test (a question's split is fixed by its text)
-    system_prompt: str | None = None  # env.system_prompt (None: GSM8K's; "": none)
+    tasks: list | None = setting(None, "reasoning-gym datasets with a numeric answer, by name or {name, its "
+                                 "config keys}")
+    size: int = setting(1000, "problems generated per task")
+    seed: int = setting(0, "the generation seed")
+    split: str = setting("train", "train | test (a question's split is fixed by its text)")
+    system_prompt: str | None = setting(None, "the system prompt; null = GSM8K's, '' = none")
 
 
 @register_task("arithmetic", settings=ArithmeticSettings)

@@ -29,7 +29,7 @@ import datasets
 
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
-from torchrl_grpo.tasks.registry import register_task
+from torchrl_grpo.tasks.registry import register_task, setting
 from torchrl_grpo.tasks.sources import load_rows
 from torchrl_grpo.tasks.symbolic import math_verify_equal, require_math_verify
 
@@ -184,10 +184,10 @@ def load_math(dataset: str = HUB_DATASET, data_path: str | None = None, split: s
 class MathSettings:
     """The ``env`` keys of the MATH task."""
 
-    dataset: str = HUB_DATASET           # env.dataset: math (= the hub's MATH-lighteval) | a hub id of MATH's rows
-    data_path: str | Path | None = None  # env.data_path: a local folder or file instead of the hub
-    split: str = "train"                 # env.split: train | test
-    system_prompt: str | None = None     # env.system_prompt (None: ask for \boxed{}; "": none)
+    dataset: str = setting(HUB_DATASET, "math (= the hub's MATH-lighteval) | a hub id of MATH's rows")
+    data_path: str | Path | None = setting(None, "a local folder or file instead of the hub")
+    split: str = setting("train", "train | test")
+    system_prompt: str | None = setting(None, "the system prompt; null = one asking for \\boxed{}, '' = none")
 
 
 @register_task("math", HUB_DATASET, MATH_500, settings=MathSettings)

@@ -20,7 +20,7 @@ import datasets
 
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
-from torchrl_grpo.tasks.registry import register_task
+from torchrl_grpo.tasks.registry import register_task, setting
 from torchrl_grpo.tasks.sources import load_rows
 
 HUB_DATASET = "openai/gsm8k"
@@ -166,13 +166,13 @@ def load_gsm_symbolic(size: int = 2000, seed: int = 0) -> datasets.Dataset:
 class GSM8KSettings:
     """The ``env`` keys of GSM8K and gsm_symbolic."""
 
-    dataset: str = HUB_DATASET           # env.dataset: openai/gsm8k (gsm8k) | gsm_symbolic (generated offline)
-    data_path: str | Path | None = None  # env.data_path: GSM8K from a local folder or file instead of the hub
-    split: str = "train"                 # env.split: GSM8K's train | test
-    reasoning: bool = False              # env.reasoning: ask for <think>...</think> before the answer, reward it
-    system_prompt: str | None = None     # env.system_prompt (None: the task's own; "": none)
-    size: int = 2000                     # env.size: gsm_symbolic's problems generated
-    seed: int = 0                        # env.seed: gsm_symbolic's generation seed
+    dataset: str = setting(HUB_DATASET, "openai/gsm8k (gsm8k) | gsm_symbolic (generated offline)")
+    data_path: str | Path | None = setting(None, "GSM8K from a local folder or file instead of the hub")
+    split: str = setting("train", "GSM8K's train | test")
+    reasoning: bool = setting(False, "ask for <think>...</think> before the answer, and reward it")
+    system_prompt: str | None = setting(None, "the system prompt; null = the task's own, '' = none")
+    size: int = setting(2000, "gsm_symbolic's problems generated")
+    seed: int = setting(0, "gsm_symbolic's generation seed")
 
 
 def gsm8k_rewards(reasoning: bool) -> list[Reward]:

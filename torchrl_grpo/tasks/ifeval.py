@@ -37,7 +37,7 @@ import datasets
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.core.paths import cache_root
 from torchrl_grpo.tasks.base import Reward, Task
-from torchrl_grpo.tasks.registry import register_task
+from torchrl_grpo.tasks.registry import register_task, setting
 from torchrl_grpo.tasks.sources import load_rows
 
 HUB_DATASET = "google/IFEval"
@@ -345,11 +345,11 @@ def instruction_count(row: Mapping[str, Any]) -> int:
 class IFEvalSettings:
     """The ``env`` keys of IFEval."""
 
-    dataset: str = HUB_DATASET           # env.dataset: google/IFEval (ifeval)
-    data_path: str | Path | None = None  # env.data_path: a local JSONL (IFEval's input_data.jsonl) instead of the hub
-    split: str = "train"                 # env.split: the hub's one split
-    reward: str = DEFAULT_REWARD         # env.reward: the component of weight 1 (the others are logged, weight 0)
-    system_prompt: str | None = None     # env.system_prompt (None: none)
+    dataset: str = setting(HUB_DATASET, "google/IFEval (ifeval)")
+    data_path: str | Path | None = setting(None, "a local JSONL (IFEval's input_data.jsonl) instead of the hub")
+    split: str = setting("train", "the hub's one split")
+    reward: str = setting(DEFAULT_REWARD, "the component of weight 1 (the others are logged, weight 0)")
+    system_prompt: str | None = setting(None, "the system prompt; null = none")
 
 
 @register_task(*IFEVAL_NAMES, settings=IFEvalSettings)

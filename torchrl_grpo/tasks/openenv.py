@@ -26,7 +26,7 @@ import datasets
 from torchrl_grpo.core.background_loop import BackgroundLoop
 from torchrl_grpo.core.errors import ConfigError, one_line
 from torchrl_grpo.tasks.base import Reward, Task
-from torchrl_grpo.tasks.registry import register_task
+from torchrl_grpo.tasks.registry import register_task, setting
 
 REWARD = "env_reward"
 
@@ -179,14 +179,14 @@ def _episode_reward(server: OpenEnvServer):
 class OpenEnvSettings:
     """The ``env`` keys of an OpenEnv environment."""
 
-    url: str | None = None               # env.url: the server's address, e.g. http://localhost:8000
-    action_field: str = "message"        # env.action_field: the action's field that carries the model's turn
-    observation_field: str = "prompt"    # env.observation_field: the observation's field the model reads
-    reset: dict | None = None            # env.reset: keyword arguments of every reset, beside its seed
-    first_seed: int = 0                  # env.first_seed: the prompts are the openings of seeds first_seed ...
-    size: int = 64                       # env.size: ... first_seed + size - 1
-    timeout_s: float = 30                # env.timeout_s: per connection, reset and step
-    system_prompt: str | None = None     # env.system_prompt (None: none)
+    url: str | None = setting(None, "the server's address, e.g. http://localhost:8000")
+    action_field: str = setting("message", "the action's field that carries the model's turn")
+    observation_field: str = setting("prompt", "the observation's field the model reads")
+    reset: dict | None = setting(None, "keyword arguments of every reset, beside its seed")
+    first_seed: int = setting(0, "the prompts are the openings of seeds first_seed to first_seed + size - 1")
+    size: int = setting(64, "how many seeds' openings are the prompts (from first_seed)")
+    timeout_s: float = setting(30, "seconds per connection, reset and step")
+    system_prompt: str | None = setting(None, "the system prompt; null = none")
 
 
 @register_task("openenv", settings=OpenEnvSettings)

@@ -17,7 +17,7 @@ from typing import Any
 
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Task
-from torchrl_grpo.tasks.registry import register_task
+from torchrl_grpo.tasks.registry import register_task, setting
 from torchrl_grpo.tasks.sources import load_rows
 
 FOLDER_PATTERNS = (("json", "*.jsonl"), ("parquet", "*.parquet"), ("csv", "*.csv"))
@@ -48,12 +48,12 @@ class PromptsTask(Task):
 class PromptsSettings:
     """The ``env`` keys of your own prompts."""
 
-    data_path: str | Path | None = None  # env.data_path: a .jsonl/.parquet/.csv file or folder, or a hub dataset id
-    prompt_column: str = "prompt"        # env.prompt_column: text, or chat messages [{role, content}, ...]
-    split: str = "train"                 # env.split: a hub dataset's split
-    holdout: float = 0.0                 # env.holdout: share of prompts held out of training (by a hash of each)
-    part: str = "train"                  # env.part: train | holdout | all
-    system_prompt: str | None = None     # env.system_prompt (None: none; text prompts only)
+    data_path: str | Path | None = setting(None, "a .jsonl/.parquet/.csv file or folder, or a hub dataset id")
+    prompt_column: str = setting("prompt", "the column of the prompts: text, or chat messages [{role, content}, ...]")
+    split: str = setting("train", "a hub dataset's split")
+    holdout: float = setting(0.0, "share of prompts held out of training (by a hash of each)")
+    part: str = setting("train", "the prompts used: train | holdout | all")
+    system_prompt: str | None = setting(None, "the system prompt; null = none (text prompts only)")
 
 
 @register_task("prompts", settings=PromptsSettings)

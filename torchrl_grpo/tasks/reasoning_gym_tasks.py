@@ -27,7 +27,7 @@ import datasets
 
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.tasks.base import Reward, Task
-from torchrl_grpo.tasks.registry import register_task
+from torchrl_grpo.tasks.registry import register_task, setting
 
 DATASET = "reasoning_gym"
 DEFAULT_WEIGHTS = {"accuracy": 1.0, "answer_format": 0.5}
@@ -124,10 +124,10 @@ def make_accuracy(generated: dict[str, Generated]) -> Callable[[str, Mapping[str
 class ReasoningGymSettings:
     """The ``env`` keys of the reasoning-gym task."""
 
-    tasks: list | None = None         # env.tasks: reasoning-gym datasets, by name or {name: maze, size: 100, ...}
-    size: int = 200                   # env.size: rows generated per task (unless an entry gives its own)
-    seed: int = 0                     # env.seed: the generation seed
-    system_prompt: str | None = None  # env.system_prompt (None: reasoning-gym's default; "": none)
+    tasks: list | None = setting(None, "reasoning-gym datasets, by name or {name: maze, size: 100, ...}")
+    size: int = setting(200, "rows generated per task (unless an entry gives its own)")
+    seed: int = setting(0, "the generation seed")
+    system_prompt: str | None = setting(None, "the system prompt; null = reasoning-gym's default, '' = none")
 
 
 @register_task(DATASET, settings=ReasoningGymSettings)

@@ -1,10 +1,11 @@
 """Which builder makes the task, and the ``env`` keys it reads, checked.
 
 A builder is a function ``build(settings) -> Task``; :func:`register_task` declares its settings class (a frozen
-dataclass, one field per ``env`` key it reads, each with its default). ``env.dataset`` names a builder: one a module
-of this package registers, or one a pip-installed package declares as an entry point of the group
-``torchrl_grpo.tasks`` (``mytask = "mypkg.tasks:build_my_task"``), loaded only when that name is asked for. Your own
-builder needs no package: ``env._target_`` names it by import path, as ``env.rewards`` entries name functions.
+dataclass, one field per ``env`` key it reads, each with its default and, made with :func:`setting`, its meaning).
+``env.dataset`` names a builder: one a module of this package registers, or one a pip-installed package declares as
+an entry point of the group ``torchrl_grpo.tasks`` (``mytask = "mypkg.tasks:build_my_task"``), loaded only when that
+name is asked for. Your own builder needs no package: ``env._target_`` names it by import path, as ``env.rewards``
+entries name functions.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import difflib
 import types
 import typing
 from collections.abc import Callable, Collection, Mapping, Sequence
-from dataclasses import fields, is_dataclass
+from dataclasses import field, fields, is_dataclass
 from typing import Any
 
 from torchrl_grpo.core.errors import ConfigError, import_target, one_line
@@ -20,9 +21,18 @@ from torchrl_grpo.core.errors import ConfigError, import_target, one_line
 ENTRY_POINTS = "torchrl_grpo.tasks"
 # env.dataset -> builder, filled by @register_task where each task is defined (and by the entry points asked for)
 TASK_BUILDERS: dict[str, Callable[[Any], Any]] = {}
+# the keys build_task reads for every task that the env schema (torchrl_grpo/config/schema.py) leaves out, as
+# (what it may hold, its meaning): an env group may leave them out
+SHARED_KEYS = {
+    "rewards": ("list", "reward functions besides the task's own: [{_target_: a function's import path, weight "
+                "(1), name (the function's), its keyword arguments}] (docs/tasks.md)"),
+    "reward_weights": ("mapping or null", "the weight of each of the task's rewards by name, e.g. {accuracy: 1.0, "
+                       "answer_format: 0.5}; null = the task's own"),
+    "eval": ("mapping", "the env keys of the evaluation split (evaluate.py, logging.eval_frequency): any key of the "
+             "task's, merged over env's, e.g. env.eval.split=test"),
+}
 # the keys build_task reads for every task (besides the one that names the builder)
-TASK_KEYS = frozenset({"rewards", "reward_weights", "reward_errors", "reward_model", "judge", "chat_template_kwargs",
-                       "examples", "eval"})
+TASK_KEYS = frozenset({"reward_errors", "reward_model", "judge", "chat_template_kwargs", "examples", *SHARED_KEYS})
 _KINDS = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping",
           list: "a list"}
 
@@ -39,6 +49,11 @@ def register_task(*names: str, settings: type) -> Callable:
         return fn
 
     return register
+
+
+def setting(default: Any, doc: str) -> Any:
+    """A field of a task's settings class: its default and its meaning, which docs/config-reference.md shows."""
+    return field(default=default, metadata={"doc": doc})
 
 
 def chosen_builder(env: Mapping[str, Any], default: str) -> tuple[str, Callable]:

@@ -31,7 +31,7 @@ import datasets
 from torchrl_grpo.core.background_loop import BackgroundLoop
 from torchrl_grpo.core.errors import ConfigError, one_line
 from torchrl_grpo.tasks.base import Reward, Task
-from torchrl_grpo.tasks.registry import register_task
+from torchrl_grpo.tasks.registry import register_task, setting
 
 INSTALL = ('pip install -e ".[verifiers]" (on the CPU stack: beside vLLM 0.33 pip finds no versions for both, '
            "see docs/installation.md)")
@@ -326,13 +326,13 @@ def _columns(tasks: list) -> dict[str, list]:
 class VerifiersSettings:
     """The ``env`` keys of a verifiers environment."""
 
-    id: str | None = None             # env.id: the environment's taskset package, e.g. my_env
-    taskset: dict | None = None       # env.taskset: its taskset config's fields (None: its defaults)
-    size: int | None = None           # env.size: the first `size` tasks (None: all)
-    timeout_s: float = 60             # env.timeout_s: per scoring and per tool call
-    max_steps: int = 1                # env.max_steps: more than 1 gives the model the task's tools
-    system_prompt: str | None = None  # env.system_prompt (None: the task's own)
-    success: str | None = None        # env.success: the reward that says solved (None: the heaviest)
+    id: str | None = setting(None, "the environment's taskset package, e.g. my_env")
+    taskset: dict | None = setting(None, "its taskset config's fields; null = its defaults")
+    size: int | None = setting(None, "the first `size` tasks; null = all")
+    timeout_s: float = setting(60, "seconds per scoring and per tool call")
+    max_steps: int = setting(1, "more than 1 gives the model the task's tools")
+    system_prompt: str | None = setting(None, "the system prompt; null = the task's own")
+    success: str | None = setting(None, "the reward that says solved; null = the heaviest")
 
 
 @register_task("verifiers", settings=VerifiersSettings)
