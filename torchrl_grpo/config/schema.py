@@ -342,21 +342,25 @@ class CriticModel:
 @dataclass
 class Ray:
     address: str = key("any", "null: start a private local Ray | auto | host:port of a running cluster", null=True)
-    num_actors: int = key("int>0", "rollout actors, each with its own engine")
-    actor_num_cpus: float = key("num>=0", "Ray CPUs per actor")
+    num_actors: int = key("int>0", "rollout actors, each with its own engine, one collect in flight each")
+    actor_num_cpus: float = key("num>=0", "Ray CPUs per actor (Ray sets the actor's OMP_NUM_THREADS to it)")
     actor_num_gpus: float | str = key("auto|num>=0", "Ray GPUs per actor: a share of one, or whole ones (tensor "
                                       "parallel); auto: 0 without GPUs, 1 where GPUs are free of training, else "
                                       "1/ray.num_actors beside training")
-    collect_timeout_s: float = key("num>0", "no batch within this long: stop", hint="must be a number of seconds > 0")
+    collect_timeout_s: float = key("num>0", "no batch within this long (the first includes the actor's start-up): stop",
+                                 hint="must be a number of seconds > 0")
     max_actor_restarts: int = key("int>=0", "times each actor that dies is replaced (with the current weights) "
                                   "before the run stops; 0 = stop at the first death")
-    init: dict = key("any", "extra ray.init keyword arguments for a local Ray")
+    init: dict = key("any", "extra ray.init keyword arguments for a local Ray (e.g. object_store_memory); its "
+                     "num_cpus: null = ray.num_actors x ray.actor_num_cpus + 1 (the trainer), not every core")
 
 
 @dataclass
 class AsyncTrain:
-    weight_update_frequency: int = key("int>0", "steps between weight pushes to the actors")
-    max_staleness: int = key("num>=0", "batches sampled more than this many versions ago are dropped")
+    weight_update_frequency: int = key("int>0", "steps between weight pushes to the actors (each push bumps the "
+                                       "policy version)")
+    max_staleness: int = key("num>=0", "batches sampled more than this many versions ago are dropped (counted in "
+                             "stale_dropped)")
 
 
 SECTIONS: tuple[tuple[str, type], ...] = (
