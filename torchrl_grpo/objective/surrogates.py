@@ -1,6 +1,7 @@
 """Importance levels (``loss.importance_level``): the policy-gradient surrogate of each variant, from the
 ratio of the trained policy to ``logp_old`` (per token, per completion, or a weight) and its clip or gate.
-The default, GRPO's clipped token ratio, reads top to bottom in :func:`torchrl_grpo.objective.grpo.grpo_objective`."""
+The default, GRPO's clipped token ratio, is :func:`token_ratio` (:func:`clipped_surrogate`), which
+:meth:`~torchrl_grpo.objective.loss.GRPOLoss.forward` calls."""
 from __future__ import annotations
 
 from dataclasses import dataclass
