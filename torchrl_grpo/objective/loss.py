@@ -13,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from jaxtyping import Bool, Float, Float32
 from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
 from torchrl.objectives import LossModule
 
 from torchrl_grpo.core.batch import Batch
@@ -34,7 +36,7 @@ LOSS_CHOICES = ("aggregation", "kl_estimator", "importance_level", "overlong")
 MAX_METRICS = ("ratio_max", "engine_trainer_logp_gap_max")
 
 
-def _inside(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _inside(values: Float[Tensor, "N L"], mask: Bool[Tensor, "N L"]) -> Float32[Tensor, "N L"]:
     """``values`` as float32 with 0 outside ``mask``: whatever a batch holds in prompt or padding positions
     can then never reach an exp (an inf there would make a NaN even multiplied by zero)."""
     return torch.where(mask, values.float(), torch.zeros((), dtype=torch.float32, device=values.device))
@@ -45,11 +47,11 @@ class LossRows:
     """What the loss says of a step's rows (:meth:`GRPOLoss.rows`), so that the trainer plans its micro-batches and
     weighs them from one answer."""
 
-    mask: torch.Tensor  # [N, L] bool: the tokens that enter the loss (:func:`loss_token_mask`)
-    signal: torch.Tensor  # [N] bool: the rows the reward teaches from, a nonzero advantage on one of their loss tokens
-    # [N] bool: the rows whose loss can move the weights: ``signal``, or with a regulariser (KL, entropy) acting on
-    # every loss token every row with one; every other row's loss is exactly 0 whatever the weights, and its gradient
-    moving: torch.Tensor
+    mask: Bool[Tensor, "N L"]  # the tokens that enter the loss (:func:`loss_token_mask`)
+    signal: Bool[Tensor, " N"]  # the rows the reward teaches from, a nonzero advantage on one of their loss tokens
+    # the rows whose loss can move the weights: ``signal``, or with a regulariser (KL, entropy) acting on every loss
+    # token every row with one; every other row's loss is exactly 0 whatever the weights, and its gradient
+    moving: Bool[Tensor, " N"]
     aggregation: str  # loss.aggregation, which says how much a set of rows counts in an optimizer step
 
     def weight(self, rows: torch.Tensor | None = None) -> float:
@@ -162,7 +164,7 @@ class GRPOLoss(LossModule):
     def _mean(self, values, mask):
         return aggregate(values, mask, self.aggregation, self.aggregation_constant)
 
-    def token_mask(self, batch: TensorDictBase) -> torch.Tensor:
+    def token_mask(self, batch: TensorDictBase) -> Bool[Tensor, "N L"]:
         """The tokens that enter the loss: see :func:`loss_token_mask`."""
         truncated = batch[Batch.TRUNCATED] if Batch.TRUNCATED in batch.keys() else None
         return loss_token_mask(batch[Batch.COMPLETION_MASK], truncated, self.overlong)
