@@ -8,6 +8,7 @@ import torch
 from tensordict import TensorDict
 
 from torchrl_grpo.config.settings import OptimizerSettings, TrainSettings
+from torchrl_grpo.core.batch import check_batch
 from torchrl_grpo.objective.loss import GRPOLoss, LossRows
 from torchrl_grpo.training.micro_batches import by_length
 from torchrl_grpo.training.trainer import Trainer
@@ -77,6 +78,14 @@ def test_prepare_adds_log_probs_kl_penalty_and_advantages():
     assert metrics["kl_penalty_in_reward"] == torch.tensor(kl.mean().item()).item()
     assert metrics["engine_trainer_logp_gap_max"] > 0  # the batch's sample log-probs are not the policy's
     assert trainer.loss.rows(batch).signal.all()  # no group ties once the KL penalty is in the reward
+
+
+def test_a_prepared_batch_has_the_dtypes_and_shapes_of_core_batch():
+    policy, ref, batch = TableLM(1), TableLM(2), make_batch()
+    Trainer(policy, ref, loss=GRPOLoss(policy), optimizer=None, settings=SETTINGS, device=torch.device("cpu"),
+            ref_device=torch.device("cpu")).prepare(batch)
+    assert {"ref_log_probs", "advantage"} <= set(batch.keys())
+    check_batch(batch)
 
 
 def test_signal_fraction_counts_completions_with_an_advantage_and_a_loss_token():

@@ -3,33 +3,35 @@ the trainer computes with the one the config names."""
 from __future__ import annotations
 
 import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
 
 from torchrl_grpo.objective.registry import REGISTRIES, register, term
 
 
 @register("reward_scale", "group")
-def group_std(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> torch.Tensor:
+def group_std(grouped: Float[Tensor, "P G"], centred: Float[Tensor, "P G"], eps: float) -> Float[Tensor, "P G"]:
     """``A_i = (r_i - mean_g r) / (std_g r + eps)``, the group's unbiased std (GRPO); a group of one has std 0."""
     std = grouped.std(dim=1, keepdim=True) if grouped.shape[1] > 1 else torch.zeros_like(centred[:, :1])
     return centred / (std + eps)
 
 
 @register("reward_scale", "batch")
-def batch_std(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> torch.Tensor:
+def batch_std(grouped: Float[Tensor, "P G"], centred: Float[Tensor, "P G"], eps: float) -> Float[Tensor, "P G"]:
     """``A_i = (r_i - mean_g r) / (std_batch r + eps)``, the unbiased std of every reward of the batch."""
     std = grouped.std() if grouped.numel() > 1 else grouped.new_zeros(())
     return centred / (std + eps)
 
 
 @register("reward_scale", "none")
-def centred_only(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> torch.Tensor:
+def centred_only(grouped: Float[Tensor, "P G"], centred: Float[Tensor, "P G"], eps: float) -> Float[Tensor, "P G"]:
     """``A_i = r_i - mean_g r``: no std scaling (Dr.GRPO), so no weight on nearly-always or nearly-never solved
     prompts."""
     return centred
 
 
 @register("reward_scale", "rloo")
-def leave_one_out(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> torch.Tensor:
+def leave_one_out(grouped: Float[Tensor, "P G"], centred: Float[Tensor, "P G"], eps: float) -> Float[Tensor, "P G"]:
     """``A_i = r_i - mean_{j != i} r_j = G / (G - 1) (r_i - mean_g r)`` (RLOO, Ahmadian et al. 2024): each
     completion's baseline is the mean of the others, so its own reward does not lower its advantage; no std
     scaling. A group of one has no other completion: 0."""
@@ -38,7 +40,8 @@ def leave_one_out(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> t
 
 
 @register("reward_scale", "reinforce_pp")
-def batch_whitened(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> torch.Tensor:
+def batch_whitened(grouped: Float[Tensor, "P G"], centred: Float[Tensor, "P G"], eps: float
+                   ) -> Float[Tensor, "P G"]:
     """``A_i = (r_i - mean_batch r) / (std_batch r + eps)`` (REINFORCE++, Hu 2025, arXiv 2501.03262): no group
     baseline, one global one, so a group whose rewards tie still learns from how it compares with the batch;
     a batch whose rewards all tie gives 0."""
@@ -49,7 +52,8 @@ def batch_whitened(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> 
 
 
 @register("reward_scale", "reinforce_pp_baseline")
-def group_centred_batch_whitened(grouped: torch.Tensor, centred: torch.Tensor, eps: float) -> torch.Tensor:
+def group_centred_batch_whitened(grouped: Float[Tensor, "P G"], centred: Float[Tensor, "P G"], eps: float
+                                 ) -> Float[Tensor, "P G"]:
     """``c_i = r_i - mean_g r``, ``A_i = (c_i - mean_batch c) / (std_batch c + eps) = c_i / (std_batch c + eps)``
     (REINFORCE++-baseline, for several completions per prompt): the group's mean as the baseline, the batch's
     spread of the centred rewards as the scale (``batch`` divides by the raw rewards' spread instead)."""
@@ -61,7 +65,8 @@ def group_centred_batch_whitened(grouped: torch.Tensor, centred: torch.Tensor, e
 GROUP_FREE_SCALES = ("reinforce_pp",)
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, scale: str = "group", eps: float = 1e-6):
+def group_advantages(rewards: Float[Tensor, " N"], group_size: int, scale: str = "group", eps: float = 1e-6
+                     ) -> tuple[Float[Tensor, " N"], Bool[Tensor, " N"]]:
     """Advantages of ``rewards`` laid out group-major (``G`` consecutive completions share a prompt), scaled
     by the ``reward_scale`` term ``scale``.
 

@@ -18,6 +18,8 @@ import contextlib
 
 import torch
 import torch.nn.functional as F
+from jaxtyping import Float, Int, Shaped
+from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 CHUNK_BYTES = 64 << 20  # the float32 logits of one chunk of tokens; its log-softmax and gradients are as big
@@ -26,8 +28,10 @@ GPU_SHARE = 128  # on a GPU a chunk is this share of its memory, if larger: fewe
 TRANSFORMED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
-def token_log_probs(model, tokens, attention_mask, temperature: float = 1.0, with_entropy: bool = False,
-                    wanted: torch.Tensor | None = None, entropy_grad: bool = False, packed: bool = False):
+def token_log_probs(model, tokens: Int[Tensor, "N L"], attention_mask: Shaped[Tensor, "N L"],
+                    temperature: float = 1.0, with_entropy: bool = False, wanted: Shaped[Tensor, "N L"] | None = None,
+                    entropy_grad: bool = False, packed: bool = False
+                    ) -> tuple[Float[Tensor, "N L"], Float[Tensor, "N L"] | None]:
     """Log-prob of each token given its prefix, under ``softmax(logits / temperature)``, as [N, L].
 
     Only the ``wanted`` positions ([N, L] bool; default: all but the first, which has no prefix) are

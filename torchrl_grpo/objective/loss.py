@@ -4,7 +4,8 @@ each family's module (:mod:`torchrl_grpo.objective.registry`) put together as th
 :class:`GRPOLoss` knows no variant by name: it looks up ``loss.aggregation``, ``loss.kl_estimator``,
 ``loss.importance_level`` and ``loss.overlong`` in their registries and applies every surrogate modifier
 whose key is set, so a new variant is a registered function, a preset line and a row of
-``docs/objective.md``. Its default loss reads top to bottom in :func:`torchrl_grpo.objective.grpo.grpo_objective`.
+``docs/objective.md``. :meth:`GRPOLoss.forward` is the loss that runs: read it top to bottom for the default
+(the ``grpo`` preset), each step's term named where it is looked up.
 """
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+from jaxtyping import Bool, Float, Float32
 from tensordict import TensorDict, TensorDictBase
+from torch import Tensor
 from torchrl.objectives import LossModule
 
 from torchrl_grpo.core.batch import Batch
@@ -33,7 +36,7 @@ LOSS_CHOICES = ("aggregation", "kl_estimator", "importance_level", "overlong")
 MAX_METRICS = ("ratio_max", "engine_trainer_logp_gap_max")
 
 
-def _inside(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def _inside(values: Float[Tensor, "N L"], mask: Bool[Tensor, "N L"]) -> Float32[Tensor, "N L"]:
     """``values`` as float32 with 0 outside ``mask``: whatever a batch holds in prompt or padding positions
     can then never reach an exp (an inf there would make a NaN even multiplied by zero)."""
     return torch.where(mask, values.float(), torch.zeros((), dtype=torch.float32, device=values.device))
@@ -44,11 +47,11 @@ class LossRows:
     """What the loss says of a step's rows (:meth:`GRPOLoss.rows`), so that the trainer plans its micro-batches and
     weighs them from one answer."""
 
-    mask: torch.Tensor  # [N, L] bool: the tokens that enter the loss (:func:`loss_token_mask`)
-    signal: torch.Tensor  # [N] bool: the rows the reward teaches from, a nonzero advantage on one of their loss tokens
-    # [N] bool: the rows whose loss can move the weights: ``signal``, or with a regulariser (KL, entropy) acting on
-    # every loss token every row with one; every other row's loss is exactly 0 whatever the weights, and its gradient
-    moving: torch.Tensor
+    mask: Bool[Tensor, "N L"]  # the tokens that enter the loss (:func:`loss_token_mask`)
+    signal: Bool[Tensor, " N"]  # the rows the reward teaches from, a nonzero advantage on one of their loss tokens
+    # the rows whose loss can move the weights: ``signal``, or with a regulariser (KL, entropy) acting on every loss
+    # token every row with one; every other row's loss is exactly 0 whatever the weights, and its gradient
+    moving: Bool[Tensor, " N"]
     aggregation: str  # loss.aggregation, which says how much a set of rows counts in an optimizer step
 
     def weight(self, rows: torch.Tensor | None = None) -> float:
@@ -161,7 +164,7 @@ class GRPOLoss(LossModule):
     def _mean(self, values, mask):
         return aggregate(values, mask, self.aggregation, self.aggregation_constant)
 
-    def token_mask(self, batch: TensorDictBase) -> torch.Tensor:
+    def token_mask(self, batch: TensorDictBase) -> Bool[Tensor, "N L"]:
         """The tokens that enter the loss: see :func:`loss_token_mask`."""
         truncated = batch[Batch.TRUNCATED] if Batch.TRUNCATED in batch.keys() else None
         return loss_token_mask(batch[Batch.COMPLETION_MASK], truncated, self.overlong)
@@ -174,15 +177,26 @@ class GRPOLoss(LossModule):
         return LossRows(mask, signal, mask.any(-1) if regularised else signal, self.aggregation)
 
     def forward(self, batch: TensorDictBase) -> TensorDict:
-        completion = batch[Batch.COMPLETION_MASK]
-        mask = self.token_mask(batch)
+        """The loss of a micro-batch of ``N`` rows of ``L`` tokens. With the ``grpo`` preset (Shao et al.,
+        *DeepSeekMath*, arXiv 2402.03300) it is
+
+        ``loss = mean_i mean_t -min(w_it A_i, clip(w_it, 1 - eps, 1 + eps) A_i) + beta mean_i mean_t k3_it``
+
+        ``w_it = exp(logp_it - logp_old_it)`` the token's ratio, ``k3_it = exp(-d_it) + d_it - 1`` with
+        ``d_it = logp_it - logp_ref_it`` (the KL to the reference, unbiased and never negative), ``beta`` the
+        ``kl_to_ref_coeff``; ``mean_t`` over a completion's loss tokens, then ``mean_i`` over the completions that
+        have any (``sequence_mean``). Each other preset swaps one of the terms looked up below."""
+        completion = batch[Batch.COMPLETION_MASK]  # [N, L] bool: the sampled tokens
+        mask = self.token_mask(batch)  # [N, L] bool: those of the loss (all of them unless loss.overlong=mask)
+        # logp_it [N, L], differentiable, and the entropy of each position; computed at the completion tokens only
         logp, entropy = token_log_probs(
             self.policy, batch[Batch.TOKENS], batch[Batch.ATTENTION_MASK], self.temperature, with_entropy=True,
             wanted=completion, entropy_grad=self.entropy_coeff > 0, packed=self.packed,
         )
-        logp = _inside(logp, completion)
-        sample = _inside(batch[Batch.SAMPLE_LOG_PROBS], completion)
-        # no old log-probs: this forward's own are the policy's before its update (Trainer.prepare)
+        logp = _inside(logp, completion)  # float32, 0 outside the completions
+        sample = _inside(batch[Batch.SAMPLE_LOG_PROBS], completion)  # logp_sample_it [N, L]: the engine's
+        # logp_old_it [N, L], the ratio's denominator; no old log-probs in the batch: this forward's own are the
+        # policy's before its update (Trainer.prepare)
         own_old = Batch.OLD_LOG_PROBS not in batch.keys()
         inputs = SurrogateInputs(
             logp=logp, logp_old=logp.detach() if own_old else _inside(batch[Batch.OLD_LOG_PROBS], completion),
@@ -190,26 +204,31 @@ class GRPOLoss(LossModule):
             advantages=batch[Batch.ADVANTAGE].to(logp.dtype), mask=mask, importance_level=self.importance_level,
             eps_low=self.clip_epsilon_low, eps_high=self.clip_epsilon_high, tau_pos=self.tau_pos, tau_neg=self.tau_neg,
         )
+        # the importance-level term; GRPO's ("token"): surrogates.token_ratio -> clipped_surrogate, per token
+        # l_it = -min(w_it A_i, clip(w_it, 1 - eps_low, 1 + eps_high) A_i), and the ratio w_it, all [N, L]
         loss, ratio, clipped_low, clipped_high = term("importance_level", self.importance_level)(inputs)
-        surrogate = per_token(loss, mask)
+        surrogate = per_token(loss, mask)  # [N, L]: a per-completion loss [N] (GSPO, GMPO) over its tokens
+        # the surrogate modifiers that are on (none in grpo), in registry order: detached weights or masks on l_it
         extra = {}
         for key, parameter in self.modifiers.items():
             surrogate, diagnostics = term("surrogate_modifier", key)(surrogate, parameter, inputs)
             extra.update(diagnostics)
 
-        kl_inference = kl_estimate(logp, sample, self.kl_estimator)
+        kl_inference = kl_estimate(logp, sample, self.kl_estimator)  # [N, L]: KL to the sampling policy
         out = {
+            # the aggregation (grpo: sequence_mean, mean_i mean_t) of each per-token term, to a scalar
             "loss_objective": self._mean(surrogate, mask),
             "loss_kl_to_inference": self.kl_to_inference_coeff * self._mean(kl_inference, mask),
             "loss_entropy": -self.entropy_coeff * self._mean(entropy, mask),
         }
         ref = _inside(batch[Batch.REF_LOG_PROBS], completion) if Batch.REF_LOG_PROBS in batch.keys() else None
-        if self.kl_to_ref_coeff > 0:
+        if self.kl_to_ref_coeff > 0:  # beta mean_i mean_t k_it, k the kl_estimator (grpo: k3) on logp - logp_ref
             kl_ref = kl_estimate(logp, ref, self.kl_estimator)
             out["loss_kl_to_ref"] = self.kl_to_ref_coeff * self._mean(kl_ref, mask)
             out["kl_to_ref"] = self._mean(kl_ref, mask).detach()
         else:
             out["loss_kl_to_ref"] = torch.zeros((), device=logp.device)
+        # detached diagnostics: the ratio and clip statistics, entropy, the KL estimates, each modifier's own
         out.update(self._diagnostics(mask, ratio.detach(), clipped_low, clipped_high, entropy, kl_inference,
                                      logp.detach(), sample, ref))
         out.update(extra)

@@ -5,6 +5,8 @@ order of their float operations."""
 from __future__ import annotations
 
 import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
 
 from torchrl_grpo.objective.aggregation import aggregate, completion_mean, per_token, wide
 from torchrl_grpo.objective.registry import REGISTRIES, register
@@ -12,9 +14,13 @@ from torchrl_grpo.objective.surrogates import COMPLETION_LEVELS, SurrogateInputs
 
 # Each takes the per-token surrogate [N, L], its parameter and the SurrogateInputs, and returns the
 # modified surrogate and its diagnostics.
+Modified = tuple[Float[Tensor, "N L"], dict[str, Tensor]]
+# a mismatch correction's weight and where it bit: per token, or per completion at the sequence level
+Weights = tuple[Float[Tensor, "N L"], Bool[Tensor, "N L"]] | tuple[Float[Tensor, " N"], Bool[Tensor, " N"]]
 
 @torch.no_grad()
-def tis_weights(old_log_probs, sample_log_probs, cap: float, mask, level: str = "token"):
+def tis_weights(old_log_probs: Float[Tensor, "N L"], sample_log_probs: Float[Tensor, "N L"], cap: float,
+                mask: Bool[Tensor, "N L"], level: str = "token") -> Weights:
     """Truncated importance sampling (TIS) for the engine/trainer mismatch, a detached weight on the surrogate.
 
     * token level: ``rho_it = min(exp(logp_old_it - logp_sample_it), C)`` [N, L];
@@ -30,7 +36,8 @@ def tis_weights(old_log_probs, sample_log_probs, cap: float, mask, level: str = 
 
 
 @torch.no_grad()
-def mis_weights(old_log_probs, sample_log_probs, cap: float, mask, level: str = "token"):
+def mis_weights(old_log_probs: Float[Tensor, "N L"], sample_log_probs: Float[Tensor, "N L"], cap: float,
+                mask: Bool[Tensor, "N L"], level: str = "token") -> Weights:
     """Masked importance sampling (MIS; IcePop's band): the same ratio ``rho`` as :func:`tis_weights`, kept
     where ``1/C <= rho <= C`` and 0 outside: a token (or at the sequence level a completion) on which engine
     and trainer disagree that much leaves the loss instead of being capped. Returns ``(weight, masked)``;
@@ -40,7 +47,8 @@ def mis_weights(old_log_probs, sample_log_probs, cap: float, mask, level: str = 
     return torch.where(masked, torch.zeros_like(raw), raw), masked
 
 
-def mismatch_ratio(old_log_probs, sample_log_probs, mask, level: str) -> torch.Tensor:
+def mismatch_ratio(old_log_probs: Float[Tensor, "N L"], sample_log_probs: Float[Tensor, "N L"],
+                   mask: Bool[Tensor, "N L"], level: str) -> Float[Tensor, " N"] | Float[Tensor, "N L"]:
     """``exp(logp_old_it - logp_sample_it)`` [N, L] (1 outside ``mask``), or at the sequence level
     ``exp((1/|y_i|) sum_t (logp_old_it - logp_sample_it))`` [N]."""
     diff = wide(old_log_probs) - wide(sample_log_probs)
@@ -57,7 +65,9 @@ def correction_level(importance_level: str) -> str:
 
 
 @torch.no_grad()
-def off_policy_keep(logp, sample_log_probs, advantages, mask, threshold: float):
+def off_policy_keep(logp: Float[Tensor, "N L"], sample_log_probs: Float[Tensor, "N L"],
+                    advantages: Float[Tensor, " N"], mask: Bool[Tensor, "N L"], threshold: float
+                    ) -> tuple[Bool[Tensor, " N"], Float[Tensor, " N"]]:
     """Off-policy sequence masking (DeepSeek-V3.2; TRL's ``off_policy_mask_threshold``).
 
     ``D_i = (1/|y_i|) sum_t (logp_sample_it - logp_it)`` (detached): a single-sample estimate of
@@ -72,14 +82,14 @@ def off_policy_keep(logp, sample_log_probs, advantages, mask, threshold: float):
     return keep, divergence
 
 
-def _token_share(flags: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The share of the loss tokens where ``flags`` is set."""
+def _token_share(flags: Bool[Tensor, "N #L"], mask: Bool[Tensor, "N L"]) -> Float[Tensor, ""]:  # noqa: F821 (#L)
+    """The share of the loss tokens where ``flags`` is set (per token, or [N, 1]: per completion)."""
     return (flags & mask).sum() / mask.sum().clamp(min=1)
 
 
 @register("surrogate_modifier", "tis_cap", hint="must be a number > 0 (e.g. 2), or null to turn TIS off",
           mismatch=True)
-def truncated_importance_sampling(surrogate: torch.Tensor, cap: float, s: SurrogateInputs):
+def truncated_importance_sampling(surrogate: Float[Tensor, "N L"], cap: float, s: SurrogateInputs) -> Modified:
     """``l <- min(exp(logp_old - logp_sample), C) l`` at :func:`correction_level`, detached (:func:`tis_weights`).
     Diagnostics: ``tis_truncated_fraction`` (tokens whose weight hit the cap), ``tis_weight_mean``."""
     weight, capped = tis_weights(s.logp_old, s.logp_sample, cap, s.mask, correction_level(s.importance_level))
@@ -93,7 +103,7 @@ def truncated_importance_sampling(surrogate: torch.Tensor, cap: float, s: Surrog
 @register("surrogate_modifier", "mis_cap", above=1.0, mismatch=True,
           hint="must be a number > 1 (e.g. 2: tokens whose exp(old - sample) leaves [0.5, 2] leave the loss), "
                "or null to turn masked importance sampling off")
-def masked_importance_sampling(surrogate: torch.Tensor, cap: float, s: SurrogateInputs):
+def masked_importance_sampling(surrogate: Float[Tensor, "N L"], cap: float, s: SurrogateInputs) -> Modified:
     """``l <- rho l`` where ``1/C <= rho <= C``, ``l <- 0`` outside, ``rho = exp(logp_old - logp_sample)`` at
     :func:`correction_level`, detached (:func:`mis_weights`). Diagnostics: ``mis_masked_fraction`` (tokens
     that left the loss), ``mis_weight_mean``."""
@@ -107,7 +117,7 @@ def masked_importance_sampling(surrogate: torch.Tensor, cap: float, s: Surrogate
 
 @register("surrogate_modifier", "off_policy_mask_threshold",
           hint="must be a number > 0 (e.g. 0.5), or null to turn the off-policy mask off")
-def off_policy_mask(surrogate: torch.Tensor, threshold: float, s: SurrogateInputs):
+def off_policy_mask(surrogate: Float[Tensor, "N L"], threshold: float, s: SurrogateInputs) -> Modified:
     """``l_it <- M_i l_it``, ``M_i = 0`` iff ``A_i < 0`` and ``mean_t(logp_sample_it - logp_it) > delta``
     (:func:`off_policy_keep`). Diagnostic: ``off_policy_masked_fraction`` (tokens dropped)."""
     keep, _ = off_policy_keep(s.logp, s.logp_sample, s.advantages, s.mask, threshold)

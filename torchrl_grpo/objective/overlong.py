@@ -3,19 +3,23 @@ completion's reward for its length."""
 from __future__ import annotations
 
 import torch
+from jaxtyping import Bool, Float, Real, Shaped
+from torch import Tensor
 
 from torchrl_grpo.objective.registry import REGISTRIES, register, term
 
 
 @register("overlong", "none")
-def all_completion_tokens(completion_mask: torch.Tensor, truncated: torch.Tensor | None) -> torch.Tensor:
+def all_completion_tokens(completion_mask: Bool[Tensor, "N L"], truncated: Shaped[Tensor, " N"] | None
+                          ) -> Bool[Tensor, "N L"]:
     """``M_it = c_it``: every completion token. Also ``soft``, whose penalty acts on the reward
     (:func:`overlong_penalty`, added by the loop before the advantages), not on the mask."""
     return completion_mask
 
 
 @register("overlong", "mask")
-def drop_truncated(completion_mask: torch.Tensor, truncated: torch.Tensor | None) -> torch.Tensor:
+def drop_truncated(completion_mask: Bool[Tensor, "N L"], truncated: Shaped[Tensor, " N"] | None
+                   ) -> Bool[Tensor, "N L"]:
     """``M_it = c_it (1 - trunc_i)``, DAPO's overlong filtering: a cut-off answer (``finish_reason == length``)
     is neither rewarded nor punished; its row then counts as an empty completion everywhere, accumulation
     weights included."""
@@ -27,7 +31,8 @@ def drop_truncated(completion_mask: torch.Tensor, truncated: torch.Tensor | None
 register("overlong", "soft")(all_completion_tokens)
 
 
-def loss_token_mask(completion_mask: torch.Tensor, truncated: torch.Tensor | None, overlong: str = "none"):
+def loss_token_mask(completion_mask: Bool[Tensor, "N L"], truncated: Shaped[Tensor, " N"] | None,
+                    overlong: str = "none") -> Bool[Tensor, "N L"]:
     """The tokens that enter the loss [N, L]: the ``overlong`` term applied to the completion mask."""
     return term("overlong", overlong)(completion_mask, truncated)
 
@@ -38,7 +43,7 @@ def overlong_buffer_tokens(buffer: int | None, max_tokens: int) -> int:
     return int(buffer) if buffer is not None else max(1, int(max_tokens) // 5)
 
 
-def overlong_penalty(lengths: torch.Tensor, max_tokens: int, buffer: int | None = None) -> torch.Tensor:
+def overlong_penalty(lengths: Real[Tensor, " N"], max_tokens: int, buffer: int | None = None) -> Float[Tensor, " N"]:
     """DAPO's soft overlong punishment, a reward term per completion [N]:
 
     ``0`` if ``len <= L_max - L_buf``; ``((L_max - L_buf) - len) / L_buf`` in between (linear down to

@@ -1,26 +1,34 @@
 """Importance levels (``loss.importance_level``): the policy-gradient surrogate of each variant, from the
 ratio of the trained policy to ``logp_old`` (per token, per completion, or a weight) and its clip or gate.
-The default, GRPO's clipped token ratio, reads top to bottom in :func:`torchrl_grpo.objective.grpo.grpo_objective`."""
+The default, GRPO's clipped token ratio, is :func:`token_ratio` (:func:`clipped_surrogate`), which
+:meth:`~torchrl_grpo.objective.loss.GRPOLoss.forward` calls."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
 
 from torchrl_grpo.objective.aggregation import completion_mean, wide
 from torchrl_grpo.objective.registry import REGISTRIES, register
 
+# what an importance-level term returns, (loss, ratio, clipped_low, clipped_high): per token, or per completion
+TokenTerm = tuple[Float[Tensor, "N L"], Float[Tensor, "N L"], Bool[Tensor, "N L"], Bool[Tensor, "N L"]]
+CompletionTerm = tuple[Float[Tensor, " N"], Float[Tensor, " N"], Bool[Tensor, " N"], Bool[Tensor, " N"]]
+GeometricTerm = tuple[Float[Tensor, " N"], Float[Tensor, " N"], Bool[Tensor, "N L"], Bool[Tensor, "N L"]]  # GMPO's
+
 
 @dataclass(frozen=True)
 class SurrogateInputs:
-    """What the importance-level terms and the surrogate modifiers read: [N, L] float32 log-probs with zeros
-    outside the completions, ``advantages`` [N] (or [N, L] for the :data:`TOKEN_ADVANTAGE_LEVELS`), the loss
-    ``mask`` [N, L]."""
-    logp: torch.Tensor
-    logp_old: torch.Tensor
-    logp_sample: torch.Tensor
-    advantages: torch.Tensor
-    mask: torch.Tensor
+    """What the importance-level terms and the surrogate modifiers read: log-probs with zeros outside the
+    completions (float32 from :class:`~torchrl_grpo.objective.loss.GRPOLoss`), ``advantages`` per completion (or
+    per token for the :data:`TOKEN_ADVANTAGE_LEVELS`), the loss ``mask``."""
+    logp: Float[Tensor, "N L"]
+    logp_old: Float[Tensor, "N L"]
+    logp_sample: Float[Tensor, "N L"]
+    advantages: Float[Tensor, " N"] | Float[Tensor, "N L"]
+    mask: Bool[Tensor, "N L"]
     importance_level: str
     eps_low: float
     eps_high: float
@@ -28,7 +36,8 @@ class SurrogateInputs:
     tau_neg: float = 1.05
 
 
-def token_advantages(advantages: torch.Tensor) -> torch.Tensor:
+def token_advantages(advantages: Float[Tensor, " N"] | Float[Tensor, "N L"]
+                     ) -> Float[Tensor, "N 1"] | Float[Tensor, "N L"]:
     """Advantages per completion [N] as [N, 1] (broadcast over its tokens); per token [N, L] (``loss.advantage=gae``)
     as they are."""
     return advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
@@ -44,7 +53,9 @@ def _clip_objective(ratio, adv, eps_low: float, eps_high: float):
     return loss, clipped_low, clipped_high
 
 
-def clipped_surrogate(logp, logp_old, advantages, eps_low: float, eps_high: float):
+def clipped_surrogate(logp: Float[Tensor, "N L"], logp_old: Float[Tensor, "N L"],
+                      advantages: Float[Tensor, " N"] | Float[Tensor, "N L"], eps_low: float, eps_high: float
+                      ) -> TokenTerm:
     """Token level: per token ``-min(w_it A_i, clip(w_it, 1-eps_low, 1+eps_high) A_i)`` with
     ``w_it = exp(logp_it - logp_old_it)``.
 
@@ -58,7 +69,9 @@ def clipped_surrogate(logp, logp_old, advantages, eps_low: float, eps_high: floa
     return loss, ratio, clipped_low, clipped_high
 
 
-def sequence_clipped_surrogate(logp, logp_old, advantages, mask, eps_low: float, eps_high: float):
+def sequence_clipped_surrogate(logp: Float[Tensor, "N L"], logp_old: Float[Tensor, "N L"],
+                               advantages: Float[Tensor, " N"], mask: Bool[Tensor, "N L"], eps_low: float,
+                               eps_high: float) -> CompletionTerm:
     """Sequence level (GSPO): one length-normalised ratio per completion,
 
     ``s_i = exp((1/|y_i|) sum_t (logp_it - logp_old_it))``  (= ``(pi(y_i)/pi_old(y_i))^(1/|y_i|)``),
@@ -73,7 +86,9 @@ def sequence_clipped_surrogate(logp, logp_old, advantages, mask, eps_low: float,
     return loss, ratio, clipped_low, clipped_high
 
 
-def cispo_surrogate(logp, logp_old, advantages, eps_low: float, eps_high: float):
+def cispo_surrogate(logp: Float[Tensor, "N L"], logp_old: Float[Tensor, "N L"],
+                    advantages: Float[Tensor, " N"] | Float[Tensor, "N L"], eps_low: float, eps_high: float
+                    ) -> TokenTerm:
     """CISPO (MiniMax-M1, 2506.13585): per token ``-sg(clip(w_it, 1-eps_low, 1+eps_high)) A_i logp_it``,
     ``w_it = exp(logp_it - logp_old_it)``. The importance weight is clipped and detached, so every token keeps
     its gradient ``-w_hat A_i dlogp``: none is dropped as the PPO clip drops those past the range (the rare
@@ -86,7 +101,9 @@ def cispo_surrogate(logp, logp_old, advantages, eps_low: float, eps_high: float)
     return loss, ratio, ratio < 1.0 - eps_low, ratio > 1.0 + eps_high
 
 
-def sapo_surrogate(logp, logp_old, advantages, tau_pos: float, tau_neg: float, eps_low: float, eps_high: float):
+def sapo_surrogate(logp: Float[Tensor, "N L"], logp_old: Float[Tensor, "N L"],
+                   advantages: Float[Tensor, " N"] | Float[Tensor, "N L"], tau_pos: float, tau_neg: float,
+                   eps_low: float, eps_high: float) -> TokenTerm:
     """SAPO (Gao et al., *Soft Adaptive Policy Optimization*, 2511.20347): per token
     ``-f(w_it) A_i`` with the soft gate ``f(w) = (4 / tau) sigmoid(tau (w - 1))``, ``tau = tau_pos`` if
     ``A_i > 0`` else ``tau_neg``. Its gradient is ``4 sigmoid (1 - sigmoid) w A dlogp``: exactly the
@@ -101,7 +118,9 @@ def sapo_surrogate(logp, logp_old, advantages, tau_pos: float, tau_neg: float, e
     return loss, ratio, (ratio < 1.0 - eps_low) & (adv < 0), (ratio > 1.0 + eps_high) & (adv > 0)
 
 
-def geometric_mean_surrogate(logp, logp_old, advantages, mask, eps_low: float, eps_high: float):
+def geometric_mean_surrogate(logp: Float[Tensor, "N L"], logp_old: Float[Tensor, "N L"],
+                             advantages: Float[Tensor, " N"], mask: Bool[Tensor, "N L"], eps_low: float,
+                             eps_high: float) -> GeometricTerm:
     """GMPO (Zhao et al., *Geometric-Mean Policy Optimization*, 2507.20673): the geometric mean of the token
     ratios of a completion, each clipped in log space on the side its advantage's sign makes it bite,
 
@@ -127,34 +146,34 @@ def geometric_mean_surrogate(logp, logp_old, advantages, mask, eps_low: float, e
 # flags per token or per completion.
 
 @register("importance_level", "token")
-def token_ratio(s: SurrogateInputs):
+def token_ratio(s: SurrogateInputs) -> TokenTerm:
     """``l_it = -min(w_it A_i, clip(w_it, 1-eps_low, 1+eps_high) A_i)``, ``w_it = exp(logp_it - logp_old_it)``
     (GRPO, DAPO, Dr.GRPO): :func:`clipped_surrogate`."""
     return clipped_surrogate(s.logp, s.logp_old, s.advantages, s.eps_low, s.eps_high)
 
 
 @register("importance_level", "sequence")
-def sequence_ratio(s: SurrogateInputs):
+def sequence_ratio(s: SurrogateInputs) -> CompletionTerm:
     """``l_i = -min(s_i A_i, clip(s_i, 1-eps_low, 1+eps_high) A_i)``, ``s_i = exp(mean_t(logp_it - logp_old_it))``
     (GSPO): :func:`sequence_clipped_surrogate`."""
     return sequence_clipped_surrogate(s.logp, s.logp_old, s.advantages, s.mask, s.eps_low, s.eps_high)
 
 
 @register("importance_level", "cispo")
-def cispo_weight(s: SurrogateInputs):
+def cispo_weight(s: SurrogateInputs) -> TokenTerm:
     """``l_it = -sg(clip(w_it, 1-eps_low, 1+eps_high)) A_i logp_it`` (CISPO): :func:`cispo_surrogate`."""
     return cispo_surrogate(s.logp, s.logp_old, s.advantages, s.eps_low, s.eps_high)
 
 
 @register("importance_level", "sapo")
-def sapo_gate(s: SurrogateInputs):
+def sapo_gate(s: SurrogateInputs) -> TokenTerm:
     """``l_it = -(4/tau) sigmoid(tau (w_it - 1)) A_i``, ``tau = tau_pos`` if ``A_i > 0`` else ``tau_neg`` (SAPO):
     :func:`sapo_surrogate`."""
     return sapo_surrogate(s.logp, s.logp_old, s.advantages, s.tau_pos, s.tau_neg, s.eps_low, s.eps_high)
 
 
 @register("importance_level", "gmpo")
-def geometric_mean_ratio(s: SurrogateInputs):
+def geometric_mean_ratio(s: SurrogateInputs) -> GeometricTerm:
     """``l_i = -A_i exp(mean_t m_it)``, ``m_it`` the log-ratio clipped on its advantage's side in
     ``[-eps_low, eps_high]`` (GMPO): :func:`geometric_mean_surrogate`."""
     return geometric_mean_surrogate(s.logp, s.logp_old, s.advantages, s.mask, s.eps_low, s.eps_high)
