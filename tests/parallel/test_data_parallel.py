@@ -286,7 +286,7 @@ def test_two_gloo_ranks_take_the_one_process_update(tiny_model_path, tmp_path, m
         for file in saved:  # the checkpoint written from the shards: the whole weights (or adapter)
             one, ranks = load_file(tmp_path / "one" / name / file), load_file(tmp_path / "ranks" / name / file)
             assert one.keys() == ranks.keys()
-            assert max((one[k] - ranks[k]).abs().max().item() for k in one) <= 1e-5, (name, file)
+            assert max((one[k] - ranks[k]).abs().max().item() for k in one) <= 5e-3 * moved, (name, file)
 
 
 def check_sampling(ranks: dict, one: dict, model_path: str) -> None:
