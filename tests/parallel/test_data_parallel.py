@@ -486,6 +486,7 @@ def test_fsdp_ranks_sample_with_their_sharded_policy(tmp_path):
 @needs_vllm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="gloo ranks on the CPU; with GPUs the ranks and the engine take "
                     "the GPUs over nccl (bench/gpu_check.sh)")
+@pytest.mark.xdist_group("own_engine")  # on the worker that makes own_engine_run for test_engine_process.py: once
 def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(own_engine_run, tmp_path):
     """``torchrun --nnodes 2 --nproc-per-node 1 ... grpo.py`` as on two machines (two torchrun agents meeting at
     a rendezvous on this one): rank 0 runs the loop and sends its config, the rank on the other node follows.
