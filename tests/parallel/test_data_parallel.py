@@ -488,16 +488,17 @@ def test_fsdp_ranks_sample_with_their_sharded_policy(tmp_path):
                     "the GPUs over nccl (bench/gpu_check.sh)")
 @pytest.mark.xdist_group("own_engine")  # on the worker that makes own_engine_run for test_engine_process.py: once
 def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(own_engine_run, tmp_path):
-    """``torchrun --nnodes 2 --nproc-per-node 1 ... grpo.py`` as on two machines (two torchrun agents meeting at
-    a rendezvous on this one): rank 0 runs the loop and sends its config, the rank on the other node follows.
-    Step 1 is the one-process run's step (same seed, same samples): loss and gradient norm within 1e-5 relative; the
+    """``torchrun --nnodes 2 --nproc-per-node 1 ... grpo.py`` as on two machines (two torchrun agents meeting at a
+    rendezvous on this one): rank 0 runs the loop and sends its config, the rank on the other node follows. Step 1
+    is the one-process run's step (same seed, same samples): loss and gradient norm within 1e-5 relative; the
     weights gathered from the shards reach the engine whole; the run resumes under torchrun; a
-    ``train_model.num_devices`` that is not torchrun's world size is one line from rank 0. Same samples: both
-    engines run in a process of their own and seed each request (they sampled differently before: the loss, mostly
-    the entropy bonus, then differed by 1.4e-5 relative in CI). The ratio's denominator is the trainer's, so the
-    step does not hang on the engines' log-probs, computed in batches formed as the requests arrive. The one-process
-    run is conftest.py's own_engine_run, with the same keys (tests/engines/test_engine_process.py checks it). The model
-    cache starts empty: rank 0 builds the model while the other rank waits to join."""
+    ``train_model.num_devices`` that is not torchrun's world size is one line from rank 0, and the job ends then.
+    Same samples: both engines run in a process of their own and seed each request (they sampled differently before:
+    the loss, mostly the entropy bonus, then differed by 1.4e-5 relative in CI). The ratio's denominator is the
+    trainer's, so the step does not hang on the engines' log-probs, computed in batches formed as the requests
+    arrive. The one-process run is conftest.py's own_engine_run, with the same keys
+    (tests/engines/test_engine_process.py checks it). The model cache starts empty: rank 0 builds the model while
+    the other rank waits to join."""
     run_dir = tmp_path / "run"
     args = [*SMALL, *FLOAT32, "loss.old_log_probs=trainer", "train.entropy_coeff=0.01",
             "logging.checkpoint_frequency=1", f"hydra.run.dir={run_dir}"]
@@ -540,6 +541,8 @@ def test_torchrun_across_two_nodes_takes_the_one_process_step_and_resumes(own_en
     assert proc.returncode != 0 and (
         "error: train_model.num_devices=3 but torchrun started 2 ranks: leave train_model.num_devices out "
         "(torchrun's ranks are the train devices) or set it to 2\n") in err
+    # the follower, still waiting for rank 0's config, went with torchrun's SIGTERM, not its SIGKILL 30 s later
+    assert "Unable to shutdown process" not in err and "exitcode  : -9" not in err, err[-2000:]
     assert live_in_group(proc.pid) == []
 
 

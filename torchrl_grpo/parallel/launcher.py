@@ -119,9 +119,12 @@ def follow_rank(rank: int, world: int, init_method: str, build_follower: BuildFo
     and engine rank 0 has, from the run spec rank 0 sends, sharded alike; they then make the calls rank 0's
     trainer announces until the run ends. SIGINT and SIGTERM are rank 0's to act on: a terminal's Ctrl-C and a
     scheduler's preemption signal every process of the job, and rank 0 then finishes the step and saves a
-    checkpoint, which needs this rank alive (it is stopped as rank 0 stops, or killed if rank 0 dies). ``timeout_s``:
-    ``train.rank_timeout_s`` (torchrun's followers join before rank 0's config reaches them: ``RANK_TIMEOUT_S``)."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    checkpoint, which needs this rank alive (it is stopped as rank 0 stops, or killed if rank 0 dies). Until rank 0's
+    run spec arrives there is nothing to save, and a SIGTERM ends this rank at once: torchrun's, when rank 0 refused
+    its config, would otherwise wait out torchrun's 30 s grace and a SIGKILL. ``timeout_s``: ``train.rank_timeout_s``
+    (torchrun's followers join before rank 0's config reaches them: ``RANK_TIMEOUT_S``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     with process_group(rank, world, init_method, timeout_s, followed=True) as parallel:
-        parallel.follow(*build_follower(parallel.broadcast_run(None), parallel))
+        spec = parallel.broadcast_run(None)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        parallel.follow(*build_follower(spec, parallel))
