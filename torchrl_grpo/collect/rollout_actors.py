@@ -218,17 +218,6 @@ def sigterm_blocked():
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
-def shutdown_ray(ray) -> None:
-    """``ray.shutdown()`` without its graceful second per daemon of a Ray this process started: it sends each a
-    SIGTERM, which :func:`sigterm_blocked` holds back, waits a second and kills it, so the wait only ever delayed the
-    kill (five daemons: five seconds at every run's end). A Ray this run joined keeps running either way."""
-    node = getattr(ray._private.worker, "_global_node", None)
-    if node is not None:
-        kill = node.kill_all_processes
-        node.kill_all_processes = lambda **kwargs: kill(**{**kwargs, "allow_graceful": False})
-    ray.shutdown()
-
-
 class ActorPool:
     """Starts Ray and ``ray.num_actors`` actors (each continuing from its saved prompt position and seeded
     ``train.seed + 1000 x actor + start step``), then (:meth:`start_collecting`) keeps one collect in flight per
@@ -248,7 +237,7 @@ class ActorPool:
             with sigterm_blocked(), ray_sees_gpus(settings):  # in the daemons of a Ray this starts
                 ray.init(**ray_init_kwargs(settings, spec.logging.verbose))
         except Exception as err:  # no cluster at ray.address, a bad ray.init key, ...
-            shutdown_ray(ray)
+            ray.shutdown()
             raise ConfigError(f"ray.address={settings.address}: could not start or join Ray "
                               f"({one_line(err)})") from None
         try:
@@ -405,4 +394,4 @@ class ActorPool:
                 self.ray.kill(actor, no_restart=True)
             except Exception:  # already dead
                 pass
-        shutdown_ray(self.ray)
+        self.ray.shutdown()
