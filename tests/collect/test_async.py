@@ -176,12 +176,12 @@ def test_a_stalled_actor_stops_the_run_in_one_line_at_the_collect_deadline(tmp_p
     run_dir = tmp_path / "run"
     t0 = time.monotonic()
     stalled = run_async([*SMALL, "inference_model.backend=transformers", "train.total_dialog_turns=80",
-                         "logging.checkpoint_frequency=0", "ray.collect_timeout_s=30", f"hydra.run.dir={run_dir}",
+                         "logging.checkpoint_frequency=0", "ray.collect_timeout_s=20", f"hydra.run.dir={run_dir}",
                          "+ray.init.runtime_env.worker_process_setup_hook=actor_faults.stall_at_third_collect"],
                         cwd=tmp_path, timeout=300, env_extra={"PYTHONPATH": str(Path(__file__).parents[1])})
     assert stalled.returncode == 1, stalled.stderr[-3000:]
     last = [line for line in stalled.stderr.splitlines() if line.strip()][-1]
-    assert last.startswith("error: no batch from rollout actor(s) 0 within ray.collect_timeout_s=30 s"), last
+    assert last.startswith("error: no batch from rollout actor(s) 0 within ray.collect_timeout_s=20 s"), last
     assert "checkpoint of step 2 saved" in last
     assert [int(float(r["step"])) for r in metric_rows(run_dir)] == [1, 2]
     assert time.monotonic() - t0 < 200

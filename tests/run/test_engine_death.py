@@ -26,7 +26,7 @@ def steps_logged(run_dir) -> int:
 def test_a_dead_engine_is_replaced_then_the_run_stops_with_a_checkpoint_when_restarts_run_out(tmp_path):
     run_dir = tmp_path / "run"
     proc = start([*SMALL, *FLOAT32, "inference_model.engine_process=own", "inference_model.max_engine_restarts=1",
-                  "inference_model.generate_timeout_s=20", "inference_model.push_timeout_s=20",
+                  "inference_model.generate_timeout_s=12", "inference_model.push_timeout_s=12",
                   "train.total_dialog_turns=96", "train.entropy_coeff=0.01", "logging.checkpoint_frequency=1",
                   f"hydra.run.dir={run_dir}"], cwd=tmp_path)
     kills, deadline = [], time.time() + 400
@@ -48,7 +48,7 @@ def test_a_dead_engine_is_replaced_then_the_run_stops_with_a_checkpoint_when_res
     assert proc.returncode == 1 and "Traceback" not in err, err[-3000:]
     last = err.strip().splitlines()[-1]
     assert re.match(r"error: the vLLM engine's process answered no (generate|push) within inference_model\."
-                    r"(generate|push)_timeout_s=20 s and was killed; inference_model.max_engine_restarts=1 "
+                    r"(generate|push)_timeout_s=12 s and was killed; inference_model.max_engine_restarts=1 "
                     r"restart\(s\) used up; stopped", last) and "train.resume=auto" in last, last
     rows = list(csv.DictReader((run_dir / "metrics.csv").open()))
     assert [int(r["step"]) for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= kills[1]

@@ -156,4 +156,5 @@ def test_the_entry_points_train_on_an_openenv_server(script, server_url, tmp_pat
     rows = metric_rows(run_dir)
     assert [r["step"] for r in rows] == ["0", "1", "2"] and all(r["reward/env_reward"] for r in rows[1:])
     assert float(rows[1]["turns/engine_turns"]) > 1 and float(rows[-1]["eval/prompts"]) == 2
-    assert "reward/env_reward" in done.stdout and not ray_processes()
+    assert "reward/env_reward" in done.stdout
+    assert script == "grpo.py" or not ray_processes()  # grpo.py starts no Ray (the suite's Ray tests may run beside it)
