@@ -45,6 +45,8 @@ _KINDS = {
     "share": (lambda v: _is_num(v) and 0 <= v < 1, "must be in [0, 1)"),
     "unit": (lambda v: _is_num(v) and 0 <= v <= 1, "must be in [0, 1]"),
     "bool": (lambda v: isinstance(v, bool), "must be true or false"),
+    "auto|bool": (lambda v: v == "auto" or isinstance(v, bool), "must be auto, true or false"),
+    "auto|int>0": (lambda v: v == "auto" or (_is_int(v) and v >= 1), "must be auto or a positive integer"),
     "str": (lambda v: isinstance(v, str), "must be a string"),
     "names": (lambda v: isinstance(v, str) or (isinstance(v, Sequence) and all(isinstance(n, str) for n in v)),
               "must be a module name or a list of them"),
@@ -131,9 +133,11 @@ class Train:
     total_dialog_turns: int = key("int>0", "completions over the whole run; steps = total / completions per step")
     dialog_turns_per_batch: int = key("int>0", "completions per step; null = env.num_envs x env.repeats", null=True)
     optim_batch_size: int = key("int>0", "completions per forward/backward micro-batch")
-    micro_batch_tokens: int = key("int>0", "packed micro-batches: each optimizer step's completions end to end, "
-                                  "no padding, at most this many tokens (prompts included) a micro-batch on each "
-                                  "rank, instead of train.optim_batch_size completions; null = off", null=True)
+    micro_batch_tokens: int | str = key("auto|int>0", "packed micro-batches: each optimizer step's completions end "
+                                        "to end, no padding, at most this many tokens (prompts included) a "
+                                        "micro-batch on each rank, instead of train.optim_batch_size completions; "
+                                        "null = off; auto = chosen from the memory plan (docs/memory-plan.md)",
+                                        null=True)
     gradient_accumulation_steps: int = key("int>0", "micro-batches per optimizer step; null = all of a step's",
                                            null=True)
     epochs: int = key("int>0", "passes over each collected batch (mu / num_iterations)")
@@ -156,6 +160,8 @@ class Train:
                                        "0.1 bfloat16", null=True)
     check_memory: bool = key("bool", "at the start, refuse a run whose memory plan (torchrl-grpo plan) cannot fit "
                              "a device even with the shortest prompts; false starts anyway")
+    auto_cpu_memory_share: float = key("prob", "the settings left to auto keep a CPU's planned peak within this "
+                                       "share of the memory free at the start (a GPU's: within 90% of its memory)")
     kl_coef_in_loss: bool = key("bool", "KL to the reference in the loss (true) or subtracted from the reward")
     kl_to_ref_coeff: float = key("num>=0", "0 skips the reference model entirely")
     kl_to_inference_coeff: float = key("num>=0", "KL to the sampling policy, in the loss")
@@ -200,7 +206,8 @@ class Lora:
 class TrainModel(Devices):
     torch_dtype: str = key("str", "the master weights: auto = float32 (the compute follows train.mixed_precision)",
                            null=True)
-    gradient_checkpointing: bool = key("bool", "recompute activations in the backward pass (memory)")
+    gradient_checkpointing: bool | str = key("auto|bool", "recompute activations in the backward pass (memory); "
+                                             "auto = off where the memory plan fits it (docs/memory-plan.md)")
     attn_implementation: str = key("str", "transformers' attention implementation (sdpa, eager, ...)")
     lora: Lora = nested(Lora)
 

@@ -32,7 +32,7 @@ class ModelSettings:
         lora = cfg.train_model.lora
         return cls(name=str(cfg.model.name), trust_remote_code=bool(cfg.model.trust_remote_code),
                    compile=bool(cfg.model.compile),
-                   gradient_checkpointing=bool(cfg.train_model.gradient_checkpointing),
+                   gradient_checkpointing=cfg.train_model.gradient_checkpointing in (True, "auto"),
                    attn_implementation=str(cfg.train_model.attn_implementation),
                    lora=OmegaConf.to_container(lora, resolve=True) if lora.enabled else None)
 
@@ -226,6 +226,7 @@ class TrainSettings:
     weight_sync_tolerance: float | None = None  # train.weight_sync_tolerance
     check_memory: bool = True       # train.check_memory
     rank_timeout_s: float = 1800.0  # train.rank_timeout_s
+    auto_cpu_memory_share: float = 0.5  # train.auto_cpu_memory_share
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan, precision: Precision) -> TrainSettings:
@@ -244,6 +245,7 @@ class TrainSettings:
             sync_iter=bool(cfg.train.sync_iter), weight_sync_check=bool(cfg.train.weight_sync_check),
             weight_sync_tolerance=cfg.train.weight_sync_tolerance, check_memory=bool(cfg.train.check_memory),
             rank_timeout_s=float(cfg.train.rank_timeout_s),
+            auto_cpu_memory_share=float(cfg.train.auto_cpu_memory_share),
         )
 
 

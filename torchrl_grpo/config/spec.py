@@ -32,7 +32,7 @@ from torchrl_grpo.config.settings import (
     OptimizerSettings,
     TrainSettings,
 )
-from torchrl_grpo.config.validate import BatchPlan, validate
+from torchrl_grpo.config.validate import AUTO_KEYS, BatchPlan, is_auto, validate
 from torchrl_grpo.config.vllm_releases import check_actor_engines, choose_sleep, choose_weight_transfer
 
 
@@ -55,6 +55,8 @@ class RunSpec:
     loss: LossSettings          # what builds the objective
     critic: CriticSettings      # an actor-critic run's value model (its keys are read in every run)
     optimizer: OptimizerSettings  # the optimizer and its schedule
+    auto: tuple[str, ...] = ()  # the keys left to auto, their memory-lean values held until they are chosen
+    auto_chosen: str = ""       # what auto chose and why, in one line (config.auto_settings.Choice.line)
 
     @property
     def task(self) -> dict[str, Any]:
@@ -97,7 +99,8 @@ def resolve_run(cfg: DictConfig, training: bool = True, gpu_count: int | None = 
                    ActorSettings.from_config(cfg, placement.actors) if placement.actors is not None else None,
                    LoggingSettings.from_config(cfg), CheckpointSettings.from_config(cfg, placement),
                    OmegaConf.to_container(cfg, resolve=True), LossSettings.from_config(cfg, plan),
-                   CriticSettings.from_config(cfg), OptimizerSettings.from_config(cfg))
+                   CriticSettings.from_config(cfg), OptimizerSettings.from_config(cfg),
+                   auto=tuple(key for key in AUTO_KEYS if is_auto(cfg, key)))
     return with_sleep(with_weight_transfer(spec, training), training)
 
 

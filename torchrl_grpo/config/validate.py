@@ -26,6 +26,9 @@ from torchrl_grpo.objective.advantages import GROUP_FREE_SCALES
 from torchrl_grpo.objective.rules import combination_problem
 from torchrl_grpo.objective.surrogates import TOKEN_ADVANTAGE_LEVELS
 
+CHECKPOINTING, MICRO_BATCH_TOKENS = "train_model.gradient_checkpointing", "train.micro_batch_tokens"
+AUTO_KEYS = (CHECKPOINTING, MICRO_BATCH_TOKENS)  # the keys that take auto (torchrl_grpo/config/auto_settings.py)
+
 
 @dataclass(frozen=True)
 class BatchPlan:
@@ -119,8 +122,14 @@ def batch_plan(cfg: DictConfig) -> BatchPlan:
         optimizer_steps_per_step=epochs * micro_batches // accumulation,
         total_steps=math.ceil(total / per_step),
         max_tokens=_positive_int(cfg, "inference_model.max_tokens"),
-        micro_batch_tokens=_get(cfg, "train.micro_batch_tokens"),
+        micro_batch_tokens=None if is_auto(cfg, MICRO_BATCH_TOKENS) else _get(cfg, MICRO_BATCH_TOKENS),
     )
+
+
+def is_auto(cfg: DictConfig, key: str) -> bool:
+    """Whether ``key`` is left to :mod:`~torchrl_grpo.config.auto_settings` (until then the run spec holds the
+    memory-lean value: gradient checkpointing on, padded micro-batches)."""
+    return _get(cfg, key) == "auto"
 
 
 def check_strategy(cfg: DictConfig, plan: BatchPlan) -> None:

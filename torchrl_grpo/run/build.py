@@ -40,7 +40,7 @@ from torchrl_grpo.objective.loss import GRPOLoss
 from torchrl_grpo.parallel.ranks import DataParallel, hf_model, shard_model
 from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.loop import Run
-from torchrl_grpo.run.memory import check_memory
+from torchrl_grpo.run.memory import check_memory, settle_auto
 from torchrl_grpo.run.sources import ActorSource, LocalSource
 from torchrl_grpo.run.state import RunState, TrainerState
 from torchrl_grpo.tasks import Task, check_env
@@ -280,8 +280,9 @@ class Inputs:
 def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     """Take torchrun's ranks as the train devices, resolve the run spec (:func:`resolve_run`: every key checked, devices
     placed, precisions resolved) and check the task's ``env`` keys (:func:`check_task_keys`), seed the global RNG
-    (before any model is built), find the checkpoint to resume from, then build the task and the evaluation task
-    (``logging.eval_frequency > 0``) and resolve the model and its tokenizer: every input is read here, so that a bad
+    (before any model is built), build the task and the evaluation task (``logging.eval_frequency > 0``), resolve
+    the model, the settings left to auto (:func:`settle_auto`, from its shape), the checkpoint to resume from and the
+    tokenizer: every input is read here, so that a bad
     one fails in one line before the batch plan is printed and before any model or engine is built. Rank 0 reads them
     before any other rank starts (or, under torchrun, before it lets them join): a model built into the cache is built
     once, and the other ranks find it there."""
@@ -290,13 +291,14 @@ def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
     spec = resolve_run(cfg)
     check_task_keys(spec)
     seed_everything(spec.train.seed)
-    state = RunState(spec, run_dir)
     task, turns = build_episode_task(spec.task)
     eval_task = build_eval_task(spec) if spec.eval.every > 0 else None
 
     model_path = resolve_model(spec.model.name, spec.model.trust_remote_code)
     if spec.critic.enabled and spec.critic.model is not None:  # a bad critic.model fails here, in one line
         resolve_model(spec.critic.model, spec.model.trust_remote_code, config_key="critic.model")
+    spec, _ = settle_auto(cfg, spec, model_path)  # before the state records the config
+    state = RunState(spec, run_dir)
     tokenizer = load_tokenizer(model_path, spec.model.trust_remote_code)
     fit_lengths(spec, model_path, tokenizer, (task, turns), eval_task)
     return Inputs(spec, state, task, turns, eval_task, model_path, tokenizer)

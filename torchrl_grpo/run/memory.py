@@ -8,8 +8,9 @@ import json
 import os
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from torchrl_grpo.config.auto_settings import Choice, budgets, choose
 from torchrl_grpo.config.memory_plan import Device, Engine, GiB, ModelShape, fixes, micro_batch, plan_memory, table
 from torchrl_grpo.config.spec import RunSpec, resolve_run
 from torchrl_grpo.core.errors import ConfigError
@@ -64,13 +65,51 @@ def run_memory_plan(spec: RunSpec, prompt_tokens: int | None = None, device_gib:
     return devices, prompt
 
 
+def free_memory() -> int:
+    """Bytes of this machine's memory free for a new run (``MemAvailable``; the total where /proc says nothing)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def settle_auto(cfg: DictConfig, spec: RunSpec, model_path: str | None = None, prompt_tokens: int | None = None,
+                device_gib: float | None = None, gpu_count: int | None = None) -> tuple[RunSpec, Choice | None]:
+    """The keys ``spec`` left to auto chosen (:func:`~torchrl_grpo.config.auto_settings.choose`, on the plan of the
+    model at ``model_path`` (default: ``model.name``'s config.json) with prompts of ``prompt_tokens`` and GPUs of
+    ``device_gib``), written into ``cfg`` and the spec resolved again from it: what checkpoints record, and what
+    data-parallel ranks receive, is the chosen value. Without a plan (a config.json it cannot read) the memory-lean
+    values stay, and the spec says so."""
+    if not spec.auto:
+        return spec, None
+    try:
+        shape = model_shape(spec, model_path)
+    except ConfigError as err:
+        return dataclasses.replace(spec, auto_chosen=f"auto: the memory plan is not available ({err}); gradient "
+                                   "checkpointing on and padded micro-batches kept"), None
+    choice = choose(spec, lambda s: run_memory_plan(s, prompt_tokens, device_gib, shape=shape)[0],
+                    budgets(spec.train.auto_cpu_memory_share, free_memory()))
+    for key, value in choice.overrides().items():
+        OmegaConf.update(cfg, key, value)
+    settled = resolve_run(cfg, gpu_count=gpu_count)
+    return dataclasses.replace(settled, auto_chosen=choice.line()), choice
+
+
 def print_plan(cfg: DictConfig, options: PlanOptions) -> int:
-    """Print the plan of ``cfg``; 1 when a device cannot hold its roles, else 0."""
+    """Print the plan of ``cfg`` (the settings left to auto chosen first); 1 when a device cannot hold its roles,
+    else 0."""
     spec = resolve_run(cfg, gpu_count=options.gpus)
     shape = model_shape(spec)
+    spec, choice = settle_auto(cfg, spec, None, options.prompt_tokens, options.device_gib, options.gpus)
     devices, prompt = run_memory_plan(spec, options.prompt_tokens, options.device_gib, shape=shape)
     print(f"memory plan of model.name={spec.model.name}, micro-batches of prompts up to {prompt} tokens + "
           f"{spec.plan.max_tokens} completion tokens (--prompt-tokens N for your prompts' length):")
+    if choice is not None:
+        print(choice.table())
     print(table(devices, fixes(spec)))
     print(step_time_line(shape, spec, prompt, None if options.gpus else gpu_name(spec.placement.train[0])))
     return 0 if all(d.fits for d in devices) else 1
@@ -95,6 +134,8 @@ def check_memory(spec: RunSpec, model_path: str) -> None:
     except ConfigError as err:  # a model whose config.json the plan cannot read: the run goes on without it
         print(f"memory plan: not available ({err})", flush=True)
         return
+    if spec.auto_chosen:
+        print(spec.auto_chosen, flush=True)
     print("memory plan: " + "; ".join(summary(d) for d in devices) + " (torchrl-grpo plan shows the parts)",
           flush=True)
     if all(d.fits for d in devices):
