@@ -59,8 +59,8 @@ class Choice:
         return {key: self.settings.value(key) for key in self.keys}
 
     def line(self) -> str:
-        """``auto: gradient checkpointing off, padded micro-batches (cpu 1.2 of its 11.7 GiB budget; with checkpointing
-        on 0.9 GiB; packing does not pay on a CPU)``: what the run starts with, in one line."""
+        """What the run starts with, in one line: ``auto: gradient checkpointing off, padded micro-batches (cpu 1.2 of
+        its 11.7 GiB budget; gradient checkpointing on: 0.9 GiB; packing does not pay on a CPU)``."""
         chosen = ", ".join(self.settings.describe(key) for key in self.keys)
         why = [f"{self.tightest.name} {self.tightest.total / GiB:.1f} of its {_gib(self.budget)} budget"]
         for key, other in self.others.items():
