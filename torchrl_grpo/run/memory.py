@@ -128,14 +128,14 @@ def check_memory(spec: RunSpec, model_path: str) -> None:
     """At a run's start: each device's planned total in one line; a one-line ConfigError naming the keys that would
     make it fit when a device cannot hold its roles even with the shortest prompts (``train.check_memory=false``
     starts anyway), a warning when it may not with the longest prompts ``inference_model.max_model_len`` admits."""
+    if spec.auto_chosen:
+        print(spec.auto_chosen, flush=True)
     try:
         shape = model_shape(spec, model_path)
         devices, prompt = run_memory_plan(spec, shape=shape)
     except ConfigError as err:  # a model whose config.json the plan cannot read: the run goes on without it
         print(f"memory plan: not available ({err})", flush=True)
         return
-    if spec.auto_chosen:
-        print(spec.auto_chosen, flush=True)
     print("memory plan: " + "; ".join(summary(d) for d in devices) + " (torchrl-grpo plan shows the parts)",
           flush=True)
     if all(d.fits for d in devices):
