@@ -58,6 +58,11 @@ class Choice:
     def overrides(self) -> dict[str, bool | int | None]:
         return {key: self.settings.value(key) for key in self.keys}
 
+    @property
+    def padded_on_a_cpu(self) -> bool:
+        """The micro-batch left to auto on a CPU, where packing does not pay: padded, no other choice tried."""
+        return MICRO_BATCH_TOKENS in self.keys and self.tightest.name == "cpu"
+
     def line(self) -> str:
         """What the run starts with, in one line: ``auto: gradient checkpointing off, padded micro-batches (cpu 1.2 of
         its 11.7 GiB budget; gradient checkpointing on: 0.9 GiB; packing does not pay on a CPU)``."""
@@ -65,7 +70,7 @@ class Choice:
         why = [f"{self.tightest.name} {self.tightest.total / GiB:.1f} of its {_gib(self.budget)} budget"]
         for key, other in self.others.items():
             why.append(f"{other_choice(self.settings, key).describe(key)}: {other.total / GiB:.1f} GiB")
-        if MICRO_BATCH_TOKENS in self.keys and self.tightest.name == "cpu":
+        if self.padded_on_a_cpu:
             why.append("packing does not pay on a CPU")
         verdict = "" if self.fits else "nothing fits the budget, the leanest kept: "
         return f"auto: {verdict}{chosen} ({'; '.join(why)})"
@@ -77,7 +82,7 @@ class Choice:
             other, alternative = self.others.get(key), ""
             if other is not None:
                 alternative = f"; {other_choice(self.settings, key).describe(key)}: {other.total / GiB:.2f} GiB"
-            if key == MICRO_BATCH_TOKENS and self.tightest.name == "cpu":
+            if key == MICRO_BATCH_TOKENS and self.padded_on_a_cpu:
                 alternative = " (packing does not pay on a CPU)"
             lines.append(f"  {key}={_yaml(self.settings.value(key))}  {self.settings.describe(key)}{alternative}")
         filled = f"{self.tightest.name}'s budget {_gib(self.budget)}, filled to {self.tightest.total / GiB:.2f} GiB"
@@ -175,9 +180,3 @@ def _gib(budget: int | None) -> str:
 
 def _yaml(value: bool | int | None) -> str:
     return "null" if value is None else str(value).lower()
-
-
-def resolved_overrides(choice: Choice) -> list[str]:
-    """The chosen values as Hydra overrides (what a user sets to pin them)."""
-    return [f"{key}={_yaml(value)}" for key, value in choice.overrides().items()]
-

@@ -278,14 +278,14 @@ class Inputs:
 
 
 def read_inputs(cfg: DictConfig, run_dir: Path) -> Inputs:
-    """Take torchrun's ranks as the train devices, resolve the run spec (:func:`resolve_run`: every key checked, devices
-    placed, precisions resolved) and check the task's ``env`` keys (:func:`check_task_keys`), seed the global RNG
-    (before any model is built), build the task and the evaluation task (``logging.eval_frequency > 0``), resolve
-    the model, the settings left to auto (:func:`settle_auto`, from its shape), the checkpoint to resume from and the
-    tokenizer: every input is read here, so that a bad
-    one fails in one line before the batch plan is printed and before any model or engine is built. Rank 0 reads them
-    before any other rank starts (or, under torchrun, before it lets them join): a model built into the cache is built
-    once, and the other ranks find it there."""
+    """Take torchrun's ranks as the train devices, resolve the run spec (:func:`resolve_run`: every key checked,
+    devices placed, precisions resolved) and check the task's ``env`` keys (:func:`check_task_keys`), seed the
+    global RNG (before any model is built), build the task and the evaluation task (``logging.eval_frequency > 0``),
+    resolve the model, the settings left to auto (:func:`settle_auto`, from its shape), the checkpoint to resume
+    from and the tokenizer: every input is read here, so that a bad one fails in one line before the batch plan is
+    printed and before any model or engine is built. Rank 0 reads them before any other rank starts (or, under
+    torchrun, before it lets them join): a model built into the cache is built once, and the other ranks find it
+    there."""
     if (launch := torchrun_launch()) is not None:
         adopt_torchrun_ranks(cfg, launch)
     spec = resolve_run(cfg)
