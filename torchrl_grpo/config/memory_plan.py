@@ -155,11 +155,13 @@ def layer_activation_bytes(shape: ModelShape, compute: torch.dtype, norms: torch
 
 @dataclass(frozen=True)
 class Item:
-    """One thing a role holds."""
+    """One thing a role holds; ``transient`` ones only while it trains (activations, logits, gradients: zeroed to
+    None after each update), freed between steps."""
 
     name: str
     bytes: int
     note: str = ""
+    transient: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,6 +179,11 @@ class Role:
     def bytes(self) -> int:
         return self.processes * sum(item.bytes for item in self.items)
 
+    @property
+    def resident(self) -> int:
+        """What the role keeps between steps."""
+        return self.processes * sum(item.bytes for item in self.items if not item.transient)
+
 
 @dataclass(frozen=True)
 class Device:
@@ -188,12 +195,15 @@ class Device:
 
     @property
     def total(self) -> int:
-        """The peak: every role's bytes, less what a sleeping engine frees while the others train, unless the
-        engine itself is the larger."""
+        """The peak: every role's bytes; with a sleeping engine the larger of its two phases: the others training
+        while it sleeps, and it generating beside what the others keep between steps (the trainer gives its cached
+        GPU memory back before the engine wakes: :class:`~torchrl_grpo.run.sources.LocalSource`)."""
         whole = sum(r.bytes for r in self.roles)
         released = sum(r.released for r in self.roles)
-        engine = max((r.bytes for r in self.roles if r.released), default=0)
-        return max(whole - released, engine)
+        if not released:
+            return whole
+        generating = sum(r.bytes if r.released else r.resident for r in self.roles)
+        return max(whole - released, generating)
 
     @property
     def fits(self) -> bool:
@@ -302,25 +312,27 @@ def trainer_role(shape: ModelShape, spec: RunSpec, batch: Batch, capacity: int |
     layers = "" if whole else f" (layers {share.start}-{share.start + share.layers - 1})"
     items = [Item("weights", weights // ranks, f"{total / 1e6:.1f}M x {dtype_name(precision.train_weights)}"
                   + (f" + LoRA {trained / 1e6:.2f}M float32" if spec.model.lora is not None else "") + layers),
-             Item("gradients", grad_bytes // ranks, f"{trained / 1e6:.1f}M trained"),
+             Item("gradients", grad_bytes // ranks, f"{trained / 1e6:.1f}M trained", transient=True),
              Item("optimizer state", states // ranks, f"{spec.optimizer.name}: "
                   f"{OPTIMIZER_STATES[spec.optimizer.name]} per trained parameter")]
     if spec.model.lora is not None and spec.engine.backend == "vllm" and spec.engine.lora_rank is None:
         merged = shape.merged_lora_weights(spec.model.lora) * share.layers // shape.layers * weight
-        items.append(Item("merged weights for a push", merged, "LoRA merged into each targeted weight, all at once"))
+        items.append(Item("merged weights for a push", merged, "LoRA merged into each targeted weight, all at once",
+                          transient=True))
     if ranks > 1:
         gathered = (shape.layer_parameters() + shape.embedding * (1 if shape.tied else 2))
         gathered_bytes = gathered * (2 if precision.autocast_bf16 else weight) * 2
-        items.append(Item("FSDP2 gathered", gathered_bytes, "one layer and the root, weights and gradients"))
+        items.append(Item("FSDP2 gathered", gathered_bytes, "one layer and the root, weights and gradients",
+                          transient=True))
     other = activation_bytes(shape, spec, batch, not checkpointing, share.layers)
     on = "on" if checkpointing else "off"
     items.append(Item("activations", activation_bytes(shape, spec, batch, checkpointing, share.layers),
                       f"{batch.describe}, gradient checkpointing {on} (turned "
-                      f"{'off' if checkpointing else 'on'}: {other / GiB:.2f} GiB)"))
+                      f"{'off' if checkpointing else 'on'}: {other / GiB:.2f} GiB)", transient=True))
     if share.last:
         chunk = min(batch.completion, chunk_tokens(shape, device, capacity))
         items.append(Item("logits chunk", logits_bytes(shape, batch, device, capacity),
-                          f"{LOGITS_CHUNKS_LIVE} x {chunk} tokens x {shape.vocab} vocab float32"))
+                          f"{LOGITS_CHUNKS_LIVE} x {chunk} tokens x {shape.vocab} vocab float32", transient=True))
     return Role("trainer", device, tuple(items), processes=ranks if device == "cpu" else 1)
 
 
@@ -374,9 +386,10 @@ def critic_role(shape: ModelShape, spec: RunSpec, batch: Batch, device: str | No
     params = shape.critic_parameters
     weight = precision.train_weights.itemsize
     items = (Item("weights", params * weight // ranks, f"{params / 1e6:.1f}M x {dtype_name(precision.train_weights)}"),
-             Item("gradients", params * weight // ranks),
+             Item("gradients", params * weight // ranks, transient=True),
              Item("optimizer state", OPTIMIZER_STATES[spec.optimizer.name] * params * weight // ranks),
-             Item("activations", activation_bytes(shape, spec, batch, spec.model.gradient_checkpointing)))
+             Item("activations", activation_bytes(shape, spec, batch, spec.model.gradient_checkpointing),
+                  transient=True))
     device = device or spec.placement.train[0]
     return Role("critic", device, items, processes=ranks if device == "cpu" else 1)
 

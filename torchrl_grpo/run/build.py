@@ -375,8 +375,10 @@ def build_sync(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None = 
     collector = Collector(c.task, c.tokenizer, engine, PromptSampler(len(c.task.rows), c.spec.collect.prompt_seed),
                           c.spec.collect, c.turns)
     vllm = c.spec.engine.backend == "vllm"  # the transformers engine is the policy itself: it cannot die apart
+    sleeps_on_gpu = vllm and int(c.spec.engine.sleep) > 0 and c.trainer.device.type == "cuda"
     source = LocalSource(collector, weights, overlap=not c.spec.train.sync_iter,
-                         new_engine=new_engine if vllm else None, max_restarts=c.spec.engine.max_restarts)
+                         new_engine=new_engine if vllm else None, max_restarts=c.spec.engine.max_restarts,
+                         engine_sleeps_on_gpu=sleeps_on_gpu)
     return Run(source, c.trainer, c.state, c.spec, c.evaluator)
 
 

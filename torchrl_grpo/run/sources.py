@@ -27,6 +27,8 @@ import sys
 import time
 from collections.abc import Callable
 
+import torch
+
 from torchrl_grpo.collect.collector import Collector
 from torchrl_grpo.collect.prefetch import Prefetch
 from torchrl_grpo.collect.rollout_actors import ActorFault, ActorPool
@@ -51,8 +53,10 @@ class LocalSource:
     faults = (RunError,)  # a reward function raised while collecting, or the engine died too often
 
     def __init__(self, collector: Collector, weights: EngineSync, overlap: bool = False,
-                 new_engine: Callable[[int, int], object] | None = None, max_restarts: int = 0):
+                 new_engine: Callable[[int, int], object] | None = None, max_restarts: int = 0,
+                 engine_sleeps_on_gpu: bool = False):
         self.collector, self.weights, self.overlap = collector, weights, overlap
+        self.engine_sleeps_on_gpu = engine_sleeps_on_gpu
         self.new_engine, self.max_restarts, self.restarts = new_engine, max_restarts, 0
         self.reward_names, self.tokenizer = collector.task.reward_names, collector.tokenizer
         self.exact_engine = None if overlap else collector.engine  # a prefetching engine samples while we save
@@ -111,6 +115,10 @@ class LocalSource:
                 metrics["batch_wait_time"] = self.prefetch.finish()
             except Exception as err:  # the next batch's generation: its prompts are drawn again
                 metrics.update(self._replace_dead_engine(err, step))
+        if self.engine_sleeps_on_gpu:
+            # what torch's allocator cached of the step's activations is the memory the engine wakes into (the plan
+            # counts only what the trainer keeps between steps beside the awake engine)
+            torch.cuda.empty_cache()
         try:
             metrics.update(self.weights.push(step))  # checked before the next generation (a prefetch's, next step)
         except Exception as err:
