@@ -76,7 +76,7 @@ ROWS = [
     (["optimizer.lr=0"], r"optimizer.lr=0: must be a number > 0"),
     (["optimizer.lr=abc"], r"optimizer.lr='abc': must be a number > 0"),
     (["inference_model.gpu_memory_utilization=1.5"],
-     r"inference_model.gpu_memory_utilization=1.5: must be in \(0, 1\]"),
+     r"inference_model.gpu_memory_utilization=1.5: must be auto or a number in \(0, 1\]"),
     (["train.sync_iter=maybe"], r"train.sync_iter='maybe': must be true or false"),
     (["train.mixed_precision=maybe"],
      r"train.mixed_precision='maybe': choose auto \(bf16 autocast where bf16 is native\), true or false"),

@@ -150,6 +150,9 @@ def test_the_logits_are_at_most_four_chunks_of_the_heads_float32_output():
     # on a GPU a chunk is 1/128 of its memory when that is more than 64 MiB
     gpu_chunk = 80 * GiB // 128 // (4 * 2 ** 16)
     assert logits_bytes(shape, Batch(10_000, 5_000, ""), "cuda:0", 80 * GiB) == 4 * gpu_chunk * 2 ** 16 * 4
+    # train.log_prob_chunk_mib: its MiB on either device, up to the micro-batch's completion tokens
+    assert logits_bytes(shape, Batch(10_000, 5_000, ""), "cuda:0", 80 * GiB, 1 << 30) == 4 * 4096 * 2 ** 16 * 4
+    assert logits_bytes(shape, Batch(10_000, 5_000, ""), "cpu", None, 2 << 30) == 4 * 5_000 * 2 ** 16 * 4
 
 
 def test_the_cpu_total_adds_the_process_the_trainer_and_the_engine():

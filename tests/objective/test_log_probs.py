@@ -43,14 +43,12 @@ def tied(model):
 @pytest.mark.parametrize("chunk_tokens", [None, 3], ids=["one_chunk", "chunks_of_3"])
 @pytest.mark.parametrize("head", ["untied", "tied"])
 @pytest.mark.parametrize("lora", [None, LORA], ids=["plain", "lora"])
-def test_log_probs_on_wanted_positions_equal_the_full_computation(tiny_model_path, lora, head, chunk_tokens,
-                                                                  monkeypatch):
+def test_log_probs_on_wanted_positions_equal_the_full_computation(tiny_model_path, lora, head, chunk_tokens):
     torch.manual_seed(0)  # the LoRA initialisation
     model = load_policy(tiny_model_path, dtype=torch.float64, device="cpu", lora=lora)
     model = tied(model) if head == "tied" else model
     vocab = model.config.vocab_size
-    if chunk_tokens:
-        monkeypatch.setattr(log_probs, "CHUNK_BYTES", 4 * vocab * chunk_tokens)
+    chunk = 4 * vocab * chunk_tokens if chunk_tokens else None  # train.log_prob_chunk_mib, in bytes
     tokens, attention, completion = mixed_batch(vocab)
     wanted = completion[:, 1:]  # as the plain computation's columns (tokens 1..L-1)
     expected, expected_entropy = plain_log_probs(model, tokens, attention, 0.7)
@@ -59,7 +57,7 @@ def test_log_probs_on_wanted_positions_equal_the_full_computation(tiny_model_pat
     expected_grads = grads(model)
 
     got, entropy = token_log_probs(model, tokens, attention, 0.7, with_entropy=True, wanted=completion,
-                                   entropy_grad=True)
+                                   entropy_grad=True, chunk_bytes=chunk)
     ((got[:, 1:] * weights + entropy[:, 1:]) * wanted).sum().backward()
     assert got.dtype == torch.float64
     assert torch.allclose(got[:, 1:][wanted], expected[wanted], atol=1e-12, rtol=0)

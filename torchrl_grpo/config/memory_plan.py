@@ -167,13 +167,15 @@ class Item:
 @dataclass(frozen=True)
 class Role:
     """What one role holds on one device; ``released`` of it is freed while another role runs there (vLLM's
-    sleep), ``processes`` the role's processes there (data-parallel ranks on a CPU each hold their share)."""
+    sleep), ``processes`` the role's processes there (data-parallel ranks on a CPU each hold their share);
+    ``wants`` what it needs to run at full speed (a GPU engine: a step's sequences in its KV cache at once)."""
 
     name: str
     device: str
     items: tuple[Item, ...]
     processes: int = 1
     released: int = 0
+    wants: int = 0
 
     @property
     def bytes(self) -> int:
@@ -270,18 +272,20 @@ def activation_bytes(shape: ModelShape, spec: RunSpec, batch: Batch, checkpointi
     return batch.tokens * (kept + 3 * shape.hidden * FLOAT32)
 
 
-def chunk_tokens(shape: ModelShape, device: str, capacity: int | None) -> int:
-    """Tokens of one chunk of the head's float32 logits (:func:`torchrl_grpo.objective.log_probs.chunk_bytes`)."""
+def chunk_tokens(shape: ModelShape, device: str, capacity: int | None, chunk: int | None = None) -> int:
+    """Tokens of one chunk of the head's float32 logits: ``chunk`` bytes (``train.log_prob_chunk_mib``) or the
+    device's default (:func:`torchrl_grpo.objective.log_probs.chunk_bytes`)."""
     budget = CHUNK_BYTES
     if device.startswith("cuda") and capacity:
         budget = max(CHUNK_BYTES, capacity // GPU_SHARE)
-    return max(1, budget // (FLOAT32 * shape.vocab))
+    return max(1, (chunk or budget) // (FLOAT32 * shape.vocab))
 
 
-def logits_bytes(shape: ModelShape, batch: Batch, device: str, capacity: int | None) -> int:
+def logits_bytes(shape: ModelShape, batch: Batch, device: str, capacity: int | None, chunk: int | None = None) -> int:
     """The chunked head's peak: :data:`LOGITS_CHUNKS_LIVE` float32 [tokens, vocab] tensors of one chunk (or of the
     micro-batch's completion tokens, when they fit one)."""
-    return LOGITS_CHUNKS_LIVE * min(batch.completion, chunk_tokens(shape, device, capacity)) * shape.vocab * FLOAT32
+    tokens = min(batch.completion, chunk_tokens(shape, device, capacity, chunk))
+    return LOGITS_CHUNKS_LIVE * tokens * shape.vocab * FLOAT32
 
 
 @dataclass(frozen=True)
@@ -330,8 +334,8 @@ def trainer_role(shape: ModelShape, spec: RunSpec, batch: Batch, capacity: int |
                       f"{batch.describe}, gradient checkpointing {on} (turned "
                       f"{'off' if checkpointing else 'on'}: {other / GiB:.2f} GiB)", transient=True))
     if share.last:
-        chunk = min(batch.completion, chunk_tokens(shape, device, capacity))
-        items.append(Item("logits chunk", logits_bytes(shape, batch, device, capacity),
+        chunk = min(batch.completion, chunk_tokens(shape, device, capacity, spec.plan.chunk_bytes))
+        items.append(Item("logits chunk", logits_bytes(shape, batch, device, capacity, spec.plan.chunk_bytes),
                           f"{LOGITS_CHUNKS_LIVE} x {chunk} tokens x {shape.vocab} vocab float32", transient=True))
     return Role("trainer", device, tuple(items), processes=ranks if device == "cpu" else 1)
 
@@ -420,11 +424,14 @@ def engine_role(shape: ModelShape, spec: RunSpec, engine: Engine, device: str, c
         level = settings.sleep if isinstance(settings.sleep, int) else 0
         released = reserved if level else 0  # level 1 moves its weights to the CPU's memory, 2 drops them
         split = f", 1/{shards} of them (tensor parallel)" if shards > 1 else ""
+        step_kv = engine.kv_tokens * kv_token
+        # its working memory beside the KV cache as measured on the CPU (VLLM_CPU_WORKING): not measured on a GPU
+        wants = weights + step_kv + VLLM_CPU_WORKING + weights
         return Role(name, device,
                     (Item("weights", weights, f"vLLM, {dtype_name(dtype)}{split}"),
                      Item("KV cache and activations", max(reserved - weights, 0),
-                          f"inference_model.gpu_memory_utilization={settings.gpu_memory_utilization}; a step needs "
-                          f"{engine.kv_tokens * kv_token / GiB:.2f} GiB of KV cache")), released=released)
+                          f"inference_model.gpu_memory_utilization={settings.gpu_memory_utilization:.2f}; a step "
+                          f"needs {step_kv / GiB:.2f} GiB of KV cache")), released=released, wants=wants)
     items = [Item("weights", weights, f"vLLM, {dtype_name(dtype)}"),
              Item("KV cache", engine.kv_tokens * kv_token, f"{engine.kv_tokens} tokens"),
              Item("working memory", VLLM_CPU_WORKING + weights, "measured: 0.3 GiB and its weights once more")]

@@ -42,6 +42,7 @@ _KINDS = {
     "num>=0": (lambda v: _is_num(v) and v >= 0, "must be a number >= 0"),
     "auto|num>=0": (lambda v: v == "auto" or (_is_num(v) and v >= 0), "must be auto or a number >= 0"),
     "prob": (lambda v: _is_num(v) and 0 < v <= 1, "must be in (0, 1]"),
+    "auto|prob": (lambda v: v == "auto" or (_is_num(v) and 0 < v <= 1), "must be auto or a number in (0, 1]"),
     "share": (lambda v: _is_num(v) and 0 <= v < 1, "must be in [0, 1)"),
     "unit": (lambda v: _is_num(v) and 0 <= v <= 1, "must be in [0, 1]"),
     "bool": (lambda v: isinstance(v, bool), "must be true or false"),
@@ -138,6 +139,11 @@ class Train:
                                         "micro-batch on each rank, instead of train.optim_batch_size completions; "
                                         "null = off; auto = chosen from the memory plan (docs/memory-plan.md)",
                                         null=True)
+    log_prob_chunk_mib: int | str = key("auto|int>0", "MiB of float32 logits the log-probs' head computes at a "
+                                        "time (each chunk recomputed in the backward): larger is faster on a GPU, "
+                                        "smaller holds less; null = 64 on a CPU (where chunks cost nothing), 1/128 "
+                                        "of a GPU's memory; auto = the whole micro-batch's where the memory plan "
+                                        "fits it (docs/memory-plan.md)", null=True)
     gradient_accumulation_steps: int = key("int>0", "micro-batches per optimizer step; null = all of a step's",
                                            null=True)
     epochs: int = key("int>0", "passes over each collected batch (mu / num_iterations)")
@@ -217,7 +223,9 @@ class InferenceModel(Devices):
     torch_dtype: str = key("str", "the engine's weights: auto = bfloat16 on GPU; on the CPU bfloat16 when the trainer "
                            "computes in bf16 (train.mixed_precision), else float32", null=True)
     backend: str = key("choice", "rollout engine", choices=("vllm", "transformers"))
-    gpu_memory_utilization: float = key("prob", "share of its GPU vLLM may take")
+    gpu_memory_utilization: float | str = key("auto|prob", "share of its GPU vLLM may take; auto = what the memory "
+                                              "plan leaves beside the trainer (with inference_model.sleep=auto, "
+                                              "awake while training where that fits, docs/memory-plan.md)")
     temperature: float = key("num>0", "sampling temperature (the loss's log-probs use it too)")
     top_p: float = key("prob", "nucleus sampling")
     top_k: int = key("int>=0", "sample among the k most likely tokens; 0 = off")

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from torchrl_grpo.config.placement import ActorGpus, Placement
 from torchrl_grpo.config.precision import Precision
-from torchrl_grpo.config.validate import BatchPlan, check_lora, engine_lora_rank, lora_sync
+from torchrl_grpo.config.validate import UNSETTLED_ENGINE_SHARE, BatchPlan, check_lora, engine_lora_rank, lora_sync
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,8 @@ class EngineSettings:
         with half a GPU each take half of what one engine would."""
         inference, lora = cfg.inference_model, cfg.train_model.lora
         adapter = lora_sync(lora, str(inference.backend), engine_on.startswith("cuda")) == "adapter"
-        utilization = float(inference.gpu_memory_utilization) * memory_share
+        share = inference.gpu_memory_utilization
+        utilization = float(UNSETTLED_ENGINE_SHARE if share == "auto" else share) * memory_share
         return cls(backend=str(inference.backend), gpu_memory_utilization=utilization,
                    max_model_len=int(inference.max_model_len), engine_process=str(inference.engine_process),
                    weight_transfer=str(inference.weight_transfer), sleep=inference.sleep,
@@ -170,13 +171,15 @@ class LossSettings:
     kl_to_inference_coeff: float    # train.kl_to_inference_coeff
     entropy_coeff: float            # train.entropy_coeff
     packed: bool                    # train.micro_batch_tokens set: the policy reads rows packed
+    log_prob_chunk_bytes: int | None = None  # train.log_prob_chunk_mib (None: the device's default)
 
     @classmethod
     def from_config(cls, cfg: DictConfig, plan: BatchPlan) -> LossSettings:
         return cls(section=OmegaConf.to_container(cfg.loss, resolve=True),
                    max_tokens=int(cfg.inference_model.max_tokens), temperature=float(cfg.inference_model.temperature),
                    kl_to_ref_coeff=kl_split(cfg)[0], kl_to_inference_coeff=float(cfg.train.kl_to_inference_coeff),
-                   entropy_coeff=float(cfg.train.entropy_coeff), packed=plan.micro_batch_tokens is not None)
+                   entropy_coeff=float(cfg.train.entropy_coeff), packed=plan.micro_batch_tokens is not None,
+                   log_prob_chunk_bytes=plan.chunk_bytes)
 
 
 @dataclass(frozen=True)
@@ -220,6 +223,7 @@ class TrainSettings:
     min_ess: float = 0.5            # train.min_ess
     no_signal_stop: bool = False    # train.no_signal_stop
     micro_batch_tokens: int | None = None  # train.micro_batch_tokens
+    log_prob_chunk_bytes: int | None = None  # train.log_prob_chunk_mib (None: the device's default)
     reference: bool = False         # train.kl_to_ref_coeff > 0: a KL to the reference model, in the loss or reward
     sync_iter: bool = True          # train.sync_iter
     weight_sync_check: bool = True  # train.weight_sync_check
@@ -233,7 +237,7 @@ class TrainSettings:
         clip = cfg.optimizer.clip_grad_norm
         return cls(
             group_size=plan.group_size, micro_batch=plan.micro_batch, accumulation=plan.accumulation,
-            micro_batch_tokens=plan.micro_batch_tokens,
+            micro_batch_tokens=plan.micro_batch_tokens, log_prob_chunk_bytes=plan.chunk_bytes,
             epochs=plan.epochs, temperature=float(cfg.inference_model.temperature),
             recompute_old_log_probs=precision.trainer_old_log_probs,
             kl_in_reward_coeff=kl_split(cfg)[1],

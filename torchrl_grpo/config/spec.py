@@ -32,7 +32,7 @@ from torchrl_grpo.config.settings import (
     OptimizerSettings,
     TrainSettings,
 )
-from torchrl_grpo.config.validate import AUTO_KEYS, BatchPlan, is_auto, validate
+from torchrl_grpo.config.validate import BatchPlan, auto_keys, validate
 from torchrl_grpo.config.vllm_releases import check_actor_engines, choose_sleep, choose_weight_transfer
 
 
@@ -100,7 +100,7 @@ def resolve_run(cfg: DictConfig, training: bool = True, gpu_count: int | None = 
                    LoggingSettings.from_config(cfg), CheckpointSettings.from_config(cfg, placement),
                    OmegaConf.to_container(cfg, resolve=True), LossSettings.from_config(cfg, plan),
                    CriticSettings.from_config(cfg), OptimizerSettings.from_config(cfg),
-                   auto=tuple(key for key in AUTO_KEYS if is_auto(cfg, key)))
+                   auto=auto_keys(cfg))
     return with_sleep(with_weight_transfer(spec, training), training)
 
 

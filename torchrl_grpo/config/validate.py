@@ -27,7 +27,12 @@ from torchrl_grpo.objective.rules import combination_problem
 from torchrl_grpo.objective.surrogates import TOKEN_ADVANTAGE_LEVELS
 
 CHECKPOINTING, MICRO_BATCH_TOKENS = "train_model.gradient_checkpointing", "train.micro_batch_tokens"
-AUTO_KEYS = (CHECKPOINTING, MICRO_BATCH_TOKENS)  # the keys that take auto (torchrl_grpo/config/auto_settings.py)
+LOG_PROB_CHUNK = "train.log_prob_chunk_mib"
+ENGINE_SHARE, SLEEP = "inference_model.gpu_memory_utilization", "inference_model.sleep"
+# the keys that take auto (torchrl_grpo/config/auto_settings.py); inference_model.sleep=auto has a rule of its own
+# (config/vllm_releases.py choose_sleep), which the plan refines only with the engine's share left to it
+AUTO_KEYS = (CHECKPOINTING, MICRO_BATCH_TOKENS, LOG_PROB_CHUNK, ENGINE_SHARE)
+UNSETTLED_ENGINE_SHARE = 0.5  # inference_model.gpu_memory_utilization=auto until the plan settles it
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,12 @@ class BatchPlan:
     total_steps: int
     max_tokens: int
     micro_batch_tokens: int | None = None  # train.micro_batch_tokens: packed micro-batches (None: micro_batch rows)
+    log_prob_chunk_mib: int | None = None  # train.log_prob_chunk_mib (None: the device's default chunk)
+
+    @property
+    def chunk_bytes(self) -> int | None:
+        """The log-prob chunk in bytes (None: the device's default)."""
+        return None if self.log_prob_chunk_mib is None else self.log_prob_chunk_mib << 20
 
     def table(self) -> str:
         cut = [("completions per micro-batch", f"{self.micro_batch}", "train.optim_batch_size"),
@@ -123,12 +134,19 @@ def batch_plan(cfg: DictConfig) -> BatchPlan:
         total_steps=math.ceil(total / per_step),
         max_tokens=_positive_int(cfg, "inference_model.max_tokens"),
         micro_batch_tokens=None if is_auto(cfg, MICRO_BATCH_TOKENS) else _get(cfg, MICRO_BATCH_TOKENS),
+        log_prob_chunk_mib=None if is_auto(cfg, LOG_PROB_CHUNK) else _get(cfg, LOG_PROB_CHUNK),
     )
+
+
+def auto_keys(cfg: DictConfig) -> tuple[str, ...]:
+    """The keys of ``cfg`` left to auto; ``inference_model.sleep=auto`` among them only with the engine's share."""
+    keys = [key for key in AUTO_KEYS if is_auto(cfg, key)]
+    return (*keys, SLEEP) if ENGINE_SHARE in keys and is_auto(cfg, SLEEP) else tuple(keys)
 
 
 def is_auto(cfg: DictConfig, key: str) -> bool:
     """Whether ``key`` is left to :mod:`~torchrl_grpo.config.auto_settings` (until then the run spec holds the
-    memory-lean value: gradient checkpointing on, padded micro-batches)."""
+    memory-lean value: gradient checkpointing on, padded micro-batches, the device's default log-prob chunk)."""
     return _get(cfg, key) == "auto"
 
 

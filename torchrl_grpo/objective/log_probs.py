@@ -30,7 +30,7 @@ TRANSFORMED_LOGITS = ("final_logit_softcapping", "logit_scale", "logits_scaling"
 
 def token_log_probs(model, tokens: Int[Tensor, "N L"], attention_mask: Shaped[Tensor, "N L"],
                     temperature: float = 1.0, with_entropy: bool = False, wanted: Shaped[Tensor, "N L"] | None = None,
-                    entropy_grad: bool = False, packed: bool = False
+                    entropy_grad: bool = False, packed: bool = False, chunk_bytes: int | None = None
                     ) -> tuple[Float[Tensor, "N L"], Float[Tensor, "N L"] | None]:
     """Log-prob of each token given its prefix, under ``softmax(logits / temperature)``, as [N, L].
 
@@ -45,6 +45,9 @@ def token_log_probs(model, tokens: Int[Tensor, "N L"], attention_mask: Shaped[Te
     ``packed``: the model reads the rows end to end as one sequence without their padding, its position ids
     starting again at each row, which keeps attention within a row (:func:`packed_inputs`); the values are the
     padded computation's. Rows are the ``attention_mask``'s tokens, contiguous in each row.
+
+    ``chunk_bytes``: float32 logits per chunk (``train.log_prob_chunk_mib``; default :func:`chunk_bytes` of the
+    device).
     """
     wanted = torch.ones_like(tokens, dtype=torch.bool) if wanted is None else wanted.to(tokens.device, torch.bool)
     wanted = torch.cat([torch.zeros_like(wanted[:, :1]), wanted[:, 1:]], 1)
@@ -63,7 +66,7 @@ def token_log_probs(model, tokens: Int[Tensor, "N L"], attention_mask: Shaped[Te
 
         def pick(hidden):
             return hidden[:, :-1][window.to(hidden.device)]
-    scores = ChunkedScores(targets, temperature, entropy_grad)
+    scores = ChunkedScores(targets, temperature, entropy_grad, chunk_bytes)
     with head_only_at(model, pick), scores.in_head_of(model):
         out = model(**inputs).logits[0]
     if not scores.ran:  # the model transforms its logits: they came out whole
@@ -77,16 +80,16 @@ def token_log_probs(model, tokens: Int[Tensor, "N L"], attention_mask: Shaped[Te
 class ChunkedScores:
     """The log-prob of ``targets`` ([n] token ids) and the entropy at each of n positions, [n, 2] in float32 (float64
     for a float64 model), from their logits or from their hidden states and the head, :data:`CHUNK_BYTES` of logits
-    at a time."""
+    at a time (``chunk``; default :func:`chunk_bytes` of the device)."""
 
-    def __init__(self, targets: torch.Tensor, temperature: float, entropy_grad: bool):
-        self.targets, self.temperature, self.entropy_grad = targets, temperature, entropy_grad
+    def __init__(self, targets: torch.Tensor, temperature: float, entropy_grad: bool, chunk: int | None = None):
+        self.targets, self.temperature, self.entropy_grad, self.chunk = targets, temperature, entropy_grad, chunk
         self.ran = False
 
     def __call__(self, logits: torch.Tensor, head=None, vocab: int | None = None) -> torch.Tensor:
         """``logits`` [n, vocab], or with ``head`` the hidden states [n, hidden] that ``head`` maps to logits over
         ``vocab`` tokens."""
-        size = max(1, chunk_bytes(logits.device) // (4 * (vocab or logits.shape[-1])))
+        size = max(1, (self.chunk or chunk_bytes(logits.device)) // (4 * (vocab or logits.shape[-1])))
         targets = self.targets.to(logits.device)
         # logits within the budget are kept for the backward as they are; beyond it each chunk's are recomputed there
         recompute = head is not None and torch.is_grad_enabled() and len(logits) > size

@@ -102,6 +102,7 @@ class GRPOLoss(LossModule):
         tau_pos: float = 1.0,
         tau_neg: float = 1.05,
         packed: bool = False,
+        chunk_bytes: int | None = None,
         **modifiers: float | None,
     ):
         super().__init__()
@@ -133,13 +134,14 @@ class GRPOLoss(LossModule):
         self.overlong = overlong
         self.tau_pos, self.tau_neg = tau_pos, tau_neg
         self.packed = packed  # the policy reads each micro-batch's rows packed end to end (train.micro_batch_tokens)
+        self.chunk_bytes = chunk_bytes  # the log-probs' chunk (train.log_prob_chunk_mib; None: the device's default)
         # in registry order, which fixes the order of their float operations
         self.modifiers = {key: modifiers[key] for key in SURROGATE_MODIFIERS if modifiers.get(key) is not None}
 
     @classmethod
     def from_config(cls, policy: torch.nn.Module, loss_cfg: Mapping, *, max_tokens: int, temperature: float,
                     kl_to_ref_coeff: float, kl_to_inference_coeff: float, entropy_coeff: float,
-                    packed: bool = False) -> "GRPOLoss":
+                    packed: bool = False, chunk_bytes: int | None = None) -> "GRPOLoss":
         """The loss a ``loss:`` config section describes: the clip range, each family of
         :data:`LOSS_CHOICES` and each surrogate modifier by its key, which every preset sets. The section's
         other keys (``reward_scale``, ``old_log_probs``, ``overlong_buffer``, dynamic sampling) are the loop's.
@@ -157,6 +159,7 @@ class GRPOLoss(LossModule):
             tau_pos=float(loss_cfg["tau_pos"]),
             tau_neg=float(loss_cfg["tau_neg"]),
             packed=packed,
+            chunk_bytes=chunk_bytes,
             **{family: loss_cfg[family] for family in LOSS_CHOICES},
             **modifiers,
         )
@@ -192,6 +195,7 @@ class GRPOLoss(LossModule):
         logp, entropy = token_log_probs(
             self.policy, batch[Batch.TOKENS], batch[Batch.ATTENTION_MASK], self.temperature, with_entropy=True,
             wanted=completion, entropy_grad=self.entropy_coeff > 0, packed=self.packed,
+            chunk_bytes=self.chunk_bytes,
         )
         logp = _inside(logp, completion)  # float32, 0 outside the completions
         sample = _inside(batch[Batch.SAMPLE_LOG_PROBS], completion)  # logp_sample_it [N, L]: the engine's

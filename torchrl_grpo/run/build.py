@@ -150,6 +150,7 @@ def build_loss(settings: LossSettings, policy) -> GRPOLoss:
         policy, settings.section, max_tokens=settings.max_tokens, temperature=settings.temperature,
         kl_to_ref_coeff=settings.kl_to_ref_coeff, kl_to_inference_coeff=settings.kl_to_inference_coeff,
         entropy_coeff=settings.entropy_coeff, packed=settings.packed,
+        chunk_bytes=settings.log_prob_chunk_bytes,
     )
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from torchrl_grpo.config.auto_settings import Choice, budgets, choose
+from torchrl_grpo.config.auto_settings import Choice, Settings, budgets, choose
 from torchrl_grpo.config.memory_plan import Device, Engine, GiB, ModelShape, fixes, micro_batch, plan_memory, table
 from torchrl_grpo.config.spec import RunSpec, resolve_run
+from torchrl_grpo.config.validate import UNSETTLED_ENGINE_SHARE
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.factory import kv_cache_tokens
 from torchrl_grpo.models.sources import model_config
@@ -89,10 +90,12 @@ def settle_auto(cfg: DictConfig, spec: RunSpec, model_path: str | None = None, p
     try:
         shape = model_shape(spec, model_path)
     except ConfigError as err:
-        return dataclasses.replace(spec, auto_chosen=f"auto: the memory plan is not available ({err}); gradient "
-                                   "checkpointing on and padded micro-batches kept"), None
+        lean = Settings(True, None, None, spec.engine.sleep, UNSETTLED_ENGINE_SHARE)
+        kept = ", ".join(lean.describe(key) for key in spec.auto)
+        return dataclasses.replace(spec, auto_chosen=f"auto: the memory plan is not available ({err}); the "
+                                   f"memory-lean values kept: {kept}"), None
     choice = choose(spec, lambda s: run_memory_plan(s, prompt_tokens, device_gib, shape=shape)[0],
-                    budgets(spec.train.auto_cpu_memory_share, free_memory()))
+                    budgets(spec.train.auto_cpu_memory_share, free_memory()), shape.vocab)
     for key, value in choice.overrides().items():
         OmegaConf.update(cfg, key, value)
     settled = resolve_run(cfg, gpu_count=gpu_count)

@@ -28,7 +28,8 @@ from torchrl_grpo.tasks.registry import SHARED_KEYS
 KINDS = {  # schema kind -> what a reader is told
     "int": "integer", "int>0": "integer > 0", "int>=0": "integer >= 0", "num>0": "number > 0", "num>1": "number > 1",
     "num>=0": "number >= 0", "auto|num>=0": "auto or number >= 0",
-    "prob": "number in (0, 1]", "share": "number in [0, 1)", "unit": "number in [0, 1]",
+    "prob": "number in (0, 1]", "auto|prob": "auto or number in (0, 1]", "share": "number in [0, 1)",
+    "unit": "number in [0, 1]",
     "bool": "true / false", "auto|bool": "auto / true / false", "auto|int>0": "auto or integer > 0",
     "str": "string", "names": "string or list of strings", "any": "any",
 }

@@ -157,7 +157,8 @@ class Trainer:
         packed = self.settings.micro_batch_tokens is not None
         return self._per_row(lambda mb: token_log_probs(model, mb[Batch.TOKENS], mb[Batch.ATTENTION_MASK],
                                                         self.settings.temperature, wanted=mb[Batch.COMPLETION_MASK],
-                                                        packed=packed)[0],
+                                                        packed=packed,
+                                                        chunk_bytes=self.settings.log_prob_chunk_bytes)[0],
                              device, batch)
 
     @torch.no_grad()
