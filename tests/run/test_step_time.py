@@ -7,7 +7,14 @@ import pytest
 from helpers import cfg_with
 from torchrl_grpo.config.memory_plan import ModelShape
 from torchrl_grpo.config.spec import resolve_run
-from torchrl_grpo.run.step_time import Measured, flops_per_s, measured_for, step_flops, step_time_line
+from torchrl_grpo.run.step_time import (
+    Measured,
+    checkpointing_line,
+    flops_per_s,
+    measured_for,
+    step_flops,
+    step_time_line,
+)
 
 # Qwen2.5-1.5B's published shape (tied): hidden 1536, 28 layers, 12 heads of 128 (2 KV heads), MLP 8960, vocab 151,936
 QWEN_1_5B = {"model_type": "qwen2", "vocab_size": 151936, "hidden_size": 1536, "intermediate_size": 8960,
@@ -63,3 +70,22 @@ def test_the_plan_gives_a_measured_shape_its_step_time_and_others_why_not():
     assert "this model's shape was not measured" in step_time_line(other, spec, 100, None)
     cpu = resolve_run(cfg_with("model=tiny"))
     assert step_time_line(shape, cpu, 100, None).startswith("step time: not planned on a CPU")
+
+
+def test_where_a_shape_was_measured_both_ways_the_plan_gives_checkpointing_on_and_off():
+    """Qwen3-0.6B's shape was measured on an H200 with checkpointing on and off (docs/benchmarks.md); rows of 2,048
+    tokens take each way's FLOP/s at that length."""
+    qwen3 = ModelShape.from_config({"model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+                                    "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16,
+                                    "num_key_value_heads": 8, "head_dim": 128, "tie_word_embeddings": True})
+    spec = gpu_spec("inference_model.max_tokens=1948", "inference_model.max_model_len=4096")
+    flops = step_flops(qwen3, spec, 2048)
+    line = checkpointing_line(qwen3, spec, 100, "NVIDIA H200")
+    assert line == (f"  step time, the trainer's updates: gradient checkpointing off {flops / 230.4e12:.1f} s, on "
+                    f"{flops / 179.4e12:.1f} s on an H200")
+    off = gpu_spec("inference_model.max_tokens=1948", "inference_model.max_model_len=4096",
+                   "train_model.gradient_checkpointing=false")
+    assert f"about {flops / 230.4e12:.1f} s on an H200" in step_time_line(qwen3, off, 100, "NVIDIA H200")
+    assert "checkpointing off" not in step_time_line(qwen3, off, 100, "NVIDIA H200")  # measured so
+    assert checkpointing_line(ModelShape.from_config(QWEN_1_5B), spec, 100, "NVIDIA H200") is None  # on only
+    assert checkpointing_line(qwen3, resolve_run(cfg_with("model=tiny")), 100, None) is None  # a CPU

@@ -13,11 +13,11 @@ from omegaconf import DictConfig, OmegaConf
 from torchrl_grpo.config.auto_settings import Choice, Settings, budgets, choose
 from torchrl_grpo.config.memory_plan import Device, Engine, GiB, ModelShape, fixes, micro_batch, plan_memory, table
 from torchrl_grpo.config.spec import RunSpec, resolve_run
-from torchrl_grpo.config.validate import UNSETTLED_ENGINE_SHARE
+from torchrl_grpo.config.validate import CHECKPOINTING, UNSETTLED_ENGINE_SHARE
 from torchrl_grpo.core.errors import ConfigError
 from torchrl_grpo.engines.factory import kv_cache_tokens
 from torchrl_grpo.models.sources import model_config
-from torchrl_grpo.run.step_time import step_time_line
+from torchrl_grpo.run.step_time import checkpointing_line, step_time_line
 
 
 def device_memory(device: str, given_gib: float | None = None) -> int | None:
@@ -111,10 +111,13 @@ def print_plan(cfg: DictConfig, options: PlanOptions) -> int:
     devices, prompt = run_memory_plan(spec, options.prompt_tokens, options.device_gib, shape=shape)
     print(f"memory plan of model.name={spec.model.name}, micro-batches of prompts up to {prompt} tokens + "
           f"{spec.plan.max_tokens} completion tokens (--prompt-tokens N for your prompts' length):")
+    gpu = None if options.gpus else gpu_name(spec.placement.train[0])
     if choice is not None:
         print(choice.table())
+        if CHECKPOINTING in choice.keys and (line := checkpointing_line(shape, spec, prompt, gpu)):
+            print(line)
     print(table(devices, fixes(spec)))
-    print(step_time_line(shape, spec, prompt, None if options.gpus else gpu_name(spec.placement.train[0])))
+    print(step_time_line(shape, spec, prompt, gpu))
     return 0 if all(d.fits for d in devices) else 1
 
 
