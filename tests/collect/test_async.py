@@ -141,6 +141,38 @@ def test_preempted_at_each_point_an_async_run_stops_with_a_checkpoint_and_resume
 
 
 @needs_ray_and_vllm
+def test_a_streaming_run_trains_across_pushes_and_resumes_a_kill_with_no_prompt_lost_or_used_twice(tmp_path):
+    """ray.streaming=true: the actor keeps its groups in flight across pushes, checked against the trainer's probe
+    after each, every trained batch within the staleness bound. SIGKILL to every process at a random decoding
+    step of the actor, then the run resumed to its end: its 10 steps used each of the 10 prompts exactly twice (two
+    epochs), the groups the killed run had in flight or waiting opened again, none lost or repeated."""
+    run_dir = tmp_path / "run"
+    args = [*(a for a in SMALL if not a.startswith("env.size=")), "env.size=10", *FLOAT32, "ray.streaming=true",
+            "train.entropy_coeff=0.01", "train.total_dialog_turns=80", "logging.checkpoint_frequency=1",
+            "logging.keep_checkpoints=0", "logging.samples_frequency=1", f"hydra.run.dir={run_dir}",
+            "train.resume=auto"]
+    nth = random.Random().randint(2, 9)  # the actor's decoding calls (about one a step): a kill within its first steps
+    done, _ = preempted(args, "generation", nth, "SIGKILL", cwd=tmp_path, script="grpo-async.py")
+    assert done.returncode == -9, (nth, failure_excerpt(done))
+    killed_at = len(metric_rows(run_dir))
+    done = run_async(args, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, (nth, failure_excerpt(done))
+    assert "weight sync check: engine and trainer log-probs" in done.stdout
+    rows = metric_rows(run_dir)
+    assert [int(float(r["step"])) for r in rows] == list(range(1, 11)), (nth, killed_at)
+    for r in rows:
+        assert 0 <= float(r["staleness"]) <= 1 and float(r["stream/generated_tokens"]) > 0
+    assert max(float(r["policy_version"]) for r in rows) >= 1  # pushed weights sampled later batches
+    gaps = [float(r["weight_sync_gap"]) for r in rows if r["weight_sync_gap"]]
+    assert gaps and all(g < 1e-4 for g in gaps)  # scored beside the requests in flight
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({s["step"] for s in samples}) == list(range(1, 11))
+    uses = Counter(s["prompt"] for s in samples)  # 4 completions a use
+    assert len(uses) == 10 and set(uses.values()) == {2 * 4}, (nth, killed_at, uses)
+    assert not ray_processes()
+
+
+@needs_ray_and_vllm
 def test_a_dying_actor_is_replaced_with_the_current_weights_until_restarts_run_out(tmp_path):
     run_dir = tmp_path / "run"
     # every incarnation of the actor os._exit(1)s at its 3rd collect. The first delivers steps 1 and 2 and dies

@@ -5,7 +5,8 @@ carries no test flag: the points are patched here, as their modules load.
 
 POINT is where the signal lands, at a process's NTH call of it:
 
-* ``generation``: an engine's ``generate`` (the trainer's, a rank's or a rollout actor's), before it samples;
+* ``generation``: an engine's ``generate`` (the trainer's, a rank's or a rollout actor's), before it samples; a
+  streaming actor's decoding steps (``StreamingEngine.advance``);
 * ``optimizer_step``: the gradient computed, the update not yet made (the call that clips the gradient);
 * ``checkpoint_write``: a checkpoint's files written under their temporary name, not yet fsynced and renamed.
 
@@ -73,7 +74,8 @@ def _patches(point: str, nth: int, sig: signal.Signals) -> dict:
     """module name -> what to patch in it once it has loaded."""
     if point == "generation":
         return {"torchrl_grpo.engines.hf": lambda m: _at_nth_call(m.TransformersEngine, "generate", nth, sig),
-                "torchrl_grpo.engines.vllm": lambda m: _at_nth_call(m.VLLMEngine, "generate", nth, sig)}
+                "torchrl_grpo.engines.vllm": lambda m: _at_nth_call(m.VLLMEngine, "generate", nth, sig),
+                "torchrl_grpo.engines.streaming": lambda m: _at_nth_call(m.StreamingEngine, "advance", nth, sig)}
     if point == "optimizer_step":
         return {"torch.nn.utils": lambda m: _at_nth_call(m, "clip_grad_norm_", nth, sig)}
     if point == "checkpoint_write":

@@ -28,6 +28,7 @@ class Group:
     row: dict
     episodes: list[Played]
     components: list[dict]
+    index: int | None = None  # the row's index in the task (streamed groups: a resumed run opens it again)
 
 
 class Collector:

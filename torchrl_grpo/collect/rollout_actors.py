@@ -33,6 +33,7 @@ import torch
 
 from torchrl_grpo.collect.actor_weights import actor_transport, from_arrays
 from torchrl_grpo.collect.collector import Collector
+from torchrl_grpo.collect.streaming import GroupStream
 from torchrl_grpo.config.settings import ActorSettings
 from torchrl_grpo.config.spec import RunSpec
 from torchrl_grpo.core.console import quiet_libraries
@@ -49,6 +50,7 @@ from torchrl_grpo.models.loading import load_tokenizer
 from torchrl_grpo.models.sources import resolve_model
 
 EXIT_GRACE_S = 5  # an actor asked to exit (after its collect in flight) is killed after this long
+STREAM_POLL_S = 1.0  # a streaming call returns after this long with no group done: a push waits no longer
 
 
 class ActorFault(Exception):
@@ -59,7 +61,8 @@ class RolloutActor:
     """One rollout worker (wrapped with ``ray.remote`` by :class:`ActorPool`; plain Python otherwise).
 
     ``sampler_state``: a prompt sampler's ``state_dict`` to continue from (resume), else a fresh order seeded
-    ``env.seed + index``.
+    ``env.seed + index``; streaming, :meth:`GroupStream.position`'s (the prompts of the groups in flight are opened
+    again first).
     """
 
     def __init__(self, spec: RunSpec, index: int, engine_seed: int, sampler_state: dict | None = None,
@@ -76,10 +79,14 @@ class RolloutActor:
         fit_prompts(task, tokenizer, collect.max_tokens, collect.max_model_len, collect.overlong_prompts,
                     max_turns=turns.max_turns)
         sampler = PromptSampler(len(task.rows), collect.prompt_seed + index)
+        self.reopen = []
+        if sampler_state is not None and "open" in sampler_state:  # a streaming actor's position
+            sampler_state, self.reopen = sampler_state["sampler"], list(sampler_state["open"])
         if sampler_state is not None:
             sampler.load_state_dict(sampler_state)
         engine = run_engine(spec.engine, spec.precision.engine, model_path, actor_devices(spec.actors), engine_seed)
         self.collector = Collector(task, tokenizer, engine, sampler, collect, turns)
+        self.groups: GroupStream | None = None  # ray.streaming: started by the first stream call
 
     def collect(self):
         """One scored batch at the current weights: (batch, metrics, its samples (prompt and completion texts),
@@ -87,17 +94,37 @@ class RolloutActor:
         batch, metrics, samples = self.collector.collect(version=self.version)
         return batch, metrics, samples, self.collector.sampler.state_dict()
 
+    def stream(self, max_seconds: float):
+        """``ray.streaming``: the groups that finished since the last call (:meth:`GroupStream.poll`, at most
+        ``max_seconds`` of decoding when none does), what it took, no samples (the trainer builds the batch) and
+        the actor's position."""
+        c = self.collector
+        if self.groups is None:
+            self.groups = GroupStream(c.task, c.tokenizer, c.engine, c.sampler, c.settings, self.version, self.reopen)
+        groups, metrics = self.groups.poll(max_seconds)
+        return groups, metrics, None, self.groups.position()
+
+    def _pushing(self, version: int):
+        """Around a push: a streaming actor's requests kept in flight, their later tokens labelled ``version``."""
+        return self.groups.engine.pushing(version) if self.groups is not None else contextlib.nullcontext()
+
+    def _scorer(self):
+        """What scores the weight sync probe: beside a streaming actor's requests in flight, not through them."""
+        return self.groups.engine if self.groups is not None else self.collector.engine
+
     def push_weights(self, arrays: dict, version: int, probe: Probe | None = None) -> float | None:
         """New weights (:func:`as_arrays`) into the engine; the version changes only once they are in. With
         ``probe`` (the weight sync check), the engine's gap to the trainer's probe log-probs, or a RunError when
         it is too large."""
-        self.collector.engine.push_weights(from_arrays(arrays))
+        with self._pushing(version):
+            self.collector.engine.push_weights(from_arrays(arrays))
         return self._landed(version, probe)
 
     def push_adapter(self, payload: tuple, version: int, probe: Probe | None = None) -> float | None:
         """A LoRA adapter (its config and :func:`as_arrays` tensors) into the engine, as :meth:`push_weights`."""
         config, arrays = payload
-        self.collector.engine.push_adapter(Adapter(config, from_arrays(arrays)))
+        with self._pushing(version):
+            self.collector.engine.push_adapter(Adapter(config, from_arrays(arrays)))
         return self._landed(version, probe)
 
     def join_weight_transfer(self, backend: str, init_info: dict) -> bool:
@@ -107,7 +134,8 @@ class RolloutActor:
 
     def receive_push(self, update_info: dict, version: int, probe: Probe | None = None) -> float | None:
         """A push over the weight-transfer group: received, loaded and checked as :meth:`push_weights`'s."""
-        self.collector.engine.receive_weights(update_info)
+        with self._pushing(version):
+            self.collector.engine.receive_weights(update_info)
         return self._landed(version, probe)
 
     def ready(self) -> bool:
@@ -117,12 +145,12 @@ class RolloutActor:
     def _landed(self, version: int, probe: Probe | None) -> float | None:
         gap = None
         if probe is not None:
-            gap, self.probe_scores = probe.verify(self.collector.engine, self.probe_scores)
+            gap, self.probe_scores = probe.verify(self._scorer(), self.probe_scores)
         self.version = version
         return gap
 
     def score(self, token_ids: list[int]) -> list[float]:
-        return self.collector.engine.score(token_ids)
+        return self._scorer().score(token_ids)
 
     def close(self) -> None:
         self.collector.engine.close()
@@ -296,7 +324,11 @@ class ActorPool:
 
     def start_collecting(self) -> None:
         """Each actor's first collect (after any push made before, which lands first)."""
-        self.pending = {actor.collect.remote(): i for i, actor in enumerate(self.actors)}
+        self.pending = {self._call(actor): i for i, actor in enumerate(self.actors)}
+
+    def _call(self, actor):
+        """The actor's next collect (streaming: its next groups)."""
+        return actor.stream.remote(STREAM_POLL_S) if self.spec.actors.streaming else actor.collect.remote()
 
     def _new_actor(self, i: int):
         """Actor ``i`` from its last known prompt position; a restarted one gets a seed of its own."""
@@ -335,7 +367,7 @@ class ActorPool:
                 raise ActorFault(f"rollout actor {actor} failed during collect ({actor_error(err)})") from None
         self.samplers[actor], self.delivered[actor] = result[3], True
         wait_time = time.perf_counter() - waited
-        self.pending[self.actors[actor].collect.remote()] = actor
+        self.pending[self._call(self.actors[actor])] = actor
         self._check_pushes()
         return actor, result, wait_time
 
@@ -359,7 +391,7 @@ class ActorPool:
         print(f"warning: rollout actor {i} died ({why[:200]}); restarted with policy version {self.version} "
               f"(restart {self.restarts[i]} of ray.max_actor_restarts={self.max_restarts})",
               file=sys.stderr, flush=True)
-        self.pending[self.actors[i].collect.remote()] = i
+        self.pending[self._call(self.actors[i])] = i
 
     def push(self, weights: dict, version: int, probe: Probe | None = None) -> None:
         """``weights`` (CPU tensors of their own, which nobody changes) to every actor, as policy ``version``, each

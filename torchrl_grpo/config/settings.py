@@ -266,6 +266,7 @@ class ActorSettings:
     weight_update_frequency: int    # train.weight_update_frequency
     max_staleness: int              # train.max_staleness
     gpus: ActorGpus                 # where the actors' engines run (config.placement.place_actors)
+    streaming: bool = False         # ray.streaming
 
     @property
     def actor_num_gpus(self) -> float:
@@ -281,7 +282,7 @@ class ActorSettings:
                    collect_timeout_s=float(ray.collect_timeout_s),
                    max_actor_restarts=int(ray.max_actor_restarts),
                    weight_update_frequency=int(cfg.train.weight_update_frequency),
-                   max_staleness=int(cfg.train.max_staleness), gpus=gpus)
+                   max_staleness=int(cfg.train.max_staleness), gpus=gpus, streaming=bool(ray.streaming))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,12 @@ from torchrl_grpo.config.settings import (
     TrainSettings,
 )
 from torchrl_grpo.config.validate import BatchPlan, auto_keys, validate
-from torchrl_grpo.config.vllm_releases import check_actor_engines, choose_sleep, choose_weight_transfer
+from torchrl_grpo.config.vllm_releases import (
+    check_actor_engines,
+    check_streaming,
+    choose_sleep,
+    choose_weight_transfer,
+)
 
 
 @dataclass(frozen=True)
@@ -117,6 +122,8 @@ def with_weight_transfer(spec: RunSpec, training: bool = True) -> RunSpec:
     engines = spec.placement.inference if spec.actors is None else spec.placement.actors.devices
     if spec.actors is not None:
         check_actor_engines(engines)
+        if spec.actors.streaming:
+            check_streaming()
     chosen = choose_weight_transfer(engine.weight_transfer, engines, spec.placement.train if training else [])
     return dataclasses.replace(spec, engine=dataclasses.replace(engine, weight_transfer=chosen))
 

@@ -138,6 +138,20 @@ def batch_plan(cfg: DictConfig) -> BatchPlan:
     )
 
 
+def _check_streaming(cfg: DictConfig) -> None:
+    """What ``ray.streaming=true`` does not stream (yet): one line naming the key."""
+    for key, asked, why in [
+        ("inference_model.backend", "transformers", "streams a vLLM engine's requests"),
+        ("loss.dynamic_sampling", True, "hands each group over as it finishes, and drops no tied group"),
+    ]:
+        if _get(cfg, key) == asked:
+            raise ConfigError(f"{key}={str(asked).lower()} with ray.streaming=true: streaming {why}; set "
+                              "ray.streaming=false")
+    if _get(cfg, "env.max_steps") > 1 or _get(cfg, "env.transforms"):
+        raise ConfigError("ray.streaming=true plays single-turn episodes (env.max_steps=1, no env.transforms); set "
+                          "ray.streaming=false for multi-turn ones")
+
+
 def auto_keys(cfg: DictConfig) -> tuple[str, ...]:
     """The keys of ``cfg`` left to auto; ``inference_model.sleep=auto`` among them only with the engine's share."""
     keys = [key for key in AUTO_KEYS if is_auto(cfg, key)]
@@ -219,6 +233,8 @@ def validate(cfg: DictConfig) -> BatchPlan:
             "policy itself, which cannot generate while it is optimized; use inference_model.backend=vllm or "
             "train.sync_iter=true"
         )
+    if _get(cfg, "mode") == "async" and _get(cfg, "ray.streaming"):
+        _check_streaming(cfg)
     actor_gpus = _get(cfg, "ray.actor_num_gpus") if _get(cfg, "mode") == "async" else 0
     if actor_gpus != "auto" and actor_gpus > 1 and actor_gpus != int(actor_gpus):
         raise ConfigError(f"ray.actor_num_gpus={actor_gpus}: an actor's engine takes a share of one GPU (at most 1) "

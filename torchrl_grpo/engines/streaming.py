@@ -55,6 +55,7 @@ class StreamingEngine:
                            min_p=min_p, logprobs=0, detokenize=False)
         self._sampling_params = vllm.SamplingParams
         self.keys: dict[str, Hashable] = {}  # request id -> the caller's key
+        self.ready: list[Streamed] = []  # finished while a score waited: the next advance returns them
         self._ids = itertools.count()
         self.version = version
         self.core.set_weight_version(str(version))
@@ -75,14 +76,31 @@ class StreamingEngine:
     def advance(self, max_steps: int | None = None) -> list[Streamed]:
         """Decode until a request finishes (or ``max_steps`` engine steps, or nothing is in flight); the finished
         ones."""
-        finished: list[Streamed] = []
+        finished, self.ready = self.ready, []
         steps = 0
         while self.keys and not finished and (max_steps is None or steps < max_steps):
-            with self.engine.sampling.drawing():
-                outputs = self.core.step()
+            finished += [self._streamed(out) for out in self._step() if out.finished]
             steps += 1
-            finished += [self._streamed(out) for out in outputs if out.finished]
         return finished
+
+    def score(self, token_ids: Sequence[int]) -> list[float]:
+        """What :meth:`~torchrl_grpo.engines.vllm.VLLMEngine.score` gives (prompt log-probs of ``token_ids[1:]``),
+        beside the requests in flight, which go on meanwhile (those that finish wait for the next
+        :meth:`advance`): ``LLM.generate`` would run them all to their end and keep their outputs."""
+        ids = [int(t) for t in token_ids]
+        params = self._sampling_params(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        request_id = f"score-{next(self._ids)}"
+        self.core.add_request(request_id, {"prompt_token_ids": ids, "cache_salt": f"policy-{self.version}"}, params)
+        while True:
+            for out in self._step():
+                if out.request_id == request_id:
+                    return [float(step[t].logprob) for step, t in zip(out.prompt_logprobs[1:], ids[1:])]
+                if out.finished:
+                    self.ready.append(self._streamed(out))
+
+    def _step(self) -> list:
+        with self.engine.sampling.drawing():
+            return self.core.step()
 
     def _streamed(self, out) -> Streamed:
         key = self.keys.pop(out.request_id)

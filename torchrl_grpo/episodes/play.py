@@ -30,6 +30,7 @@ class Played:
     ended: str = "answer"
     counts: dict[str, int] = field(default_factory=dict)
     components: dict[str, float] = field(default_factory=dict)
+    versions: list[int] | None = None  # streamed: the policy version that sampled each completion token
 
     @property
     def text(self) -> str:

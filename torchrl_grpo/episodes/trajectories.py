@@ -52,7 +52,9 @@ def prompt_token_ids(task: Task, tokenizer, rows: list[dict]) -> list[list[int]]
 def build_batch(played, group_size: int, pad_id: int, version: int) -> TensorDict:
     """Pack episodes (:class:`torchrl_grpo.episodes.play.Played`, ``group_size`` consecutive ones per prompt) into
     tensors: their ids as they are, the loss mask on the ids the engine sampled (not the prompt, not what an
-    environment inserted between turns), the sampling log-probs there."""
+    environment inserted between turns), the sampling log-probs there. Streamed episodes (each with the policy
+    version of every completion token) carry those versions, and their oldest as the row's policy version; others
+    were sampled by policy ``version``."""
     n, length = len(played), max(len(p.episode.tokens) for p in played)
     tokens = torch.full((n, length), pad_id, dtype=torch.long)
     attention = torch.zeros(n, length, dtype=torch.bool)
@@ -64,7 +66,7 @@ def build_batch(played, group_size: int, pad_id: int, version: int) -> TensorDic
         attention[i, :size] = True
         completion_mask[i, :size] = torch.tensor(p.episode.sampled, dtype=torch.bool)
         log_probs[i, :size] = torch.tensor(p.episode.log_probs, dtype=torch.float32)
-    return TensorDict(
+    batch = TensorDict(
         {
             Batch.TOKENS: tokens,
             Batch.ATTENTION_MASK: attention,
@@ -76,6 +78,13 @@ def build_batch(played, group_size: int, pad_id: int, version: int) -> TensorDic
         },
         batch_size=[n],
     )
+    if played and all(p.versions is not None for p in played):
+        versions = torch.full((n, length), -1, dtype=torch.long)
+        for i, p in enumerate(played):
+            versions[i][completion_mask[i]] = torch.tensor(p.versions, dtype=torch.long)
+        batch[Batch.TOKEN_VERSIONS] = versions
+        batch[Batch.POLICY_VERSION] = torch.tensor([min(p.versions, default=version) for p in played])
+    return batch
 
 
 def reward_tensors(task: Task, components: list[dict]) -> TensorDict:

@@ -41,7 +41,7 @@ from torchrl_grpo.parallel.ranks import DataParallel, hf_model, shard_model
 from torchrl_grpo.run.evaluation import Evaluator
 from torchrl_grpo.run.loop import Run
 from torchrl_grpo.run.memory import check_memory, settle_auto
-from torchrl_grpo.run.sources import ActorSource, LocalSource
+from torchrl_grpo.run.sources import ActorSource, LocalSource, StreamSource
 from torchrl_grpo.run.state import RunState, TrainerState
 from torchrl_grpo.tasks import Task, check_env
 from torchrl_grpo.training.critic import Critic
@@ -391,5 +391,8 @@ def build_async(cfg: DictConfig, inputs: Inputs, parallel: DataParallel | None =
     engine_dtype = c.spec.precision.engine
     weights = ActorSync(c.trainer, build_weight_check(c.spec.train, c.trainer, c.tokenizer, engine_dtype), engine_dtype,
                         adapter=c.spec.engine.lora_rank is not None)
-    source = ActorSource(c.spec, weights, c.tokenizer, c.task.reward_names)
+    if c.spec.actors.streaming:
+        source = StreamSource(c.spec, weights, c.tokenizer, c.task, c.turns)
+    else:
+        source = ActorSource(c.spec, weights, c.tokenizer, c.task.reward_names)
     return Run(source, c.trainer, c.state, c.spec, c.evaluator)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import torch
 
-from torchrl_grpo.collect.collector import Collector
+from torchrl_grpo.collect.collector import Collector, Group
 from torchrl_grpo.collect.prefetch import Prefetch
 from torchrl_grpo.collect.rollout_actors import ActorFault, ActorPool
 from torchrl_grpo.config.spec import RunSpec
@@ -256,3 +256,52 @@ class ActorSource:
     @property
     def fault(self) -> str | None:
         return self.weights.fault
+
+
+class StreamSource(ActorSource):
+    """Groups streamed from the rollout actors (``ray.streaming``): a step's batch is the first ``env.num_envs``
+    groups to arrive, from any actor, whose oldest token is at most ``train.max_staleness`` policy versions behind
+    the trainer's (older ones are dropped, counted in ``stale_dropped``); the rest wait for the next step. Each
+    actor's saved position adds the prompts of its groups waiting here to those it has in flight: a resumed run
+    opens them all again."""
+
+    def __init__(self, spec: RunSpec, weights: ActorSync, tokenizer, task, turns):
+        super().__init__(spec, weights, tokenizer, task.reward_names)
+        self.assembler = Collector(task, tokenizer, None, None, spec.collect, turns)
+        self.waiting: list[tuple[int, Group]] = []  # (actor, group) in arrival order
+        self.positions: list[dict | None] = [None] * self.num_actors  # each actor's, as its last call returned
+
+    def take(self, step: int) -> Delivery:
+        progress, wanted = self.progress, self.spec.collect.prompts_per_step
+        started, waited, actor, totals = time.perf_counter(), 0.0, 0, {"generation_time": 0.0, "score_time": 0.0}
+        generated = 0
+        while len(self.waiting) < wanted:
+            actor, (groups, metrics, _, position), wait_time = self.pool.next_batch()
+            waited += wait_time
+            self.positions[actor] = position
+            for key in totals:
+                totals[key] += metrics[key]
+            generated += metrics["generated_tokens"]
+            for group in groups:
+                oldest = min((min(p.versions, default=progress.policy_version) for p in group.episodes))
+                if progress.policy_version - oldest > self.max_staleness:
+                    progress.stale_dropped += 1
+                else:
+                    self.waiting.append((actor, group))
+        taken, self.waiting = self.waiting[:wanted], self.waiting[wanted:]
+        self._save_positions()
+        batch, metrics, samples = self.assembler.collect(progress.policy_version, ([g for _, g in taken], totals))
+        # generated_tokens: every token the actors decoded meanwhile, dropped groups' and those still waiting too
+        metrics["stream/generated_tokens"] = generated
+        version = int(batch[Batch.POLICY_VERSION].min())
+        return Delivery(batch, metrics, samples, version, started,
+                        {"actor": actor, "staleness": progress.policy_version - version, "wait_time": waited})
+
+    def _save_positions(self) -> None:
+        """Each actor's position as a checkpoint keeps it: its sampler, and the prompts of its groups in flight and
+        of those waiting here."""
+        for i, position in enumerate(self.positions):
+            if position is not None:
+                waiting = [g.index for a, g in self.waiting if a == i]
+                self.progress.actor_samplers[i] = {"sampler": position["sampler"],
+                                                   "open": [*waiting, *position["open"]]}
