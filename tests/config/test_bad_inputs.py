@@ -78,6 +78,13 @@ ROWS = [
     (["inference_model.gpu_memory_utilization=1.5"],
      r"inference_model.gpu_memory_utilization=1.5: must be auto or a number in \(0, 1\]"),
     (["train.sync_iter=maybe"], r"train.sync_iter='maybe': must be true or false"),
+    # what ray.streaming does not stream
+    (["mode=async", "ray.streaming=true", "inference_model.backend=transformers"],
+     r"inference_model.backend=transformers with ray.streaming=true: .*; set inference_model.backend=vllm or "
+     r"ray.streaming=false"),
+    (["mode=async", "ray.streaming=true", "loss.dynamic_sampling=true"],
+     r"loss.dynamic_sampling=true with ray.streaming=true: .*; set loss.dynamic_sampling=false or ray.streaming=false"),
+    (["mode=async", "ray.streaming=true", "env.max_steps=2"], r"ray.streaming=true plays single-turn episodes"),
     (["train.mixed_precision=maybe"],
      r"train.mixed_precision='maybe': choose auto \(bf16 autocast where bf16 is native\), true or false"),
     (["model.trust_remote_code=yes please"], r"model.trust_remote_code='yes please': must be true or false"),

@@ -140,13 +140,13 @@ def batch_plan(cfg: DictConfig) -> BatchPlan:
 
 def _check_streaming(cfg: DictConfig) -> None:
     """What ``ray.streaming=true`` does not stream (yet): one line naming the key."""
-    for key, asked, why in [
-        ("inference_model.backend", "transformers", "streams a vLLM engine's requests"),
-        ("loss.dynamic_sampling", True, "hands each group over as it finishes, and drops no tied group"),
+    for key, asked, why, fix in [
+        ("inference_model.backend", "transformers", "keeps a vLLM engine's requests in flight", "vllm"),
+        ("loss.dynamic_sampling", True, "hands each group over as it finishes and resamples no tied one", "false"),
     ]:
         if _get(cfg, key) == asked:
             raise ConfigError(f"{key}={str(asked).lower()} with ray.streaming=true: streaming {why}; set "
-                              "ray.streaming=false")
+                              f"{key}={fix} or ray.streaming=false")
     if _get(cfg, "env.max_steps") > 1 or _get(cfg, "env.transforms"):
         raise ConfigError("ray.streaming=true plays single-turn episodes (env.max_steps=1, no env.transforms); set "
                           "ray.streaming=false for multi-turn ones")
