@@ -70,6 +70,7 @@ class RolloutActor:
         quiet_libraries(spec.logging.verbose, log_file)
         mask_output(names=secret_names(spec.task))  # its console (which Ray forwards) and its tools' replies
         self.version = 0
+        self.max_staleness = spec.actors.max_staleness
         self.probe_scores = None  # the engine's weight sync probe log-probs at the last push
         trust = spec.model.trust_remote_code
         model_path = resolve_model(spec.model.name, trust)
@@ -94,23 +95,28 @@ class RolloutActor:
         batch, metrics, samples = self.collector.collect(version=self.version)
         return batch, metrics, samples, self.collector.sampler.state_dict()
 
-    def stream(self, max_seconds: float):
-        """``ray.streaming``: the groups that finished since the last call (:meth:`GroupStream.poll`, at most
-        ``max_seconds`` of decoding when none does), what it took, no samples (the trainer builds the batch) and
-        the actor's position."""
+    def stream(self, max_seconds: float, reopen: list[int] = ()):
+        """``ray.streaming``: the groups that finished since the last call (:meth:`GroupStream.take`, waiting up to
+        ``max_seconds`` for one; the engine decodes in a thread of its own meanwhile and between calls), what the
+        engine did, no samples (the trainer builds the batch) and the actor's position. ``reopen``: prompts whose
+        groups the trainer dropped as stale, opened again first. The groups that may wait here are a step's worth
+        for each version of staleness allowed (at least one step's): older ones the trainer would drop."""
         c = self.collector
         if self.groups is None:
-            self.groups = GroupStream(c.task, c.tokenizer, c.engine, c.sampler, c.settings, self.version, self.reopen)
-        groups, metrics = self.groups.poll(max_seconds)
+            queued = c.settings.prompts_per_step * max(1, self.max_staleness)
+            self.groups = GroupStream(c.task, c.tokenizer, c.engine, c.sampler, c.settings, self.version, self.reopen,
+                                      queued)
+        self.groups.reopen_first(reopen)
+        groups, metrics = self.groups.take(max_seconds)
         return groups, metrics, None, self.groups.position()
 
     def _pushing(self, version: int):
         """Around a push: a streaming actor's requests kept in flight, their later tokens labelled ``version``."""
-        return self.groups.engine.pushing(version) if self.groups is not None else contextlib.nullcontext()
+        return self.groups.pushing(version) if self.groups is not None else contextlib.nullcontext()
 
     def _scorer(self):
         """What scores the weight sync probe: beside a streaming actor's requests in flight, not through them."""
-        return self.groups.engine if self.groups is not None else self.collector.engine
+        return self.groups if self.groups is not None else self.collector.engine
 
     def push_weights(self, arrays: dict, version: int, probe: Probe | None = None) -> float | None:
         """New weights (:func:`as_arrays`) into the engine; the version changes only once they are in. With
@@ -153,6 +159,8 @@ class RolloutActor:
         return self._scorer().score(token_ids)
 
     def close(self) -> None:
+        if self.groups is not None:
+            self.groups.stop()
         self.collector.engine.close()
 
 
@@ -309,6 +317,8 @@ class ActorPool:
 
     def _start(self, actor_samplers, start_step: int, version: int) -> None:
         self.samplers, self.restarts = list(actor_samplers), [0] * len(actor_samplers)
+        self.requeued: list[list[int]] = [[] for _ in actor_samplers]  # streaming: prompts to send to open again
+        self.sent: list[list[int]] = [[] for _ in actor_samplers]  # sent with the call in flight
         self.delivered, self.pending = [False] * len(actor_samplers), {}
         self.version, self.probe, self.weight_sync_gap = version, None, None
         self.seed, self.start_step, self.remote_cls = self.spec.train.seed, start_step, self.ray.remote(RolloutActor)
@@ -324,11 +334,23 @@ class ActorPool:
 
     def start_collecting(self) -> None:
         """Each actor's first collect (after any push made before, which lands first)."""
-        self.pending = {self._call(actor): i for i, actor in enumerate(self.actors)}
+        self.pending = {self._call(i): i for i in range(len(self.actors))}
 
-    def _call(self, actor):
-        """The actor's next collect (streaming: its next groups)."""
-        return actor.stream.remote(STREAM_POLL_S) if self.spec.actors.streaming else actor.collect.remote()
+    def _call(self, i: int):
+        """Actor ``i``'s next collect (streaming: its next groups, with the prompts to open again sent along)."""
+        if not self.spec.actors.streaming:
+            return self.actors[i].collect.remote()
+        reopen, self.requeued[i] = self.requeued[i], []
+        self.sent[i] += reopen
+        return self.actors[i].stream.remote(STREAM_POLL_S, reopen)
+
+    def requeue(self, i: int, index: int) -> None:
+        """Streaming: actor ``i`` opens prompt ``index`` again (its group was dropped as stale)."""
+        self.requeued[i].append(index)
+
+    def reopening(self, i: int) -> list[int]:
+        """Streaming: the prompts actor ``i`` is to open again that its last returned position does not hold."""
+        return [*self.sent[i], *self.requeued[i]]
 
     def _new_actor(self, i: int):
         """Actor ``i`` from its last known prompt position; a restarted one gets a seed of its own."""
@@ -366,8 +388,9 @@ class ActorPool:
             except RayError as err:
                 raise ActorFault(f"rollout actor {actor} failed during collect ({actor_error(err)})") from None
         self.samplers[actor], self.delivered[actor] = result[3], True
+        self.sent[actor] = []  # the position it returned holds them
         wait_time = time.perf_counter() - waited
-        self.pending[self._call(self.actors[actor])] = actor
+        self.pending[self._call(actor)] = actor
         self._check_pushes()
         return actor, result, wait_time
 
@@ -391,7 +414,8 @@ class ActorPool:
         print(f"warning: rollout actor {i} died ({why[:200]}); restarted with policy version {self.version} "
               f"(restart {self.restarts[i]} of ray.max_actor_restarts={self.max_restarts})",
               file=sys.stderr, flush=True)
-        self.pending[self._call(self.actors[i])] = i
+        self.requeued[i], self.sent[i] = [*self.sent[i], *self.requeued[i]], []  # the new one starts before them
+        self.pending[self._call(i)] = i
 
     def push(self, weights: dict, version: int, probe: Probe | None = None) -> None:
         """``weights`` (CPU tensors of their own, which nobody changes) to every actor, as policy ``version``, each

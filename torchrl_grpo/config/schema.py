@@ -368,7 +368,7 @@ class Ray:
                                   "before the run stops; 0 = stop at the first death")
     streaming: bool = key("bool", "each actor keeps env.num_envs groups in flight and hands them over as they "
                           "finish; a push lands between two decoding steps with the requests kept, and each token "
-                          "records the policy version that sampled it (docs/usage.md#async-collection)")
+                          "records the policy version that sampled it (docs/usage.md#streaming)")
     init: dict = key("any", "extra ray.init keyword arguments for a local Ray (e.g. object_store_memory); its "
                      "num_cpus: null = ray.num_actors x ray.actor_num_cpus + 1 (the trainer), not every core")
 

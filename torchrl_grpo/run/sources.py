@@ -273,35 +273,51 @@ class StreamSource(ActorSource):
 
     def take(self, step: int) -> Delivery:
         progress, wanted = self.progress, self.spec.collect.prompts_per_step
-        started, waited, actor, totals = time.perf_counter(), 0.0, 0, {"generation_time": 0.0, "score_time": 0.0}
-        generated = 0
+        started, waited, actor = time.perf_counter(), 0.0, 0
+        totals = {"generation_time": 0.0, "score_time": 0.0}
+        generated, idle = 0, 0.0
+        self._drop_stale()  # those that waited here across a push too
         while len(self.waiting) < wanted:
             actor, (groups, metrics, _, position), wait_time = self.pool.next_batch()
             waited += wait_time
             self.positions[actor] = position
             for key in totals:
                 totals[key] += metrics[key]
-            generated += metrics["generated_tokens"]
-            for group in groups:
-                oldest = min((min(p.versions, default=progress.policy_version) for p in group.episodes))
-                if progress.policy_version - oldest > self.max_staleness:
-                    progress.stale_dropped += 1
-                else:
-                    self.waiting.append((actor, group))
+            generated, idle = generated + metrics["generated_tokens"], idle + metrics["idle_time"]
+            self.waiting += [(actor, group) for group in groups]
+            self._drop_stale()
         taken, self.waiting = self.waiting[:wanted], self.waiting[wanted:]
         self._save_positions()
         batch, metrics, samples = self.assembler.collect(progress.policy_version, ([g for _, g in taken], totals))
-        # generated_tokens: every token the actors decoded meanwhile, dropped groups' and those still waiting too
-        metrics["stream/generated_tokens"] = generated
+        # every token the actors decoded meanwhile (dropped groups' and those still waiting too), and their engines'
+        # time without a step to decode (all of them: the waits for this trainer included)
+        metrics.update({"stream/generated_tokens": generated, "stream/engine_idle_time": idle})
         version = int(batch[Batch.POLICY_VERSION].min())
         return Delivery(batch, metrics, samples, version, started,
                         {"actor": actor, "staleness": progress.policy_version - version, "wait_time": waited})
 
+    def _drop_stale(self) -> None:
+        """Drop (and count) the waiting groups whose oldest token is more than ``train.max_staleness`` versions
+        behind the trainer's; their actors open their prompts again."""
+        current = self.progress.policy_version
+
+        def oldest(group: Group) -> int:
+            return min(min(p.versions, default=current) for p in group.episodes)
+
+        kept = []
+        for actor, group in self.waiting:
+            if current - oldest(group) <= self.max_staleness:
+                kept.append((actor, group))
+            else:  # its prompt goes back to its actor: none is lost to staleness
+                self.progress.stale_dropped += 1
+                self.pool.requeue(actor, group.index)
+        self.waiting = kept
+
     def _save_positions(self) -> None:
-        """Each actor's position as a checkpoint keeps it: its sampler, and the prompts of its groups in flight and
-        of those waiting here."""
+        """Each actor's position as a checkpoint keeps it: its sampler, and the prompts of its groups waiting here,
+        dropped as stale and not yet opened again, and in flight."""
         for i, position in enumerate(self.positions):
             if position is not None:
                 waiting = [g.index for a, g in self.waiting if a == i]
-                self.progress.actor_samplers[i] = {"sampler": position["sampler"],
-                                                   "open": [*waiting, *position["open"]]}
+                self.progress.actor_samplers[i] = {"sampler": position["sampler"], "open": [
+                    *waiting, *self.pool.reopening(i), *position["open"]]}
