@@ -73,15 +73,17 @@ class GroupStream:
             self.thread.join()
 
     def take(self, max_seconds: float) -> tuple[list[Group], dict]:
-        """The groups finished since the last call (waiting up to ``max_seconds`` for one), scored, and what the
-        engine did meanwhile: ``generation_time`` (seconds decoding), ``idle_time`` (the rest) and
-        ``generated_tokens``."""
+        """The oldest groups finished (waiting up to ``max_seconds`` for one), a step's at most, scored, and what the
+        engine did since the last call: ``generation_time`` (seconds decoding), ``idle_time`` (the rest) and
+        ``generated_tokens``. The others stay queued here, where they count against the queue's bound: the trainer
+        holds no more than a step's beside it."""
         self.start()
         with self.lock:
             self.lock.wait_for(lambda: self.finished or self.error is not None, timeout=max_seconds)
             if self.error is not None:
                 raise self.error
-            finished, self.finished = self.finished, []
+            step = self.settings.prompts_per_step
+            finished, self.finished = self.finished[:step], self.finished[step:]
             now = time.perf_counter()
             metrics = {"generation_time": self.busy_s, "idle_time": max(0.0, now - self.since - self.busy_s),
                        "generated_tokens": self.tokens}

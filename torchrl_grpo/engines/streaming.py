@@ -121,7 +121,9 @@ class StreamingEngine:
     def pushing(self, version: int) -> Iterator[None]:
         """Around a push of policy ``version``'s weights: the scheduler paused with its requests kept (an engine in
         its own process; one in this process runs no step meanwhile), then labelled ``version`` and resumed."""
-        own_process = not self.engine._in_process
+        from vllm.v1.engine.core_client import InprocClient
+
+        own_process = not isinstance(self.core.engine_core, InprocClient)  # its core steps without being asked
         if own_process:
             self.core.engine_core.call_utility("pause_scheduler", "keep", False)
         try:
