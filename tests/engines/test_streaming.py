@@ -34,6 +34,7 @@ def test_a_completion_across_a_push_carries_both_versions_and_their_log_probs(vl
                                                                               tokenizer):
     prompt = tokenizer("Ana has 5 apples and buys 3 more.")["input_ids"]
     stream = StreamingEngine(vllm_engine, max_tokens=14)
+    stream.params["ignore_eos"] = True  # 14 tokens, whatever the tiny random model (640 tokens, eos among them) draws
     original, trainer = _policy(tiny_model_path), _policy(tiny_model_path)
     perturb(trainer, scale=0.2)
     try:
