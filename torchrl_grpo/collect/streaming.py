@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from torchrl_grpo.collect.collector import Group
 from torchrl_grpo.config.settings import CollectSettings
 from torchrl_grpo.engines.streaming import Streamed, StreamingEngine
-from torchrl_grpo.episodes.episode import Episode
-from torchrl_grpo.episodes.play import Played
+from torchrl_grpo.episodes.play import scored_completions
 from torchrl_grpo.episodes.trajectories import PromptSampler, prompt_token_ids
 
 
@@ -153,19 +152,13 @@ class GroupStream:
     def _scored(self, finished: list[OpenGroup]) -> list[Group]:
         """Each finished group as the collector's :class:`~torchrl_grpo.collect.collector.Group`, its completions in
         request order, scored by the task."""
-        samples = [(g, g.done[j]) for g in finished for j in range(self.settings.group_size)]
-        rows = [self.task.rows[g.index] for g, _ in samples]
-        scores = self.task.score_batch([s.text for _, s in samples], rows, [s.token_ids for _, s in samples])
+        size = self.settings.group_size
+        completions = [g.done[j] for g in finished for j in range(size)]
+        prompts = [g.prompt for g in finished for _ in range(size)]
+        rows = [self.task.rows[g.index] for g in finished for _ in range(size)]
+        played = scored_completions(self.task, prompts, rows, completions, [c.versions for c in completions])
         groups = []
         for i, g in enumerate(finished):
-            played = []
-            for (_, s), row, components in list(zip(samples, rows, scores))[i * self.settings.group_size:
-                                                                            (i + 1) * self.settings.group_size]:
-                episode = Episode.start(g.prompt)
-                episode.add_sampled(s.token_ids, s.log_probs)
-                ended = "max_steps" if s.finish_reason == "stop" else "length"
-                played.append(Played(episode, len(g.prompt),
-                                     [*self.task.messages(row), {"role": "assistant", "content": s.text}],
-                                     s.finish_reason, ended, {}, components, versions=s.versions))
-            groups.append(Group(rows[i * self.settings.group_size], played, [p.components for p in played], g.index))
+            mine = played[i * size:(i + 1) * size]
+            groups.append(Group(self.task.rows[g.index], mine, [p.components for p in mine], g.index))
         return groups

@@ -62,8 +62,8 @@ class Settings:
             return ("the device's log-prob chunk" if self.log_prob_chunk_mib is None else
                     f"log-prob chunks of {self.log_prob_chunk_mib} MiB (a micro-batch's logits at once)")
         if key == SLEEP:
-            return "the engine awake while training" if not self.sleep else f"the engine asleep while training " \
-                                                                             f"(level {self.sleep})"
+            return f"the engine asleep while training (level {self.sleep})" if self.sleep else \
+                "the engine awake while training"
         if self.gpu_memory_utilization is None:
             return "no vLLM engine on a GPU to share"
         return f"the engine's share {self.gpu_memory_utilization:.2f} of its GPU"
@@ -180,10 +180,11 @@ def whole_chunk_mib(spec: RunSpec, micro_batch_tokens: int | None, vocab: int) -
     """MiB of float32 logits that hold a rank's whole micro-batch in one chunk: its completion tokens at most, each
     completion ``inference_model.max_tokens`` long (a packed one holds at most a rank's share of an optimizer step's
     completions, and no more tokens than its budget)."""
-    plan, ranks = spec.plan, spec.placement.ranks
-    rows = -(-plan.micro_batch // ranks) if micro_batch_tokens is None else -(-plan.micro_batch * plan.accumulation
-                                                                             // ranks)
-    tokens = rows * plan.max_tokens if micro_batch_tokens is None else min(micro_batch_tokens, rows * plan.max_tokens)
+    plan = spec.plan
+    rows = plan.micro_batch if micro_batch_tokens is None else plan.micro_batch * plan.accumulation
+    tokens = -(-rows // spec.placement.ranks) * plan.max_tokens
+    if micro_batch_tokens is not None:
+        tokens = min(micro_batch_tokens, tokens)
     return -(-tokens * vocab * FLOAT32 // (1 << 20))
 
 

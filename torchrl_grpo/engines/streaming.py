@@ -23,6 +23,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass
 
 from torchrl_grpo.core.errors import ConfigError
+from torchrl_grpo.engines.vllm import SCORING, prompt_log_probs, sampled_log_probs
 
 
 @dataclass
@@ -88,13 +89,13 @@ class StreamingEngine:
         beside the requests in flight, which go on meanwhile (those that finish wait for the next
         :meth:`advance`): ``LLM.generate`` would run them all to their end and keep their outputs."""
         ids = [int(t) for t in token_ids]
-        params = self._sampling_params(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
         request_id = f"score-{next(self._ids)}"
-        self.core.add_request(request_id, {"prompt_token_ids": ids, "cache_salt": f"policy-{self.version}"}, params)
+        self.core.add_request(request_id, {"prompt_token_ids": ids, "cache_salt": f"policy-{self.version}"},
+                              self._sampling_params(**SCORING))
         while True:
             for out in self._step():
                 if out.request_id == request_id:
-                    return [float(step[t].logprob) for step, t in zip(out.prompt_logprobs[1:], ids[1:])]
+                    return prompt_log_probs(out, ids)
                 if out.finished:
                     self.ready.append(self._streamed(out))
 
@@ -106,16 +107,14 @@ class StreamingEngine:
         key = self.keys.pop(out.request_id)
         [c] = out.outputs
         ids = list(c.token_ids)
-        if c.logprobs is None or len(c.logprobs) != len(ids):
-            raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs for "
-                               f"{len(ids)} tokens")
+        log_probs = sampled_log_probs(c)
         versions = [0] * len(ids)
         for span in c.weight_versions or ():
             versions[span.start:span.end] = [int(span.version)] * (span.end - span.start)
         if ids and not c.weight_versions:
             raise RuntimeError("vLLM returned no weight versions for a finished request")
-        return Streamed(key, ids, [float(step[t].logprob) for step, t in zip(c.logprobs, ids)], versions,
-                        str(c.finish_reason), self.engine.tokenizer.decode(ids, skip_special_tokens=True))
+        return Streamed(key, ids, log_probs, versions, str(c.finish_reason),
+                        self.engine.tokenizer.decode(ids, skip_special_tokens=True))
 
     @contextlib.contextmanager
     def pushing(self, version: int) -> Iterator[None]:

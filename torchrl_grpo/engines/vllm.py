@@ -81,6 +81,24 @@ def lora_request(adapter: AdapterSlot | None) -> dict:
     return {} if request is None else {"lora_request": request}
 
 
+SCORING = {"max_tokens": 1, "temperature": 0.0, "prompt_logprobs": 0, "detokenize": False}  # one greedy token
+
+
+def sampled_log_probs(output) -> list[float]:
+    """Each sampled token's log-prob from a vLLM completion output asked with ``logprobs=0`` (the sampled
+    token's own)."""
+    ids = output.token_ids
+    if output.logprobs is None or len(output.logprobs) != len(ids):
+        raise RuntimeError(f"vLLM returned {0 if output.logprobs is None else len(output.logprobs)} log-probs "
+                           f"for {len(ids)} tokens")
+    return [float(step[tok].logprob) for step, tok in zip(output.logprobs, ids)]
+
+
+def prompt_log_probs(output, ids: list[int]) -> list[float]:
+    """The log-probs of ``ids[1:]`` from a request's output asked with :data:`SCORING`."""
+    return [float(step[tok].logprob) for step, tok in zip(output.prompt_logprobs[1:], ids[1:])]
+
+
 class SamplingStream:
     """Where an engine's samples draw their randomness, kept so that a checkpoint continues it exactly.
 
@@ -310,12 +328,8 @@ class VLLMEngine(Engine):
         for index, out in enumerate(outputs):
             for c in sorted(out.outputs, key=lambda c: c.index):
                 ids = list(c.token_ids)
-                if c.logprobs is None or len(c.logprobs) != len(ids):
-                    raise RuntimeError(f"vLLM returned {0 if c.logprobs is None else len(c.logprobs)} log-probs "
-                                       f"for {len(ids)} tokens")
-                lps = [float(step[tok].logprob) for step, tok in zip(c.logprobs, ids)]
                 text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                completions.append(Completion(index, ids, lps, str(c.finish_reason), text))
+                completions.append(Completion(index, ids, sampled_log_probs(c), str(c.finish_reason), text))
         return completions
 
     def score(self, token_ids: Sequence[int]) -> list[float]:
@@ -324,10 +338,10 @@ class VLLMEngine(Engine):
             raise RuntimeError("VLLMEngine.score after close()")
         self.sleeping.for_generation()
         ids = [int(t) for t in token_ids]
-        params = self._sampling_params_cls(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
+        params = self._sampling_params_cls(**SCORING)
         with self._answered_in_time("generate"):
             [out] = self.llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False, **lora_request(self.adapter))
-        return [float(step[tok].logprob) for step, tok in zip(out.prompt_logprobs[1:], ids[1:])]
+        return prompt_log_probs(out, ids)
 
     # -- weights -------------------------------------------------------------------------------------
 

@@ -101,17 +101,24 @@ def _play_single_turn(engine, tokenizer, task, rows: list[dict], *, n: int, max_
     completions = engine.generate(prompts, n=n, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                                   top_k=top_k, min_p=min_p)
     generating = time.perf_counter() - started
+    return scored_completions(task, [prompts[c.prompt_index] for c in completions],
+                              [rows[c.prompt_index] for c in completions], completions), generating
+
+
+def scored_completions(task, prompts: list[list[int]], rows: list[dict], completions: list,
+                       versions: list[list[int]] | None = None) -> list[Played]:
+    """Single-turn episodes: each completion (its ``token_ids``, ``log_probs``, ``finish_reason`` and ``text``) after
+    its own prompt (``prompts[i]`` of row ``rows[i]``), scored by the task. ``versions``: each completion's tokens'
+    policy versions, where they were streamed."""
+    scores = task.score_batch([c.text for c in completions], rows, [c.token_ids for c in completions])
     played = []
-    scores = task.score_batch([c.text for c in completions], [rows[c.prompt_index] for c in completions],
-                              [c.token_ids for c in completions])
-    for c, components in zip(completions, scores):
-        prompt, row = prompts[c.prompt_index], rows[c.prompt_index]
+    for i, (c, prompt, row, components) in enumerate(zip(completions, prompts, rows, scores)):
         episode = Episode.start(prompt)
         episode.add_sampled(list(c.token_ids), list(c.log_probs))
         ended = "max_steps" if c.finish_reason == "stop" else "length"
         played.append(Played(episode, len(prompt), [*task.messages(row), {"role": "assistant", "content": c.text}],
-                             c.finish_reason, ended, {}, components))
-    return played, generating
+                             c.finish_reason, ended, {}, components, None if versions is None else versions[i]))
+    return played
 
 
 def turn_metrics(played: list[Played], counters: tuple[str, ...]) -> dict[str, float]:
